@@ -1,0 +1,29 @@
+"""fastforward: parallel decoding for Hugging Face causal LMs, with an exact KV cache."""
+
+from fastforward.api import build_decoder, generate
+from fastforward.decoders import ARDecoder, Decoder, Generation, SBDDecoder, Session, Stats
+from fastforward.errors import FastForwardError
+from fastforward.model import Layout, Model, load_model
+from fastforward.policies import ConfidenceBounded, EntropyBounded, Factor, Threshold, make_policy
+from fastforward.sampling import Sampler
+
+__all__ = [
+    "ARDecoder",
+    "build_decoder",
+    "generate",
+    "ConfidenceBounded",
+    "Decoder",
+    "EntropyBounded",
+    "Factor",
+    "FastForwardError",
+    "Generation",
+    "Layout",
+    "Model",
+    "SBDDecoder",
+    "Sampler",
+    "Session",
+    "Stats",
+    "Threshold",
+    "load_model",
+    "make_policy",
+]

@@ -1,0 +1,34 @@
+"""The `fastforward` command: one module per subcommand, each exposing `register(subparsers)`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fastforward.errors import FastForwardError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fastforward.cli import generate, roofline, train
+
+    parser = argparse.ArgumentParser(prog="fastforward", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in (generate, train, roofline):
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except FastForwardError as exc:
+        print(f"fastforward {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fastforward {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""`fastforward train` (being written)."""
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    pass

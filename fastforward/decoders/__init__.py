@@ -1,0 +1,7 @@
+"""Decoders: one protocol (`Decoder.decode(session)`), one stats type (`Stats`)."""
+
+from fastforward.decoders.ar import ARDecoder
+from fastforward.decoders.base import Decoder, Generation, Session, Stats
+from fastforward.decoders.sbd import SBDDecoder
+
+__all__ = ["ARDecoder", "Decoder", "Generation", "SBDDecoder", "Session", "Stats"]

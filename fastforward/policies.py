@@ -1,0 +1,103 @@
+"""Which masked positions of a block to reveal after a forward pass.
+
+Every policy sorts the still-masked positions by a per-token score and reveals the longest
+prefix of that order whose running statistic stays within a bound (always at least one token
+while any is masked). The statistics come from the whole predicted distribution, never from the
+sampled token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fastforward.errors import FastForwardError
+
+
+def entropy_and_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entropy (nats) and max probability of softmax(logits) over the last axis."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    entropy = (-(p * logp).sum(dim=-1)).clamp_min(0.0)
+    return entropy, p.amax(dim=-1)
+
+
+def _reveal(
+    score: torch.Tensor,
+    masked: torch.Tensor,
+    descending: bool,
+    stat: torch.Tensor,
+    within_bound: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Reveal, per row, the first n masked positions in `score` order (best first).
+
+    `within_bound` maps `stat` laid out in that order to a monotone mask (True, then False); n is
+    its count, at least 1 where the row still has masked positions.
+    """
+    key = (-score if descending else score).masked_fill(~masked, math.inf)
+    order = key.argsort(dim=-1, stable=True)
+    n_masked = masked.sum(dim=-1)
+    in_range = torch.arange(masked.shape[-1], device=masked.device) < n_masked[:, None]
+    count = (within_bound(stat.gather(-1, order)) & in_range).sum(-1)
+    count = torch.minimum(count.clamp_min(1), n_masked)
+    return (order.argsort(dim=-1) < count[:, None]) & masked
+
+
+@dataclass(frozen=True)
+class EntropyBounded:
+    """EB-Sampler with entropy proxy (SBD eq. 8): lowest entropy first, while Σ_{j<s} H_j ≤ γ."""
+
+    gamma: float
+
+    def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        entropy, _ = entropy_and_confidence(logits)
+        return _reveal(entropy, masked, False, entropy, lambda h: h.cumsum(-1) - h <= self.gamma)
+
+
+@dataclass(frozen=True)
+class ConfidenceBounded:
+    """EB-Sampler with confidence proxy (SBD eq. 18): most confident first, while Σ H − max H ≤ γ."""
+
+    gamma: float
+
+    def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        entropy, confidence = entropy_and_confidence(logits)
+        return _reveal(confidence, masked, True, entropy, lambda h: h.cumsum(-1) - h.cummax(-1).values <= self.gamma)
+
+
+@dataclass(frozen=True)
+class Factor:
+    """Fast-dLLM's factor rule: most confident first, the largest n with (n + 1)(1 − c_(n)) < f."""
+
+    factor: float
+
+    def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        _, confidence = entropy_and_confidence(logits)
+        n = torch.arange(1, confidence.shape[-1] + 1, device=confidence.device)
+        return _reveal(confidence, masked, True, confidence, lambda c: (n + 1) * (1 - c) < self.factor)
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """Reveal every masked position whose confidence is at least τ (at least the most confident one)."""
+
+    threshold: float
+
+    def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        _, confidence = entropy_and_confidence(logits)
+        return _reveal(confidence, masked, True, confidence, lambda c: c >= self.threshold)
+
+
+POLICIES = {"entropy": EntropyBounded, "confidence": ConfidenceBounded, "factor": Factor, "threshold": Threshold}
+
+
+def make_policy(name: str, value: float):
+    """Build a policy by name; `value` is γ (entropy, confidence), f (factor) or τ (threshold)."""
+    if name not in POLICIES:
+        raise FastForwardError(f"unknown reveal policy {name!r}; choose one of {', '.join(POLICIES)}")
+    if math.isnan(value) or value < 0:
+        raise FastForwardError(f"the {name} policy needs a value >= 0 (γ, f or τ), got {value}")
+    return POLICIES[name](value)
