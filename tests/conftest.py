@@ -1,0 +1,23 @@
+import pytest
+import torch
+
+from fastforward.tiny import tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny random llama (fp32) with a mask token and peaked predictions (no near-ties)."""
+    model = tiny_model(seed=0, init_std=0.5)
+    model.add_mask_token()
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    texts = ["def add(a, b):", "Tom has 3 apples", "The quick brown fox jumps over", "0"]
+    return [tiny.encode_prompt(t) for t in texts]

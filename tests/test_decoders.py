@@ -1,0 +1,110 @@
+"""Decoder equalities: AR vs transformers, SBD vs AR, batch vs single, and the cache after decoding."""
+
+import pytest
+import torch
+
+from fastforward import visibility
+from fastforward.decoders import ARDecoder, SBDDecoder, Session
+from fastforward.model import Layout
+from fastforward.policies import EntropyBounded
+from fastforward.sampling import Sampler
+
+INF = float("inf")
+
+
+def _ids(gens):
+    return [g.token_ids for g in gens]
+
+
+def test_ar_greedy_equals_transformers_generate(tiny, prompts):
+    for prompt in prompts:
+        ours = ARDecoder().generate(tiny, [prompt], max_new_tokens=24)[0].token_ids
+        with torch.inference_mode():
+            ref = tiny.hf.generate(
+                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=tiny.stop_token_ids
+            )
+        assert ours == ref[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("decoder", [ARDecoder(), SBDDecoder(4, EntropyBounded(1.0)), SBDDecoder(3, EntropyBounded(INF))])
+def test_batch_equals_one_at_a_time(tiny, prompts, decoder):
+    batched = _ids(decoder.generate(tiny, prompts, max_new_tokens=17))
+    single = [decoder.generate(tiny, [p], max_new_tokens=17)[0].token_ids for p in prompts]
+    assert batched == single
+
+
+def test_sbd_block_of_one_with_ntp_first_token_is_ar(tiny, prompts):
+    ar = _ids(ARDecoder().generate(tiny, prompts, max_new_tokens=20))
+    sbd = SBDDecoder(1, EntropyBounded(0.0), first_token_from_ntp=True).generate(tiny, prompts, max_new_tokens=20)
+    assert _ids(sbd) == ar
+    assert all(g.stats.nfe == 19 for g in sbd)  # the first token comes from the prefill
+
+
+def test_gamma_zero_reveals_one_token_per_forward(tiny, prompts):
+    gens = SBDDecoder(8, EntropyBounded(0.0)).generate(tiny, prompts, max_new_tokens=20)
+    for g in gens:
+        assert g.stats.tokens_per_step == {1: 20}
+        assert g.stats.nfe == 20
+
+
+def test_gamma_infinite_reveals_whole_block_per_forward(tiny, prompts):
+    gens = SBDDecoder(8, EntropyBounded(INF)).generate(tiny, prompts, max_new_tokens=20)
+    for g in gens:
+        assert g.stats.tokens_per_step == {8: 2, 4: 1}  # 20 = 8 + 8 + 4
+        assert g.stats.nfe == 3
+        assert g.stats.tpf == pytest.approx(20 / 3)
+
+
+def test_cache_after_sbd_equals_fresh_prefill(tiny, prompts):
+    prompt = prompts[0]
+    decoder = SBDDecoder(5, EntropyBounded(2.0))
+    with torch.inference_mode():
+        session = Session(tiny, [prompt], max_new_tokens=23)
+        decoder.decode(session)
+        generated = session.outputs[0]
+        committed = len(generated) - 3  # 23 = 5·4 + 3: the last block is read, not yet committed
+        assert session.cache.get_seq_length() == len(prompt) + committed
+        ids = torch.tensor([prompt + generated[:committed]])
+        n = ids.shape[1]
+        fresh = tiny.new_cache()
+        tiny.run(Layout(ids, torch.arange(n)[None], visibility.causal(n)[None], keep=n), fresh)
+    for a, b in zip(fresh.layers, session.cache.layers, strict=True):
+        torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b.values, a.values, rtol=1e-4, atol=1e-4)
+
+
+def _with_stop_token(tiny, token):
+    original = tiny.hf.generation_config.eos_token_id
+    tiny.hf.generation_config.eos_token_id = [original, token]
+    return original
+
+
+@pytest.mark.parametrize(
+    "decoder", [ARDecoder(), SBDDecoder(4, EntropyBounded(INF)), SBDDecoder(6, EntropyBounded(1.5), first_token_from_ntp=True)]
+)
+def test_stop_token_inside_a_block_ends_generation(tiny, prompts, decoder):
+    free = decoder.generate(tiny, [prompts[1]], max_new_tokens=30)[0].token_ids
+    stop = free[9]
+    original = _with_stop_token(tiny, stop)
+    try:
+        gen = decoder.generate(tiny, [prompts[1]], max_new_tokens=30)[0]
+    finally:
+        tiny.hf.generation_config.eos_token_id = original
+    cut = free.index(stop) + 1
+    assert gen.token_ids == free[:cut]
+    assert gen.stats.tokens == cut
+
+
+def test_sampling_is_reproducible_by_seed(tiny, prompts):
+    def run(seed):
+        dec = SBDDecoder(4, EntropyBounded(1.0), sampler=Sampler(temperature=1.0, top_p=0.9, seed=seed))
+        return _ids(dec.generate(tiny, prompts[:2], max_new_tokens=12))
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_max_new_tokens_is_respected_mid_block(tiny, prompts):
+    for n in (1, 5, 7):
+        gens = SBDDecoder(4, EntropyBounded(0.5)).generate(tiny, prompts, max_new_tokens=n)
+        assert all(len(g.token_ids) == n for g in gens)

@@ -1,0 +1,81 @@
+"""Reveal policies on hand-computed distributions.
+
+Three masked positions with probabilities (1, 0, 0, 0), (½, ½, 0, 0) and (¼, ¼, ¼, ¼):
+entropies 0, ln 2, ln 4 and confidences 1, ½, ¼.
+"""
+
+import math
+
+import pytest
+import torch
+
+from fastforward.errors import FastForwardError
+from fastforward.policies import ConfidenceBounded, EntropyBounded, Factor, Threshold, entropy_and_confidence, make_policy
+
+NEG = -1e4  # a probability of exp(-1e4) is 0 in float32
+
+
+def _logits(order=(0, 1, 2)):
+    rows = {
+        0: [0.0, NEG, NEG, NEG],
+        1: [0.0, 0.0, NEG, NEG],
+        2: [0.0, 0.0, 0.0, 0.0],
+    }
+    return torch.tensor([[rows[i] for i in order]])
+
+
+def _count(policy, logits, masked=None):
+    masked = torch.ones(logits.shape[:2], dtype=torch.bool) if masked is None else masked
+    return int(policy(logits, masked).sum())
+
+
+def test_entropy_and_confidence_by_hand():
+    entropy, confidence = entropy_and_confidence(_logits())
+    torch.testing.assert_close(entropy[0], torch.tensor([0.0, math.log(2), math.log(4)]))
+    torch.testing.assert_close(confidence[0], torch.tensor([1.0, 0.5, 0.25]))
+
+
+@pytest.mark.parametrize(("gamma", "expected"), [(0.0, 2), (0.69, 2), (0.70, 3), (math.inf, 3)])
+def test_entropy_bound_sums_entropies_before_the_last(gamma, expected):
+    # sorted entropies 0, ln2, ln4: exclusive prefix sums 0, 0, ln2 = 0.693
+    assert _count(EntropyBounded(gamma), _logits((2, 0, 1))) == expected
+
+
+@pytest.mark.parametrize(("gamma", "expected"), [(0.0, 2), (0.69, 2), (0.70, 3)])
+def test_confidence_bound_subtracts_the_largest_entropy(gamma, expected):
+    # by confidence: H = 0, ln2, ln4 → Σ − max = 0, 0, ln2
+    assert _count(ConfidenceBounded(gamma), _logits((1, 2, 0))) == expected
+
+
+@pytest.mark.parametrize(("f", "expected"), [(0.5, 1), (1.6, 2), (3.0, 2), (3.1, 3)])
+def test_factor_rule(f, expected):
+    # (n + 1)(1 − c_(n)) = 2·0, 3·0.5, 4·0.75 = 0, 1.5, 3
+    assert _count(Factor(f), _logits()) == expected
+
+
+@pytest.mark.parametrize(("tau", "expected"), [(0.9, 1), (0.5, 2), (0.2, 3), (1.1, 1)])
+def test_threshold(tau, expected):
+    assert _count(Threshold(tau), _logits()) == expected
+
+
+def test_reveals_the_best_positions_and_never_unmasked_ones():
+    logits = _logits((2, 1, 0))
+    reveal = EntropyBounded(0.0)(logits, torch.ones(1, 3, dtype=torch.bool))
+    assert reveal.tolist() == [[False, True, True]]  # entropies ln4, ln2, 0: the two cheapest
+    masked = torch.tensor([[True, True, False]])
+    assert EntropyBounded(math.inf)(logits, masked).tolist() == [[True, True, False]]
+    assert EntropyBounded(0.0)(logits, masked).tolist() == [[False, True, False]]
+    assert not EntropyBounded(0.0)(logits, torch.zeros(1, 3, dtype=torch.bool)).any()
+
+
+def test_rows_are_independent():
+    logits = torch.cat([_logits(), _logits((2, 2, 2))])
+    reveal = EntropyBounded(0.5)(logits, torch.ones(2, 3, dtype=torch.bool))
+    assert reveal.sum(-1).tolist() == [2, 1]
+
+
+def test_make_policy_rejects_bad_input():
+    with pytest.raises(FastForwardError, match="unknown reveal policy"):
+        make_policy("greedy", 0.1)
+    with pytest.raises(FastForwardError, match=">= 0"):
+        make_policy("entropy", -0.1)
