@@ -36,13 +36,14 @@ class Layout:
     """One forward pass: what to feed, where it sits, who sees whom, what to read, what to keep.
 
     tokens, positions: [B, T]. visibility: [B, T, P + T] booleans (True = may attend), where P is
-    the number of entries already in the cache. read: indices into T whose logits are returned
+    the number of entries already in the cache; None means plain causal over unpadded rows (the
+    model's own fast path). read: indices into T whose logits are returned
     (None: none). keep: the first `keep` new entries stay in the cache; the rest are dropped.
     """
 
     tokens: torch.Tensor
     positions: torch.Tensor
-    visibility: torch.Tensor
+    visibility: torch.Tensor | None
     read: torch.Tensor | None = None
     keep: int = 0
 
@@ -147,7 +148,7 @@ class Model:
         """
         past = cache.get_seq_length() if cache is not None else 0
         batch, length = layout.tokens.shape
-        if layout.visibility.shape != (batch, length, past + length):
+        if layout.visibility is not None and layout.visibility.shape != (batch, length, past + length):
             raise ValueError(
                 f"visibility has shape {tuple(layout.visibility.shape)}, expected {(batch, length, past + length)}"
             )
@@ -155,7 +156,7 @@ class Model:
         out = self.hf(
             input_ids=layout.tokens,
             position_ids=layout.positions,
-            attention_mask=layout.visibility[:, None],
+            attention_mask=None if layout.visibility is None else layout.visibility[:, None],
             past_key_values=cache,
             use_cache=cache is not None,
             logits_to_keep=read,

@@ -26,7 +26,9 @@ def test_ar_greedy_equals_transformers_generate(tiny, prompts):
         assert ours == ref[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("decoder", [ARDecoder(), SBDDecoder(4, EntropyBounded(1.0)), SBDDecoder(3, EntropyBounded(INF))])
+@pytest.mark.parametrize(
+    "decoder", [ARDecoder(), SBDDecoder(4, EntropyBounded(1.0)), SBDDecoder(3, EntropyBounded(INF))]
+)
 def test_batch_equals_one_at_a_time(tiny, prompts, decoder):
     batched = _ids(decoder.generate(tiny, prompts, max_new_tokens=17))
     single = [decoder.generate(tiny, [p], max_new_tokens=17)[0].token_ids for p in prompts]
@@ -80,7 +82,8 @@ def _with_stop_token(tiny, token):
 
 
 @pytest.mark.parametrize(
-    "decoder", [ARDecoder(), SBDDecoder(4, EntropyBounded(INF)), SBDDecoder(6, EntropyBounded(1.5), first_token_from_ntp=True)]
+    "decoder",
+    [ARDecoder(), SBDDecoder(4, EntropyBounded(INF)), SBDDecoder(6, EntropyBounded(1.5), first_token_from_ntp=True)],
 )
 def test_stop_token_inside_a_block_ends_generation(tiny, prompts, decoder):
     free = decoder.generate(tiny, [prompts[1]], max_new_tokens=30)[0].token_ids

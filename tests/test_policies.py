@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from fastforward.errors import FastForwardError
-from fastforward.policies import ConfidenceBounded, EntropyBounded, Factor, Threshold, entropy_and_confidence, make_policy
+from fastforward.policies import (
+    ConfidenceBounded,
+    EntropyBounded,
+    Factor,
+    Threshold,
+    entropy_and_confidence,
+    make_policy,
+)
 
 NEG = -1e4  # a probability of exp(-1e4) is 0 in float32
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from fastforward import visibility
 from fastforward.decoders.base import Decoder, Session
 from fastforward.sampling import Sampler
 
@@ -18,7 +17,6 @@ class ARDecoder(Decoder):
         self.sampler = sampler or Sampler()
 
     def decode(self, session: Session) -> None:
-        rule = visibility.causal(1, session.device)
         ones = torch.ones(session.batch, 1, dtype=torch.long, device=session.device)
         logits = session.next_logits
         while True:
@@ -26,7 +24,7 @@ class ARDecoder(Decoder):
             session.finish_rows(token, ones[:, 0])
             if bool(session.done.all()):
                 return
-            logits = session.run(token, session.next_pos[:, None], rule, read=[0], keep=1)[:, 0]
+            logits = session.run(token, session.next_pos[:, None], None, read=[0], keep=1)[:, 0]
             session.next_pos += 1
             session.count_forward()
             session.record_step([1] * session.batch)

@@ -100,29 +100,34 @@ class Session:
             tokens[row, width - len(prompt) :] = torch.tensor(prompt, device=self.device)
         slots = torch.arange(width, device=self.device)
         self.key_valid = torch.ones(self.batch, 0, dtype=torch.bool, device=self.device)
+        self.padded = any(len(p) != width for p in prompts)
         self.next_pos = width - pads
         positions = (slots[None] - pads[:, None]).clamp_min(0)
         real = slots[None] >= pads[:, None]
-        rule = visibility.causal(width, self.device)
-        return self.run(tokens, positions, rule, read=[width - 1], keep=width, new_valid=real)[:, 0]
+        return self.run(tokens, positions, None, read=[width - 1], keep=width, new_valid=real)[:, 0]
 
     def run(
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        rule: torch.Tensor,
+        rule: torch.Tensor | None,
         read: list[int],
         keep: int,
         new_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run new tokens under `rule` (they also see the whole valid cache); keep the first `keep`.
 
-        Returns float32 logits [B, len(read), V]. `new_valid` marks padding among the new tokens.
+        rule None means causal. Returns float32 logits [B, len(read), V]. `new_valid` marks
+        padding among the new tokens.
         """
         if new_valid is None:
             new_valid = torch.ones_like(tokens, dtype=torch.bool)
         keys = torch.cat([self.key_valid, new_valid], dim=1)
-        mask = visibility.against_cache(rule, keys)
+        if rule is None and not self.padded:
+            mask = None  # the model's own causal path: no dense mask to build or read
+        else:
+            rule = visibility.causal(tokens.shape[1], self.device) if rule is None else rule
+            mask = visibility.against_cache(rule, keys)
         read_idx = torch.tensor(read, dtype=torch.long, device=self.device)
         logits = self.model.run(Layout(tokens, positions, mask, read_idx, keep), self.cache)
         self.key_valid = keys[:, : self.key_valid.shape[1] + keep]
