@@ -299,6 +299,7 @@ class BlockCost:
     threads: int
     times: dict[int, float] = field(default_factory=dict)  # median seconds per forward
     ratios: dict[int, float] = field(default_factory=dict)  # time(k) / time(1)
+    fastest: dict[int, float] = field(default_factory=dict)  # min seconds: less hurt by other load on the machine
 
     def speedups(self, nfe_speedups: Iterable[float] = PAPER_NFE_SPEEDUPS) -> dict[float, dict[int, float]]:
         """Eq. 16 speedups these costs predict, for every k whose 2k was measured too and k ≥ NFE speedup."""
@@ -397,6 +398,7 @@ def measure_block_cost(
         threads=torch.get_num_threads(),
         times=times,
         ratios={k: t / times[1] for k, t in times.items()},
+        fastest={k: min(v) for k, v in samples.items()},
     )
 
 
