@@ -1,0 +1,24 @@
+"""Training objectives, one module each: a batch → a layout → a loss (see objectives.base)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from fastforward.errors import FastForwardError
+from fastforward.objectives.base import Objective
+from fastforward.objectives.ntp import NTP
+from fastforward.objectives.sbd import SBD
+
+OBJECTIVES: dict[str, type[Objective]] = {"ntp": NTP, "sbd": SBD}
+
+
+def make_objective(name: str, **options) -> Objective:
+    """An objective by name; `options` not among its fields are ignored, so callers may pass a superset."""
+    if name not in OBJECTIVES:
+        raise FastForwardError(f"unknown objective {name!r}; choose one of {', '.join(OBJECTIVES)}")
+    cls = OBJECTIVES[name]
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in options.items() if k in known})
+
+
+__all__ = ["NTP", "OBJECTIVES", "SBD", "Objective", "make_objective"]
