@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
     runs = []
     started = time.perf_counter()
     for dtype in args.dtypes:
@@ -60,19 +61,33 @@ def main(argv: list[str] | None = None) -> int:
         del model
 
     ks = sorted({k for r in runs for k in r["ratios"]})
-    print(f"time(k)/time(1), {args.model}, {args.threads} threads, {os.cpu_count()}-core {platform.machine()}")
-    print(f"{'dtype':>9} {'cache':>6} {'t(1) ms':>8} |" + "".join(f"{'k=' + str(k):>7}" for k in ks))
     for r in runs:
-        cells = "".join(f"{r['ratios'][k]:>7.3f}" if k in r["ratios"] else f"{'—':>7}" for k in ks)
-        print(f"{r['dtype']:>9} {r['cache_len']:>6} {r['times'][1] * 1e3:>8.2f} |{cells}")
+        r["fastest_ratios"] = {k: t / r["fastest"][1] for k, t in r["fastest"].items()}
+    print(
+        f"time(k)/time(1), {args.model}, {args.threads} threads, {os.cpu_count()}-core {platform.machine()}, "
+        f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after"
+    )
+    print(f"{'stat':>7} {'dtype':>9} {'cache':>6} {'t(1) ms':>8} |" + "".join(f"{'k=' + str(k):>7}" for k in ks))
+    for stat, times, ratios in (("median", "times", "ratios"), ("fastest", "fastest", "fastest_ratios")):
+        for r in runs:
+            cells = "".join(f"{r[ratios][k]:>7.3f}" if k in r[ratios] else f"{'—':>7}" for k in ks)
+            print(f"{stat:>7} {r['dtype']:>9} {r['cache_len']:>6} {r[times][1] * 1e3:>8.2f} |{cells}")
     targets = [
-        {"cache_len": r["cache_len"], "ratio": r["ratios"][TARGET_K], "met": r["ratios"][TARGET_K] <= TARGET_RATIO}
+        {
+            "cache_len": r["cache_len"],
+            "ratio": r["ratios"][TARGET_K],
+            "fastest_ratio": r["fastest_ratios"][TARGET_K],
+            "met": r["ratios"][TARGET_K] <= TARGET_RATIO,
+        }
         for r in runs
         if r["dtype"] == "bfloat16" and TARGET_K in r["ratios"]
     ]
     for t in targets:
         verdict = "met" if t["met"] else "NOT met"
-        print(f"target bf16 k={TARGET_K} <= {TARGET_RATIO}x k=1, cache {t['cache_len']}: {t['ratio']:.3f} ({verdict})")
+        print(
+            f"target bf16 k={TARGET_K} <= {TARGET_RATIO}x k=1, cache {t['cache_len']}: median {t['ratio']:.3f} "
+            f"({verdict}), fastest {t['fastest_ratio']:.3f}"
+        )
 
     record = {
         "model": args.model,
@@ -83,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         "processor": platform.processor(),
         "torch": torch.__version__,
         "read_logits": not args.no_read_logits,
+        "loadavg_before": load_before,  # other work on the machine inflates and scatters the times
+        "loadavg_after": os.getloadavg(),
         "seconds": time.perf_counter() - started,
         "target": {"k": TARGET_K, "max_ratio": TARGET_RATIO, "bf16": targets},
         "runs": runs,
