@@ -1,7 +1,82 @@
-"""`fastforward train` (being written)."""
+"""`fastforward train`: fine-tune a causal LM with an objective; rerun the same command to resume."""
+
+from __future__ import annotations
 
 import argparse
 
+from fastforward.data import PackedData, load_examples, split_examples
+from fastforward.model import DTYPES, load_model
+from fastforward.objectives import OBJECTIVES, SBD, make_objective
+from fastforward.train import TrainConfig, train
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    pass
+    d, sbd = TrainConfig(), SBD()
+    p = sub.add_parser(
+        "train",
+        help="train a model with an objective (resumes an unfinished run in --out)",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--objective", choices=sorted(OBJECTIVES), default="sbd")
+    p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
+    p.add_argument("--data", required=True, help="JSONL of {prompt, completion} or {text} lines")
+    p.add_argument("--out", required=True, help="run directory: checkpoints, metrics, final model")
+    p.add_argument("--overwrite", action="store_true", help="discard the run already in --out")
+    p.add_argument("--eval-data", help="JSONL held out for evaluation")
+    p.add_argument("--eval-fraction", type=float, default=0.0, help="hold out this share of --data instead")
+    p.add_argument("--no-chat-template", action="store_true", help="join prompt and completion as raw text")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per packed row")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per device per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps (then cosine decay)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="0 disables clipping")
+    p.add_argument("--min-block", type=int, default=sbd.min_block, help="smallest block size drawn (sbd)")
+    p.add_argument("--max-block", type=int, default=sbd.max_block, help="largest block size drawn (sbd)")
+    p.add_argument("--ntp-weight", type=float, default=sbd.ntp_weight, help="weight of the NTP term (sbd)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evaluations")
+    p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    p.add_argument("--max-eval-batches", type=int, default=d.max_eval_batches)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (weights and optimizer stay in --dtype)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = TrainConfig(
+        steps=args.steps,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        lr=args.lr,
+        warmup=args.warmup,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
+        seed=args.seed,
+        mixed_precision="bf16" if args.bf16 else "no",
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        keep_checkpoints=args.keep_checkpoints,
+        max_eval_batches=args.max_eval_batches,
+    )
+    config.validate()
+    objective = make_objective(
+        args.objective, min_block=args.min_block, max_block=args.max_block, ntp_weight=args.ntp_weight
+    )
+    model = load_model(args.model, dtype=args.dtype)
+    chat = not args.no_chat_template
+    examples = load_examples(args.data, model.tokenizer, chat)
+    held = load_examples(args.eval_data, model.tokenizer, chat) if args.eval_data else None
+    if held is None and args.eval_fraction:
+        examples, held = split_examples(examples, args.eval_fraction, args.seed)
+    train_data = PackedData(examples, args.seq_len, model.pad_token_id)
+    eval_data = PackedData(held, args.seq_len, model.pad_token_id) if held else None
+    print(f"{len(examples)} examples → {len(train_data)} rows of {args.seq_len} tokens", flush=True)
+    train(model, objective, train_data, config, args.out, eval_data=eval_data, overwrite=args.overwrite)
+    print(f"saved the model in {args.out} (fastforward generate --model {args.out})", flush=True)
+    return 0
