@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fastforward import visibility
-from fastforward.decoders import ARDecoder, SBDDecoder, Session
+from fastforward.decoders import ARDecoder, JacobiDecoder, SBDDecoder, Session
 from fastforward.model import Layout
 from fastforward.policies import EntropyBounded
 from fastforward.sampling import Sampler
@@ -111,3 +111,50 @@ def test_max_new_tokens_is_respected_mid_block(tiny, prompts):
     for n in (1, 5, 7):
         gens = SBDDecoder(4, EntropyBounded(0.5)).generate(tiny, prompts, max_new_tokens=n)
         assert all(len(g.token_ids) == n for g in gens)
+
+
+@pytest.mark.parametrize("init", ["repeat", "random"])
+@pytest.mark.parametrize("block", [1, 3, 8, 16])
+def test_jacobi_equals_greedy_ar(tiny, prompts, block, init):
+    ar = _ids(ARDecoder().generate(tiny, prompts, max_new_tokens=33))
+    jacobi = JacobiDecoder(block, init)
+    assert _ids(jacobi.generate(tiny, prompts, max_new_tokens=33)) == ar  # batched, with holes
+    assert [jacobi.generate(tiny, [p], max_new_tokens=33)[0].token_ids for p in prompts] == ar
+
+
+def test_jacobi_stats_are_consistent(tiny, prompts):
+    """Every forward yields at least one token; the histogram accounts for all but the prefill's token."""
+    ar = ARDecoder().generate(tiny, [prompts[0]], max_new_tokens=40)[0]
+    jac = JacobiDecoder(8, "repeat").generate(tiny, [prompts[0]], max_new_tokens=40)[0]
+    assert jac.token_ids == ar.token_ids
+    assert jac.stats.nfe <= ar.stats.nfe
+    assert min(jac.stats.tokens_per_step) >= 1
+    assert sum(jac.stats.tokens_per_step.values()) == jac.stats.nfe
+    assert sum(k * v for k, v in jac.stats.tokens_per_step.items()) == jac.stats.tokens - 1
+
+
+@pytest.mark.parametrize("decoder", [JacobiDecoder(4), JacobiDecoder(16, "random")])
+def test_jacobi_stops_inside_a_block(tiny, prompts, decoder):
+    free = ARDecoder().generate(tiny, [prompts[2]], max_new_tokens=30)[0].token_ids
+    original = _with_stop_token(tiny, free[11])
+    try:
+        gen = decoder.generate(tiny, [prompts[2]], max_new_tokens=30)[0]
+    finally:
+        tiny.hf.generation_config.eos_token_id = original
+    assert gen.token_ids == free[: free.index(free[11]) + 1]
+
+
+def test_cache_after_jacobi_equals_fresh_prefill(tiny, prompts):
+    prompt = prompts[3]
+    with torch.inference_mode():
+        session = Session(tiny, [prompt], max_new_tokens=25)
+        JacobiDecoder(6).decode(session)
+        generated = session.outputs[0]
+        # everything but the last committed token (it rides in front of the next forward) is cached
+        ids = torch.tensor([prompt + generated[:-1]])
+        assert session.cache.get_seq_length() == ids.shape[1]
+        fresh = tiny.new_cache()
+        n = ids.shape[1]
+        tiny.run(Layout(ids, torch.arange(n)[None], visibility.causal(n)[None], keep=n), fresh)
+    for a, b in zip(fresh.layers, session.cache.layers, strict=True):
+        torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-4)

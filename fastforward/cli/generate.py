@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompts", nargs="*", help="prompts (default: read one per line from stdin)")
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
     p.add_argument("--decoder", choices=sorted(DECODERS), default="ar")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (sbd)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (sbd) or drafts per block (jacobi)")
     p.add_argument("--policy", default="entropy", help="reveal policy: entropy, confidence, factor, threshold")
     p.add_argument("--gamma", type=float, default=0.35, help="the policy's bound: γ, factor f or threshold τ")
     p.add_argument(
@@ -23,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="take each block's first token from the next-token prediction (sbd)",
     )
+    p.add_argument("--draft-init", default="repeat", help="jacobi: fill fresh drafts by 'repeat' or 'random'")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
@@ -43,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         policy=args.policy,
         gamma=args.gamma,
         first_token_from_ntp=args.first_token_from_ntp,
+        draft_init=args.draft_init,
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,

@@ -2,6 +2,7 @@
 
 from fastforward.decoders.ar import ARDecoder
 from fastforward.decoders.base import Decoder, Generation, Session, Stats
+from fastforward.decoders.jacobi import JacobiDecoder
 from fastforward.decoders.sbd import SBDDecoder
 
-__all__ = ["ARDecoder", "Decoder", "Generation", "SBDDecoder", "Session", "Stats"]
+__all__ = ["ARDecoder", "Decoder", "Generation", "JacobiDecoder", "SBDDecoder", "Session", "Stats"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastforward import visibility
+from fastforward.cache import truncate
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model
 
@@ -132,6 +133,20 @@ class Session:
         logits = self.model.run(Layout(tokens, positions, mask, read_idx, keep), self.cache)
         self.key_valid = keys[:, : self.key_valid.shape[1] + keep]
         return logits
+
+    def keep_accepted(self, new: int, accepted: torch.Tensor) -> None:
+        """After a forward that kept all `new` entries, keep only each row's first `accepted[r]`.
+
+        The cache is rectangular, so it is cut to the longest row; shorter rows' extra slots are
+        marked invalid (holes that no later query sees). With one row nothing is ever a hole.
+        """
+        longest = int(accepted.max())
+        truncate(self.cache, self.cache.get_seq_length() - new + longest)
+        base = self.key_valid.shape[1] - new
+        slots = torch.arange(longest, device=self.device)
+        self.key_valid = torch.cat([self.key_valid[:, :base], slots[None] < accepted[:, None]], dim=1)
+        if self.batch > 1 and bool((accepted < longest).any()):
+            self.padded = True
 
     # ---- bookkeeping -------------------------------------------------------------------------
     @property
