@@ -1,0 +1,98 @@
+"""A task from any JSONL file of {"prompt", "answer"} records (an optional "id" is kept; other keys ignored).
+
+`match` decides how an output is graded against the record's answer:
+
+- "exact" (default): the output, stripped of surrounding whitespace, equals the answer stripped;
+- "contains": the stripped answer occurs somewhere in the output;
+- "regex": the answer is a regular expression, searched for (`re.search`) in the stripped output;
+  anchor it with `^…$` to demand the whole output.
+
+A number as the answer is read as its JSON text ("answer": 42 → "42"). Bad lines raise
+FastForwardError with the file and line number. The file is one test split; `n` takes the first n
+records (the seed is ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from fastforward.errors import FastForwardError
+from fastforward.tasks.base import Example, Grade, Task
+
+MATCHES = ("exact", "contains", "regex")
+
+
+class JsonlTask(Task):
+    """Prompt/answer pairs from a JSONL file; see the module docstring."""
+
+    splits = ("test",)
+    max_new_tokens = 256
+
+    def __init__(self, path: str, match: str = "exact"):
+        if match not in MATCHES:
+            raise FastForwardError(f"unknown match {match!r} for a JSONL task; choose one of: {', '.join(MATCHES)}")
+        self.path = Path(path)
+        self.match = match
+        self.name = self.path.stem
+        self.records = self._read()
+
+    def describe(self) -> dict:
+        return {"name": "jsonl", "path": str(self.path), "match": self.match}
+
+    def _read(self) -> list[Example]:
+        if not self.path.is_file():
+            raise FastForwardError(f"task file {self.path} does not exist; give a JSONL file of prompt/answer lines")
+        out: list[Example] = []
+        with self.path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    out.append(self._parse(line, f"{self.path}:{number}", number))
+        if not out:
+            raise FastForwardError(f"task file {self.path} has no records")
+        return out
+
+    def _parse(self, line: str, where: str, number: int) -> Example:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise FastForwardError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+        if not isinstance(record, dict) or "prompt" not in record or "answer" not in record:
+            got = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise FastForwardError(f'{where}: expected an object with keys "prompt" and "answer", got {got}')
+        prompt, answer = record["prompt"], record["answer"]
+        if not isinstance(prompt, str) or not prompt:
+            raise FastForwardError(f'{where}: "prompt" must be a non-empty string')
+        if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+            raise FastForwardError(f'{where}: "answer" must be a string or a number, got {type(answer).__name__}')
+        answer = answer if isinstance(answer, str) else json.dumps(answer)
+        if not answer.strip():
+            raise FastForwardError(f'{where}: "answer" is empty')
+        if self.match == "regex":
+            try:
+                re.compile(answer)
+            except re.error as exc:
+                raise FastForwardError(f'{where}: "answer" is not a valid regular expression ({exc})') from exc
+        ident = record.get("id", number)
+        return Example(str(ident), prompt, answer, None, {"line": number})
+
+    def examples(self, split: str = "test", n: int | None = None, seed: int = 0) -> list[Example]:
+        self._check_split(split)
+        n = self._size(n, len(self.records))
+        return self.records[:n]
+
+    def grade(self, example: Example, output: str) -> Grade:
+        text, answer = output.strip(), example.reference.strip()
+        if self.match == "exact":
+            correct = text == answer
+        elif self.match == "contains":
+            correct = answer in text
+        else:
+            correct = re.search(example.reference, text) is not None
+        if correct:
+            return Grade(True, 1.0, self.match)
+        if not text:
+            return Grade(False, 0.0, "malformed: empty output")
+        shown = text if len(text) <= 80 else text[:77] + "..."
+        return Grade(False, 0.0, f"{self.match} match failed: got {shown!r}, expected {answer!r}")

@@ -1,0 +1,217 @@
+"""`pycode`: next-line prediction on real Python, the local CPython standard library.
+
+Source: every `.py` file under `sysconfig.get_paths()["stdlib"]` (or under `root=`), skipping tests
+(`test`/`tests`/`idle_test` folders, `test_*.py`), `site-packages`, `idlelib`, `turtledemo`,
+`lib2to3`, `ensurepip`, `pydoc_data`, `encodings`, generated `_sysconfigdata*`, files over 500 kB and
+files that are not UTF-8. The examples depend on the Python version installed (its stdlib is the
+corpus); on one machine they are a pure function of (knobs, split, n, seed).
+
+An example cuts a file at a line boundary before a non-blank line:
+
+- `prompt`: the up to `context_lines` lines before the cut (fewer when they exceed
+  `max_prompt_chars`; whole lines only), ending in a newline;
+- `reference`: the next `lines` line(s), each stripped of trailing whitespace, joined by newlines;
+- `completion`: the next `train_lines` lines verbatim (the training target).
+
+Grading: the output's first `lines` line(s), stripped of trailing whitespace, must equal the
+reference's (leading indentation counts). `score` is the fraction of those lines that match. How far
+a decoder agrees with the same model's greedy AR output is measured on token ids by
+`fastforward.metrics.token_agreement`, not here.
+
+Splits are disjoint by file: a file is in the test split when the hash of its path relative to the
+root falls below `test_fraction`.
+
+Tokenizer note: the prompt ends with a newline, so the model's first token starts the next line; BPE
+tokenizers that merge a newline with the next line's indentation see an unusual boundary there.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from functools import cached_property
+from pathlib import Path
+
+from fastforward.errors import FastForwardError
+from fastforward.tasks.base import Example, Grade, Task, seeded_rng, stable_hash
+
+SKIP_DIRS = {
+    "test", "tests", "idle_test", "site-packages", "dist-packages", "idlelib", "turtledemo", "lib2to3",
+    "ensurepip", "pydoc_data", "encodings", "__pycache__", "lib-dynload", "__phello__",
+}  # fmt: skip
+MAX_FILE_BYTES = 500_000
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _skip_file(name: str) -> bool:
+    return not name.endswith(".py") or name.startswith(("test_", "_sysconfigdata")) or name.endswith("_test.py")
+
+
+class PyCodeTask(Task):
+    """Next-line prediction on standard-library Python; see the module docstring."""
+
+    name = "pycode"
+    splits = ("train", "test")
+    default_size = 200
+
+    def __init__(
+        self,
+        lines: int = 1,
+        context_lines: int = 40,
+        max_prompt_chars: int = 2000,
+        train_lines: int = 16,
+        test_fraction: float = 0.1,
+        root: str | None = None,
+    ):
+        if lines < 1 or train_lines < 1 or context_lines < 1:
+            raise FastForwardError(
+                f"lines, train_lines and context_lines must be at least 1, got {lines}, {train_lines}, {context_lines}"
+            )
+        if max_prompt_chars < 80:
+            raise FastForwardError(f"max_prompt_chars must be at least 80, got {max_prompt_chars}")
+        if not 0 < test_fraction < 1:
+            raise FastForwardError(f"test_fraction must be between 0 and 1, got {test_fraction}")
+        self.lines, self.context_lines, self.max_prompt_chars = lines, context_lines, max_prompt_chars
+        self.train_lines, self.test_fraction = train_lines, test_fraction
+        self.root = Path(root) if root else stdlib_root()
+        if not self.root.is_dir():
+            raise FastForwardError(f"pycode root {self.root} is not a folder; give root= a folder of .py files")
+        self.max_new_tokens = 40 * lines
+        self.stop = ("\n",) if lines == 1 else ()
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "lines": self.lines,
+            "context_lines": self.context_lines,
+            "max_prompt_chars": self.max_prompt_chars,
+            "train_lines": self.train_lines,
+            "test_fraction": self.test_fraction,
+            "root": str(self.root),
+        }
+
+    # ---- files and splits ----------------------------------------------------------------------------
+    @cached_property
+    def files(self) -> dict[str, list[str]]:
+        """Relative paths of the corpus files (sorted, '/'-separated) in each split."""
+        out: dict[str, list[str]] = {"train": [], "test": []}
+        for folder, dirs, names in os.walk(self.root):
+            dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith(("config-", ".")))
+            for name in sorted(names):
+                path = Path(folder, name)
+                if _skip_file(name) or path.is_symlink() or path.stat().st_size > MAX_FILE_BYTES:
+                    continue
+                rel = path.relative_to(self.root).as_posix()
+                out[self.split_of(rel)].append(rel)
+        if not out["train"] or not out["test"]:
+            raise FastForwardError(
+                f"found too few Python files under {self.root} to make both splits "
+                f"({len(out['train'])} train, {len(out['test'])} test); give root= a bigger folder"
+            )
+        return out
+
+    def split_of(self, rel_path: str) -> str:
+        return "test" if stable_hash("pycode:" + rel_path) < self.test_fraction else "train"
+
+    def _read_lines(self, rel: str) -> list[str] | None:
+        try:
+            text = (self.root / rel).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            return None
+        return text.replace("\r\n", "\n").replace("\r", "\n").splitlines(keepends=True)
+
+    # ---- examples ------------------------------------------------------------------------------------
+    def _example(self, rel: str, lines: list[str], cut: int) -> Example | None:
+        context = lines[max(0, cut - self.context_lines) : cut]
+        while context and sum(map(len, context)) > self.max_prompt_chars:
+            context = context[1:]
+        if not context:
+            return None
+        prompt = "".join(context)
+        if not prompt.endswith("\n"):
+            return None
+        reference = "\n".join(line.rstrip() for line in lines[cut : cut + self.lines])
+        completion = "".join(lines[cut : cut + self.train_lines])
+        return Example(f"{rel}:{cut + 1}", prompt, reference, completion, {"file": rel, "line": cut + 1})
+
+    def examples(self, split: str = "test", n: int | None = None, seed: int = 0) -> list[Example]:
+        """`n` cuts (default 200) at distinct random non-blank lines of random files of the split."""
+        self._check_split(split)
+        n = self._size(n, self.default_size)
+        files = self.files[split]
+        rng = seeded_rng("pycode", split, seed)
+        cache: dict[str, list[str] | None] = {}
+        seen: set[tuple[str, int]] = set()
+        out: list[Example] = []
+        attempts = 0
+        while len(out) < n:
+            attempts += 1
+            if attempts > 50 * n + 1000:
+                raise FastForwardError(f"found only {len(out)} {split} examples of the {n} asked for; ask for fewer")
+            rel = rng.choice(files)
+            if rel not in cache:
+                if len(cache) > 64:  # keep memory bounded on long runs
+                    cache.clear()
+                cache[rel] = self._read_lines(rel)
+            lines = cache[rel]
+            if not lines or len(lines) <= self.lines:
+                continue
+            cut = rng.randrange(1, len(lines) - self.lines + 1)
+            if not lines[cut].strip() or (rel, cut) in seen:
+                continue
+            example = self._example(rel, lines, cut)
+            if example is None:
+                continue
+            seen.add((rel, cut))
+            out.append(example)
+        return out
+
+    def grade(self, example: Example, output: str) -> Grade:
+        want = example.reference.split("\n")
+        got = [line.rstrip() for line in output.split("\n")[: len(want)]]
+        matches = sum(a == b for a, b in zip(got, want, strict=False))
+        correct = matches == len(want) and len(got) == len(want)
+        if correct:
+            return Grade(True, 1.0, "exact")
+        if not output.strip():
+            detail = "malformed: empty output"
+        else:
+            i = next((i for i, w in enumerate(want) if i >= len(got) or got[i] != w), 0)
+            seen = repr(got[i]) if i < len(got) else "nothing"
+            detail = f"line {i + 1}: got {seen}, expected {want[i]!r}"
+        return Grade(False, matches / len(want), detail)
+
+    # ---- training data -------------------------------------------------------------------------------
+    def training_records(self, n: int, seed: int = 0) -> list[dict[str, str]]:
+        """{"prompt": a file prefix, "completion": the next `train_lines` lines} from train files."""
+        return [{"prompt": e.prompt, "completion": e.completion or ""} for e in self.examples("train", n, seed)]
+
+    def text_records(self, n: int | None = None, seed: int = 0, max_chars: int = 4000) -> list[dict[str, str]]:
+        """{"text"} chunks of whole lines (≤ max_chars each) of the train files, files in seeded order.
+
+        n=None gives every chunk of every train file (the whole train corpus)."""
+        if max_chars < 80:
+            raise FastForwardError(f"max_chars must be at least 80, got {max_chars}")
+        n = self._size(n, None)
+        files = list(self.files["train"])
+        seeded_rng("pycode-text", seed).shuffle(files)
+        out: list[dict[str, str]] = []
+        for rel in files:
+            chunk: list[str] = []
+            size = 0
+            for line in self._read_lines(rel) or []:
+                if chunk and size + len(line) > max_chars:
+                    if "".join(chunk).strip():
+                        out.append({"text": "".join(chunk)})
+                    chunk, size = [], 0
+                if len(line) <= max_chars:
+                    chunk.append(line)
+                    size += len(line)
+            if "".join(chunk).strip():
+                out.append({"text": "".join(chunk)})
+            if n is not None and len(out) >= n:
+                return out[:n]
+        return out
