@@ -566,7 +566,7 @@ class ArithmeticTask(Task):
             raise FastForwardError(f"test_fraction must be between 0 and 1, got {test_fraction}")
         if isinstance(themes, str):
             themes = [t.strip() for t in themes.split(",") if t.strip()]
-        themes = list(THEMES) if not themes else themes
+        themes = themes or list(THEMES)
         unknown = [t for t in themes if t not in THEMES]
         if unknown:
             raise FastForwardError(f"unknown arithmetic theme(s) {unknown}; choose from: {', '.join(THEMES)}")
