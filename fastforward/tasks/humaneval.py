@@ -44,7 +44,7 @@ from fastforward.errors import FastForwardError
 from fastforward.tasks.base import Example, Grade, Task
 
 FIELDS = ("task_id", "prompt", "entry_point", "canonical_solution", "test")
-_FENCE = re.compile(r"```(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S)
+_FENCE = re.compile(r"```(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S | re.I)
 _PRELUDE = (
     "try:\n"
     "    import resource\n"
