@@ -1,7 +1,16 @@
 """fastforward: parallel decoding for Hugging Face causal LMs, with an exact KV cache."""
 
 from fastforward.api import build_decoder, generate
-from fastforward.decoders import ARDecoder, Decoder, Generation, JacobiDecoder, SBDDecoder, Session, Stats
+from fastforward.decoders import (
+    ARDecoder,
+    Decoder,
+    Generation,
+    JacobiDecoder,
+    MultiBlockJacobiDecoder,
+    SBDDecoder,
+    Session,
+    Stats,
+)
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, load_model
 from fastforward.policies import ConfidenceBounded, EntropyBounded, Factor, Threshold, make_policy
@@ -20,6 +29,7 @@ __all__ = [
     "JacobiDecoder",
     "Layout",
     "Model",
+    "MultiBlockJacobiDecoder",
     "SBDDecoder",
     "Sampler",
     "Session",

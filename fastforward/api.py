@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from fastforward.decoders import ARDecoder, Decoder, Generation, JacobiDecoder, SBDDecoder
+from fastforward.decoders import ARDecoder, Decoder, Generation, JacobiDecoder, MultiBlockJacobiDecoder, SBDDecoder
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.policies import make_policy
 from fastforward.sampling import Sampler
 
-DECODERS = {"ar": ARDecoder, "sbd": SBDDecoder, "jacobi": JacobiDecoder}
+DECODERS = {"ar": ARDecoder, "sbd": SBDDecoder, "jacobi": JacobiDecoder, "jacobi-mr": MultiBlockJacobiDecoder}
 
 
 def build_decoder(
@@ -19,6 +19,10 @@ def build_decoder(
     gamma: float = 0.35,
     first_token_from_ntp: bool = False,
     draft_init: str = "repeat",
+    max_blocks: int = 2,
+    spawn_ratio: float = 0.85,
+    verify: int = 2,
+    ngram: int = 0,
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
@@ -27,10 +31,12 @@ def build_decoder(
     sampler = Sampler(temperature=temperature, top_p=top_p, seed=seed)
     if name == "ar":
         return ARDecoder(sampler)
+    if name in ("jacobi", "jacobi-mr") and temperature != 0:
+        raise FastForwardError(f"{name} decoding is greedy (its output equals greedy AR); use --temperature 0")
     if name == "jacobi":
-        if temperature != 0:
-            raise FastForwardError("jacobi decoding is greedy (its output equals greedy AR); use --temperature 0")
         return JacobiDecoder(block_size, draft_init, seed)
+    if name == "jacobi-mr":
+        return MultiBlockJacobiDecoder(block_size, max_blocks, spawn_ratio, verify, ngram)
     if name == "sbd":
         return SBDDecoder(block_size, make_policy(policy, gamma), sampler, first_token_from_ntp)
     raise FastForwardError(f"unknown decoder {name!r}; choose one of {', '.join(DECODERS)}")

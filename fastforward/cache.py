@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from transformers import Cache
 
 
@@ -15,3 +16,16 @@ def truncate(cache: Cache, length: int) -> None:
         raise ValueError(f"cannot truncate a cache of {cache.get_seq_length()} entries to {length}")
     if extra:
         cache.crop(-extra)
+
+
+def keep_entries(cache: Cache, base: int, picks: torch.Tensor) -> None:
+    """Keep entries `base + picks` (ascending) after the first `base`, moved into place; drop the rest.
+
+    Used when the winning candidate of a forward is not its first tokens: only the picked entries
+    are copied, in place, then the cache is cut.
+    """
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name)
+            tensor[..., base : base + len(picks), :] = tensor[..., base + picks, :]
+    truncate(cache, base + len(picks))

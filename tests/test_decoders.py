@@ -5,6 +5,7 @@ import torch
 
 from fastforward import visibility
 from fastforward.decoders import ARDecoder, JacobiDecoder, SBDDecoder, Session
+from fastforward.decoders.multiblock_jacobi import MultiBlockJacobiDecoder
 from fastforward.model import Layout
 from fastforward.policies import EntropyBounded
 from fastforward.sampling import Sampler
@@ -150,11 +151,54 @@ def test_cache_after_jacobi_equals_fresh_prefill(tiny, prompts):
         session = Session(tiny, [prompt], max_new_tokens=25)
         JacobiDecoder(6).decode(session)
         generated = session.outputs[0]
-        # everything but the last committed token (it rides in front of the next forward) is cached
+        # everything but the last committed token (it rides in front of the next forward) is cached,
+        # and verified tokens past max_new_tokens may follow
         ids = torch.tensor([prompt + generated[:-1]])
-        assert session.cache.get_seq_length() == ids.shape[1]
+        assert session.cache.get_seq_length() >= ids.shape[1]
         fresh = tiny.new_cache()
         n = ids.shape[1]
         tiny.run(Layout(ids, torch.arange(n)[None], visibility.causal(n)[None], keep=n), fresh)
     for a, b in zip(fresh.layers, session.cache.layers, strict=True):
-        torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b.keys[..., :n, :], a.keys, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("block", "blocks", "verify"), [(1, 1, 0), (4, 2, 2), (16, 3, 4), (5, 2, 1)])
+def test_multiblock_jacobi_equals_greedy_ar(tiny, prompts, block, blocks, verify):
+    ar = _ids(ARDecoder().generate(tiny, prompts, max_new_tokens=40))
+    decoder = MultiBlockJacobiDecoder(block, blocks, spawn_ratio=0.25, verify=verify)
+    assert _ids(decoder.generate(tiny, prompts, max_new_tokens=40)) == ar
+
+
+class _OracleRecycling(MultiBlockJacobiDecoder):
+    """Seeds the n-gram pool with the true continuation, so recycled candidates win verification."""
+
+    def __init__(self, truth, **kw):
+        super().__init__(**kw)
+        self.truth = truth
+
+    def new_pool(self):
+        pool = super().new_pool()
+        pool.add_rejected(self.truth, 0, self.ngram)
+        return pool
+
+
+def test_recycled_candidates_are_committed_losslessly(tiny, prompts):
+    prompt = prompts[0]
+    truth = ARDecoder().generate(tiny, [prompt], max_new_tokens=40)[0].token_ids
+    assert len(set(truth)) > 1
+    decoder = _OracleRecycling(truth, block_size=4, max_blocks=1, verify=3, ngram=6)
+    with torch.inference_mode():
+        session = Session(tiny, [prompt], max_new_tokens=40)
+        decoder.decode(session)
+        generated = session.outputs[0]
+        ids = torch.tensor([prompt + generated[:-1]])
+        n = ids.shape[1]
+        fresh = tiny.new_cache()
+        tiny.run(Layout(ids, torch.arange(n)[None], visibility.causal(n)[None], keep=n), fresh)
+    assert generated == truth
+    assert session.nfe.item() < len(truth) / 3  # candidates of 6 confirmed tokens win
+    # entries were moved from the candidates' slots; verified tokens past max_new_tokens may follow
+    assert session.cache.get_seq_length() >= n
+    for a, b in zip(fresh.layers, session.cache.layers, strict=True):
+        torch.testing.assert_close(b.keys[..., :n, :], a.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b.values[..., :n, :], a.values, rtol=1e-4, atol=1e-4)

@@ -24,6 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="take each block's first token from the next-token prediction (sbd)",
     )
     p.add_argument("--draft-init", default="repeat", help="jacobi: fill fresh drafts by 'repeat' or 'random'")
+    p.add_argument("--max-blocks", type=int, default=2, help="jacobi-mr: blocks refined at once (K)")
+    p.add_argument("--spawn-ratio", type=float, default=0.85, help="jacobi-mr: spawn a block at ⌈r·n⌉ confirmed")
+    p.add_argument("--verify", type=int, default=2, help="jacobi-mr: recycled n-gram candidates per forward")
+    p.add_argument("--ngram", type=int, default=0, help="jacobi-mr: candidate length (default: block size)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
@@ -45,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
         gamma=args.gamma,
         first_token_from_ntp=args.first_token_from_ntp,
         draft_init=args.draft_init,
+        max_blocks=args.max_blocks,
+        spawn_ratio=args.spawn_ratio,
+        verify=args.verify,
+        ngram=args.ngram,
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,

@@ -3,6 +3,16 @@
 from fastforward.decoders.ar import ARDecoder
 from fastforward.decoders.base import Decoder, Generation, Session, Stats
 from fastforward.decoders.jacobi import JacobiDecoder
+from fastforward.decoders.multiblock_jacobi import MultiBlockJacobiDecoder
 from fastforward.decoders.sbd import SBDDecoder
 
-__all__ = ["ARDecoder", "Decoder", "Generation", "JacobiDecoder", "SBDDecoder", "Session", "Stats"]
+__all__ = [
+    "ARDecoder",
+    "Decoder",
+    "Generation",
+    "JacobiDecoder",
+    "MultiBlockJacobiDecoder",
+    "SBDDecoder",
+    "Session",
+    "Stats",
+]

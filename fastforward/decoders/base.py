@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastforward import visibility
-from fastforward.cache import truncate
+from fastforward.cache import keep_entries, truncate
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model
 
@@ -147,6 +147,12 @@ class Session:
         self.key_valid = torch.cat([self.key_valid[:, :base], slots[None] < accepted[:, None]], dim=1)
         if self.batch > 1 and bool((accepted < longest).any()):
             self.padded = True
+
+    def keep_picked(self, new: int, picks: torch.Tensor) -> None:
+        """After a forward that kept all `new` entries, keep only new entries `picks` (every row alike)."""
+        keep_entries(self.cache, self.cache.get_seq_length() - new, picks)
+        base = self.key_valid.shape[1] - new
+        self.key_valid = self.key_valid[:, : base + len(picks)]
 
     # ---- bookkeeping -------------------------------------------------------------------------
     @property
