@@ -280,6 +280,7 @@ def train(
         "data": train_data.fingerprint(),
     }
     checkpoint, wipe = _open_run_dir(out, record, overwrite)
+    accelerator.wait_for_everyone()  # every process has decided before the main one changes anything
     if accelerator.is_main_process:
         if wipe:
             shutil.rmtree(out)
@@ -313,20 +314,19 @@ def train(
         metrics = _train_step(accelerator, module, optimizer, scheduler, train_data, config, step)
         step += 1
         metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
-        entry = {"step": step, "split": "train", **metrics}
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
-        if config.save_every and step % config.save_every == 0 and step < config.steps:
-            save_checkpoint(accelerator, out, step, config.keep_checkpoints)
-        entries = [entry]
+        entries = [{"step": step, "split": "train", **metrics}]
         if eval_data is not None and ((config.eval_every and step % config.eval_every == 0) or step == config.steps):
             scores = evaluate(accelerator, module, eval_data, config)
             entries.append({"step": step, "split": "eval", **scores})
             if main:
                 tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
-        if main:
+        if main:  # logged before the checkpoint: a resume drops records newer than its checkpoint
             with (out / METRICS).open("a") as f:
                 f.writelines(json.dumps(e) + "\n" for e in entries)
+        if config.save_every and step % config.save_every == 0 and step < config.steps:
+            save_checkpoint(accelerator, out, step, config.keep_checkpoints)
         history.extend(entries)
         if callback is not None:
             callback(step, {k: v for e in entries for k, v in e.items() if k != "split"})

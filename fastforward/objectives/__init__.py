@@ -17,7 +17,7 @@ def make_objective(name: str, **options) -> Objective:
     if name not in OBJECTIVES:
         raise FastForwardError(f"unknown objective {name!r}; choose one of {', '.join(OBJECTIVES)}")
     cls = OBJECTIVES[name]
-    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    known = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in options.items() if k in known})
 
 

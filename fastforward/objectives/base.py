@@ -34,7 +34,7 @@ class Objective:
 
     def describe(self) -> dict:
         """Name and options: what a resumed run must share with the run it continues."""
-        return {"name": self.name, **asdict(self)}  # type: ignore[call-overload]
+        return {"name": self.name, **asdict(self)}
 
 
 def positions(batch: Batch) -> torch.Tensor:
