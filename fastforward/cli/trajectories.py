@@ -1,0 +1,80 @@
+"""`fastforward trajectories`: write a model's Jacobi trajectories over prompts (rerun the command to resume)."""
+
+from __future__ import annotations
+
+import argparse
+
+from fastforward.errors import FastForwardError
+from fastforward.model import DTYPES, load_model
+from fastforward.tasks import parse_options
+from fastforward.trajectories import DRAFT_INITS, collect, read_prompts, task_prompts
+
+
+def add_prompt_flags(p: argparse.ArgumentParser) -> None:
+    """Where the prompts come from: a JSONL file or a task's examples."""
+    p.add_argument("--prompts", help='JSONL of {"prompt": ...} records (an "id" is kept)')
+    p.add_argument("--task", help="take the prompts of a task's examples instead (e.g. arithmetic)")
+    p.add_argument("--task-option", action="append", metavar="NAME=VALUE", help="a task option (repeatable)")
+    p.add_argument("--split", default="train", help="the task split the prompts come from")
+    p.add_argument("--n", type=int, default=None, help="number of task examples (default: the task's own)")
+    p.add_argument("--prompt-seed", type=int, default=0, help="seed of the task's example draw")
+
+
+def load_prompt_source(args: argparse.Namespace) -> tuple[list[str], list[str], int | None]:
+    """(prompts, ids, the task's generation budget or None) from --prompts or --task."""
+    if bool(args.prompts) == bool(args.task):
+        raise FastForwardError("give exactly one of --prompts FILE and --task NAME")
+    if args.prompts:
+        prompts, ids = read_prompts(args.prompts)
+        return prompts, ids, None
+    return task_prompts(args.task, args.n, args.split, args.prompt_seed, parse_options(args.task_option))
+
+
+def add_collect_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="rounded up to whole blocks (default: 256 or the task's)"
+    )
+    p.add_argument("--init", choices=DRAFT_INITS, default="repeat", help="draft of a fresh block")
+    p.add_argument("--collect-batch-size", type=int, default=8, help="prompts decoded together")
+    p.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "trajectories",
+        help="write Jacobi trajectories of a model over prompts (JSONL, resumable)",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
+    p.add_argument("--out", required=True, help="JSONL file to write (appended to when it exists)")
+    add_prompt_flags(p)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per Jacobi block (n)")
+    add_collect_flags(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of random draft initialisation")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default=None, help="torch device (default: cpu)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    prompts, ids, budget = load_prompt_source(args)
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    summary = collect(
+        model,
+        prompts,
+        args.out,
+        block_size=args.block_size,
+        max_new_tokens=args.max_new_tokens or budget or 256,
+        init=args.init,
+        batch_size=args.collect_batch_size,
+        seed=args.seed,
+        chat_template=not args.no_chat_template,
+        ids=ids,
+    )
+    print(
+        f"{summary.written} prompts written, {summary.skipped} already there → {args.out} "
+        f"({summary.tokens_per_forward:.2f} tokens per Jacobi forward this run)",
+        flush=True,
+    )
+    return 0

@@ -1,0 +1,489 @@
+"""Jacobi trajectories: collect them from a model over prompts, store them as JSONL, serve them for training.
+
+Fixed-span Jacobi decoding (Jacobi Forcing paper §2.1, eq. 3-4): the response is cut into blocks of
+n positions. A block starts from a draft y⁽⁰⁾ (the initialisation is a knob) and is refined by
+causal forwards of the block's current state after the committed context: y⁽ʲ⁺¹⁾₁ is the greedy
+token after the context and y⁽ʲ⁺¹⁾ᵢ the greedy token after y⁽ʲ⁾₍<ᵢ₎. When a forward returns the
+state it was given, the state is the block's fixed point (equal to greedy AR decoding) and its
+cache entries — computed from exactly those tokens, causally — are kept; every other forward keeps
+nothing. Collection stops after the block whose fixed point holds a stop token, or after
+⌈max_new_tokens / n⌉ blocks: whole blocks are always decoded.
+
+One JSONL line per prompt, written and flushed as soon as its batch is done:
+
+    {"index": 0, "id": "...", "prompt": "...", "prompt_ids": [...], "block_size": 16, "init": "repeat",
+     "blocks": [{"states": [[...n ids...], ...], "fixed": [...n ids...]}, ...]}
+
+`states` are the iterates y⁽⁰⁾ … y⁽ᵏ⁻¹⁾ before the fixed point, in order (y⁽ᵏ⁻¹⁾ ≠ y⁽ᵏ⁾ = fixed);
+`fixed` is the fixed point. A rerun of the same command skips the prompts already written, so a
+killed run loses at most the batch it was decoding; a half-written last line is cut off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from fastforward.data import derive_seed, split_examples
+from fastforward.decoders.base import Session
+from fastforward.errors import FastForwardError
+from fastforward.model import Model
+
+DRAFT_INITS = ("repeat", "random", "pad")
+
+
+# ---- the stored form ----------------------------------------------------------------------------
+@dataclass
+class Block:
+    """One block's Jacobi trajectory: the iterates before the fixed point, and the fixed point."""
+
+    states: list[list[int]]
+    fixed: list[int]
+
+    @property
+    def trajectory(self) -> list[list[int]]:
+        """Every point of the trajectory, ending at the fixed point."""
+        return [*self.states, self.fixed]
+
+    def unconverged(self, state: Sequence[int]) -> float:
+        """Fraction of the block's tokens where `state` differs from the fixed point."""
+        return sum(a != b for a, b in zip(state, self.fixed, strict=True)) / len(self.fixed)
+
+
+@dataclass
+class Trajectory:
+    """A prompt's ids and the Jacobi trajectory of each block of its response."""
+
+    prompt_ids: list[int]
+    blocks: list[Block]
+    block_size: int
+    index: int = 0
+    init: str = "repeat"
+    prompt: str | None = None
+    id: str | None = None
+
+    @property
+    def response(self) -> list[int]:
+        """The fixed points concatenated: greedy AR decoding's output, whole blocks (past any stop token)."""
+        return [t for b in self.blocks for t in b.fixed]
+
+    @property
+    def forwards(self) -> int:
+        """Jacobi forwards spent: one per point of every block's trajectory."""
+        return sum(len(b.states) + 1 for b in self.blocks)
+
+    def to_record(self) -> dict:
+        record: dict = {"index": self.index}
+        if self.id is not None:
+            record["id"] = self.id
+        if self.prompt is not None:
+            record["prompt"] = self.prompt
+        record.update(
+            prompt_ids=self.prompt_ids,
+            block_size=self.block_size,
+            init=self.init,
+            blocks=[{"states": b.states, "fixed": b.fixed} for b in self.blocks],
+        )
+        return record
+
+    @classmethod
+    def from_record(cls, record: dict, where: str = "record") -> Trajectory:
+        try:
+            n = int(record["block_size"])
+            blocks = [
+                Block([list(map(int, s)) for s in b["states"]], list(map(int, b["fixed"]))) for b in record["blocks"]
+            ]
+            traj = cls(
+                prompt_ids=list(map(int, record["prompt_ids"])),
+                blocks=blocks,
+                block_size=n,
+                index=int(record["index"]),
+                init=str(record.get("init", "repeat")),
+                prompt=record.get("prompt"),
+                id=record.get("id"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FastForwardError(f"{where}: not a trajectory record ({type(exc).__name__}: {exc})") from exc
+        if any(len(s) != n for b in blocks for s in b.trajectory):
+            raise FastForwardError(f"{where}: a block state does not have block_size={n} tokens")
+        return traj
+
+
+def _scan(path: Path) -> tuple[list[Trajectory], int]:
+    """The complete records of a trajectory file and the byte length they span (a torn tail is excluded)."""
+    records: list[Trajectory] = []
+    good = 0
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.endswith(b"\n"):
+                break  # a line cut short by a killed run: ignored, and overwritten on resume
+            if raw.strip():
+                try:
+                    record = json.loads(raw)
+                except json.JSONDecodeError as exc:
+                    raise FastForwardError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
+                records.append(Trajectory.from_record(record, f"{path}:{number}"))
+            good += len(raw)
+    return records, good
+
+
+def read_trajectories(path: str | Path) -> list[Trajectory]:
+    """Every complete record of a trajectory file, in prompt order."""
+    path = Path(path)
+    if not path.is_file():
+        raise FastForwardError(f"trajectory file {path} does not exist; write one with `fastforward trajectories`")
+    records, _ = _scan(path)
+    if not records:
+        raise FastForwardError(f"trajectory file {path} has no records")
+    return sorted(records, key=lambda t: t.index)
+
+
+# ---- decoding -----------------------------------------------------------------------------------
+def _drafts(init: str, before: torch.Tensor, n: int, model: Model, seeds: list[int]) -> torch.Tensor:
+    """Initial states [B, n] of fresh blocks; `before` is the token preceding each block."""
+    if init == "repeat":
+        return before[:, None].expand(-1, n).clone()
+    if init == "pad":
+        return torch.full((len(before), n), model.pad_token_id, dtype=torch.long, device=before.device)
+    vocab = model.hf.get_output_embeddings().weight.shape[0]
+    rows = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(s)) for s in seeds]
+    return torch.stack(rows).to(before.device)
+
+
+def block_count(model: Model, prompts: Sequence[Sequence[int]], block_size: int, max_new_tokens: int) -> int:
+    """Blocks to decode: ⌈max_new_tokens / n⌉, fewer where the model's context has no room for them."""
+    if block_size <= 0:
+        raise FastForwardError(f"block size must be > 0, got {block_size}")
+    if max_new_tokens <= 0:
+        raise FastForwardError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    blocks = math.ceil(max_new_tokens / block_size)
+    if model.max_context is not None:
+        room = (model.max_context - max(len(p) for p in prompts)) // block_size
+        if room < 1:
+            raise FastForwardError(
+                f"a prompt of {max(len(p) for p in prompts)} tokens leaves no room for a block of {block_size} "
+                f"in the model's context of {model.max_context}; shorten it or lower --block-size"
+            )
+        blocks = min(blocks, room)
+    return blocks
+
+
+@torch.inference_mode()
+def jacobi_trajectories(
+    model: Model,
+    prompts: Sequence[Sequence[int]],
+    block_size: int = 16,
+    max_new_tokens: int = 256,
+    init: str = "repeat",
+    seed: int = 0,
+    keys: Sequence[int] | None = None,
+) -> list[list[Block]]:
+    """Fixed-span Jacobi decoding of a batch of prompts; per prompt, the trajectory of every block.
+
+    `keys` (default 0..B-1) name the prompts for the random initialisation, so a prompt's drafts do
+    not depend on the batch it is decoded in. Rows advance through their blocks independently; a
+    row whose block has not converged keeps no cache entries (a hole the other rows never see).
+    """
+    if init not in DRAFT_INITS:
+        raise FastForwardError(f"unknown draft init {init!r}; choose one of {', '.join(DRAFT_INITS)}")
+    n = block_size
+    wanted = block_count(model, prompts, n, max_new_tokens)
+    keys = list(range(len(prompts))) if keys is None else list(keys)
+    session = Session(model, [list(p) for p in prompts], wanted * n)
+    device = session.device
+    batch = session.batch
+    following = session.next_logits.argmax(-1)  # greedy token after each row's committed context
+    before = torch.tensor([p[-1] for p in prompts], device=device)
+    blocks: list[list[Block]] = [[] for _ in range(batch)]
+    pending: list[list[list[int]]] = [[] for _ in range(batch)]
+
+    def fresh(rows: torch.Tensor) -> torch.Tensor:
+        if not bool(rows.any()):
+            return state
+        seeds = [derive_seed(seed, keys[r], len(blocks[r])) for r in range(batch)]
+        return torch.where(rows[:, None], _drafts(init, before, n, model, seeds), state)
+
+    state = torch.zeros(batch, n, dtype=torch.long, device=device)
+    state = fresh(torch.ones(batch, dtype=torch.bool, device=device))
+    steps = torch.arange(n, device=device)
+    done = session.done
+    while not bool(done.all()):
+        logits = session.run(state, session.next_pos[:, None] + steps, None, read=list(range(n)), keep=n)
+        session.count_forward()
+        guess = logits.argmax(-1)
+        update = torch.cat([following[:, None], guess[:, :-1]], dim=1)
+        converged = (update == state).all(-1) & ~done
+        session.keep_accepted(n, converged.long() * n)
+        session.next_pos += converged.long() * n
+        stops = torch.isin(state, session.stop_ids).any(-1).tolist()
+        rows, states = converged.tolist(), state.tolist()
+        for r in range(batch):
+            if done[r]:
+                continue
+            if rows[r]:
+                blocks[r].append(Block(pending[r], states[r]))
+                pending[r] = []
+                if stops[r] or len(blocks[r]) == wanted:
+                    done[r] = True
+            else:
+                pending[r].append(states[r])
+        following = torch.where(converged, guess[:, -1], following)
+        before = torch.where(converged, state[:, -1], before)
+        state = torch.where(converged[:, None], state, update)
+        state = fresh(converged)
+    return blocks
+
+
+# ---- writing ------------------------------------------------------------------------------------
+@dataclass
+class CollectSummary:
+    """What a `collect` call did: prompts decoded now, found already written, and forwards spent now."""
+
+    written: int = 0
+    skipped: int = 0
+    forwards: int = 0
+    tokens: int = 0
+    path: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.tokens / self.forwards if self.forwards else 0.0
+
+
+def _line(trajectory: Trajectory) -> bytes:
+    return (json.dumps(trajectory.to_record(), separators=(",", ":")) + "\n").encode()
+
+
+def collect(
+    model: Model,
+    prompts: Sequence[str | Sequence[int]],
+    path: str | Path,
+    *,
+    block_size: int = 16,
+    max_new_tokens: int = 256,
+    init: str = "repeat",
+    batch_size: int = 8,
+    seed: int = 0,
+    chat_template: bool = True,
+    ids: Sequence[str] | None = None,
+    progress: bool = True,
+    callback: Callable[[Trajectory], None] | None = None,
+) -> CollectSummary:
+    """Write the Jacobi trajectories of `prompts` (text, or token ids) to the JSONL file `path`.
+
+    Resumable: prompts whose index is already in the file are skipped (the file must have been
+    written with the same prompts, block size and initialisation). Lines are appended and flushed
+    one by one; callback(trajectory) runs after each line is written.
+    """
+    if init not in DRAFT_INITS:
+        raise FastForwardError(f"unknown draft init {init!r}; choose one of {', '.join(DRAFT_INITS)}")
+    if batch_size < 1:
+        raise FastForwardError(f"batch size must be at least 1, got {batch_size}")
+    if ids is not None and len(ids) != len(prompts):
+        raise FastForwardError(f"got {len(ids)} ids for {len(prompts)} prompts")
+    path = Path(path)
+    encoded = [model.encode_prompt(p, chat_template) if isinstance(p, str) else list(p) for p in prompts]
+    for i, p in enumerate(encoded):
+        if not p:
+            raise FastForwardError(f"prompt {i} is empty; give at least one token")
+    written: dict[int, Trajectory] = {}
+    good = 0
+    if path.exists():
+        existing, good = _scan(path)
+        for t in existing:
+            if t.index >= len(encoded) or t.prompt_ids != encoded[t.index]:
+                raise FastForwardError(
+                    f"{path} holds a trajectory for prompt {t.index} that is not among the prompts given "
+                    "(different prompts, order or tokenizer); choose another output file"
+                )
+            if t.block_size != block_size or t.init != init:
+                raise FastForwardError(
+                    f"{path} was written with block size {t.block_size} and init {t.init!r}, not {block_size} "
+                    f"and {init!r}; choose another output file"
+                )
+            written[t.index] = t
+    path.parent.mkdir(parents=True, exist_ok=True)
+    todo = [i for i in range(len(encoded)) if i not in written]
+    summary = CollectSummary(skipped=len(written), path=str(path))
+    bar = tqdm(total=len(encoded), initial=len(written), desc=f"trajectories n={block_size}", disable=not progress)
+    with path.open("r+b" if path.exists() else "wb") as f:
+        f.truncate(good)  # drop a line a killed run left half-written
+        f.seek(good)
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start : start + batch_size]
+            results = jacobi_trajectories(
+                model, [encoded[i] for i in chunk], block_size, max_new_tokens, init, seed, keys=chunk
+            )
+            for i, blocks in zip(chunk, results, strict=True):
+                traj = Trajectory(
+                    prompt_ids=encoded[i],
+                    blocks=blocks,
+                    block_size=block_size,
+                    index=i,
+                    init=init,
+                    prompt=prompts[i] if isinstance(prompts[i], str) else None,
+                    id=None if ids is None else str(ids[i]),
+                )
+                f.write(_line(traj))
+                f.flush()
+                os.fsync(f.fileno())
+                summary.written += 1
+                summary.forwards += traj.forwards
+                summary.tokens += len(traj.response)
+                bar.update(1)
+                if callback is not None:
+                    callback(traj)
+            bar.set_postfix(tpf=f"{summary.tokens_per_forward:.2f}")
+    bar.close()
+    return summary
+
+
+# ---- serving them for training ------------------------------------------------------------------
+@dataclass
+class TrajectoryBatch:
+    """Trajectories of one training batch (plain ids: the objective builds the layout on its device)."""
+
+    examples: list[Trajectory]
+
+    def to(self, device: torch.device | str) -> TrajectoryBatch:
+        return self
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in the packed rows: the prompt plus a noisy and a clean copy of every block."""
+        return sum(len(t.prompt_ids) + 2 * len(t.response) for t in self.examples)
+
+
+def fit(trajectory: Trajectory, seq_len: int) -> Trajectory:
+    """The leading blocks that fit `[prompt, noisy₁, clean₁, …]` into seq_len tokens.
+
+    Without room for one block, the prompt keeps only its last tokens.
+    """
+    n = trajectory.block_size
+    if 2 * n + 1 > seq_len:
+        raise FastForwardError(
+            f"seq_len {seq_len} cannot hold a prompt token and a noisy and a clean block of {n}; "
+            f"raise --seq-len to at least {2 * n + 1}"
+        )
+    prompt = trajectory.prompt_ids
+    keep = max(1, min(len(trajectory.blocks), (seq_len - len(prompt)) // (2 * n)))
+    if len(prompt) + 2 * n * keep > seq_len:
+        prompt = prompt[len(prompt) + 2 * n * keep - seq_len :]
+    return Trajectory(
+        prompt_ids=prompt,
+        blocks=trajectory.blocks[:keep],
+        block_size=n,
+        index=trajectory.index,
+        init=trajectory.init,
+        prompt=trajectory.prompt,
+        id=trajectory.id,
+    )
+
+
+class TrajectoryData:
+    """Trajectories fitted to rows of at most `seq_len` packed tokens, served like `PackedData`.
+
+    The batch for a given index is a pure function of (seed, index): epoch e visits the examples in
+    a permutation seeded by (seed, e), so a resumed run sees the same batches.
+    """
+
+    def __init__(self, trajectories: Sequence[Trajectory], seq_len: int):
+        if not trajectories:
+            raise FastForwardError("no trajectories to train on")
+        self.seq_len = seq_len
+        self.examples = [fit(t, seq_len) for t in trajectories if t.blocks]
+        if not self.examples:
+            raise FastForwardError("every trajectory is empty (no blocks)")
+
+    @classmethod
+    def from_file(cls, path: str | Path, seq_len: int) -> TrajectoryData:
+        return cls(read_trajectories(path), seq_len)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def batch(self, index: int, batch_size: int, seed: int) -> TrajectoryBatch:
+        n = len(self)
+        samples = range(index * batch_size, (index + 1) * batch_size)
+        orders = {epoch: self._order(seed, epoch) for epoch in {s // n for s in samples}}
+        return TrajectoryBatch([self.examples[int(orders[s // n][s % n])] for s in samples])
+
+    def in_order(self, batch_size: int) -> Iterator[TrajectoryBatch]:
+        for start in range(0, len(self), batch_size):
+            yield TrajectoryBatch(self.examples[start : start + batch_size])
+
+    def _order(self, seed: int, epoch: int) -> torch.Tensor:
+        return torch.randperm(len(self), generator=torch.Generator().manual_seed(derive_seed(seed, epoch)))
+
+    def fingerprint(self) -> str:
+        """A hash of the fitted trajectories: a resumed run must see the same data."""
+        h = hashlib.sha256()
+        for t in self.examples:
+            h.update(_line(t))
+        return h.hexdigest()[:16]
+
+
+def trajectory_datasets(
+    path: str | Path | None,
+    seq_len: int,
+    eval_path: str | Path | None = None,
+    eval_fraction: float = 0.0,
+    seed: int = 0,
+) -> tuple[TrajectoryData, TrajectoryData | None]:
+    """Training data (and held-out data: a second file, or a seeded share of the first) from trajectory files."""
+    if not path:
+        raise FastForwardError(
+            "the jacobi_forcing objective trains on Jacobi trajectories: give --trajectories FILE "
+            "(write one with `fastforward trajectories`)"
+        )
+    records = read_trajectories(path)
+    held = read_trajectories(eval_path) if eval_path else None
+    if held is None and eval_fraction:
+        records, held = split_examples(records, eval_fraction, seed)  # type: ignore[arg-type]
+    return TrajectoryData(records, seq_len), TrajectoryData(held, seq_len) if held else None
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+def read_prompts(path: str | Path) -> tuple[list[str], list[str]]:
+    """Prompts and ids of a JSONL file of {"prompt": ..., ...} records (other keys are ignored; "id" is kept)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FastForwardError(f'prompt file {path} does not exist; give a JSONL file of {{"prompt": ...}} lines')
+    prompts, ids = [], []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise FastForwardError(f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
+                raise FastForwardError(f'{path}:{number}: expected an object with a non-empty string "prompt"')
+            prompts.append(record["prompt"])
+            ids.append(str(record.get("id", len(ids))))
+    if not prompts:
+        raise FastForwardError(f"prompt file {path} has no records")
+    return prompts, ids
+
+
+def task_prompts(
+    task: str, n: int | None = None, split: str = "train", seed: int = 0, options: dict | None = None
+) -> tuple[list[str], list[str], int]:
+    """Prompts, ids and the suggested generation budget of a task's examples (e.g. arithmetic's train split)."""
+    from fastforward.tasks import get_task
+
+    chosen = get_task(task, **(options or {}))
+    examples = chosen.examples(split, n, seed)
+    if not examples:
+        raise FastForwardError(f"task {task!r} gave no {split} examples")
+    return [e.prompt for e in examples], [e.id for e in examples], chosen.max_new_tokens
