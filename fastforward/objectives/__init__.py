@@ -6,10 +6,11 @@ from dataclasses import fields
 
 from fastforward.errors import FastForwardError
 from fastforward.objectives.base import Objective
+from fastforward.objectives.jacobi_forcing import JacobiForcing
 from fastforward.objectives.ntp import NTP
 from fastforward.objectives.sbd import SBD
 
-OBJECTIVES: dict[str, type[Objective]] = {"ntp": NTP, "sbd": SBD}
+OBJECTIVES: dict[str, type[Objective]] = {"ntp": NTP, "sbd": SBD, "jacobi_forcing": JacobiForcing}
 
 
 def make_objective(name: str, **options) -> Objective:
@@ -21,4 +22,4 @@ def make_objective(name: str, **options) -> Objective:
     return cls(**{k: v for k, v in options.items() if k in known})
 
 
-__all__ = ["NTP", "OBJECTIVES", "SBD", "Objective", "make_objective"]
+__all__ = ["NTP", "OBJECTIVES", "SBD", "JacobiForcing", "Objective", "make_objective"]
