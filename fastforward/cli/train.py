@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 
 from fastforward.data import PackedData, load_examples, split_examples
+from fastforward.errors import FastForwardError
 from fastforward.model import DTYPES, load_model
-from fastforward.objectives import OBJECTIVES, SBD, make_objective
+from fastforward.objectives import OBJECTIVES, SBD, JacobiForcing, make_objective
 from fastforward.train import TrainConfig, train
+from fastforward.trajectories import trajectory_datasets
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    d, sbd = TrainConfig(), SBD()
+    d, sbd, jf = TrainConfig(), SBD(), JacobiForcing()
     p = sub.add_parser(
         "train",
         help="train a model with an objective (resumes an unfinished run in --out)",
@@ -20,10 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--objective", choices=sorted(OBJECTIVES), default="sbd")
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
-    p.add_argument("--data", required=True, help="JSONL of {prompt, completion} or {text} lines")
+    p.add_argument("--data", help="JSONL of {prompt, completion} or {text} lines")
+    p.add_argument("--trajectories", help="JSONL of Jacobi trajectories (jacobi_forcing; `fastforward trajectories`)")
     p.add_argument("--out", required=True, help="run directory: checkpoints, metrics, final model")
     p.add_argument("--overwrite", action="store_true", help="discard the run already in --out")
-    p.add_argument("--eval-data", help="JSONL held out for evaluation")
+    p.add_argument("--eval-data", help="JSONL held out for evaluation (trajectories for jacobi_forcing)")
     p.add_argument("--eval-fraction", type=float, default=0.0, help="hold out this share of --data instead")
     p.add_argument("--no-chat-template", action="store_true", help="join prompt and completion as raw text")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
@@ -37,6 +40,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-block", type=int, default=sbd.min_block, help="smallest block size drawn (sbd)")
     p.add_argument("--max-block", type=int, default=sbd.max_block, help="largest block size drawn (sbd)")
     p.add_argument("--ntp-weight", type=float, default=sbd.ntp_weight, help="weight of the NTP term (sbd)")
+    p.add_argument(
+        "--noise-schedule", default=jf.noise_schedule, help="progressive, random or reverse (jacobi_forcing)"
+    )
+    p.add_argument("--noise-window", type=int, default=jf.noise_window, help="window w of eq. 7 (jacobi_forcing)")
+    p.add_argument("--noisy-context", default=jf.noisy_context, help="noisy blocks see earlier noisy or clean blocks")
+    p.add_argument("--ar-weight", type=float, default=jf.ar_weight, help="weight of the AR loss (jacobi_forcing)")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evaluations")
     p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
     p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
@@ -66,9 +75,30 @@ def run(args: argparse.Namespace) -> int:
     )
     config.validate()
     objective = make_objective(
-        args.objective, min_block=args.min_block, max_block=args.max_block, ntp_weight=args.ntp_weight
+        args.objective,
+        min_block=args.min_block,
+        max_block=args.max_block,
+        ntp_weight=args.ntp_weight,
+        noise_schedule=args.noise_schedule,
+        noise_window=args.noise_window,
+        noisy_context=args.noisy_context,
+        ar_weight=args.ar_weight,
     )
+    on_trajectories = args.objective == "jacobi_forcing"
+    if on_trajectories != bool(args.trajectories) or not (on_trajectories or args.data):
+        raise FastForwardError(
+            "give --trajectories FILE to the jacobi_forcing objective (write one with `fastforward trajectories`) "
+            "and --data FILE to the others"
+        )
     model = load_model(args.model, dtype=args.dtype)
+    if on_trajectories:
+        train_data, eval_data = trajectory_datasets(
+            args.trajectories, args.seq_len, args.eval_data, args.eval_fraction, args.seed
+        )
+        print(f"{len(train_data)} trajectories in rows of up to {args.seq_len} tokens", flush=True)
+        train(model, objective, train_data, config, args.out, eval_data=eval_data, overwrite=args.overwrite)
+        print(f"saved the model in {args.out} (fastforward generate --model {args.out})", flush=True)
+        return 0
     chat = not args.no_chat_template
     examples = load_examples(args.data, model.tokenizer, chat)
     held = load_examples(args.eval_data, model.tokenizer, chat) if args.eval_data else None
