@@ -1,0 +1,171 @@
+"""Jacobi trajectories: fixed points equal greedy AR, states are Jacobi iterates, writing resumes cleanly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fastforward.cli import main
+from fastforward.decoders import ARDecoder
+from fastforward.errors import FastForwardError
+from fastforward.tiny import tiny_model
+from fastforward.trajectories import (
+    Block,
+    Trajectory,
+    TrajectoryData,
+    collect,
+    fit,
+    jacobi_trajectories,
+    read_trajectories,
+)
+
+
+def cut(response: list[int], stops: list[int], limit: int) -> list[int]:
+    """What AR decoding returns: the response up to and including the first stop token, at most `limit`."""
+    for i, token in enumerate(response):
+        if token in stops:
+            return response[: i + 1][:limit]
+    return response[:limit]
+
+
+def jacobi_update(model, context: list[int], state: list[int]) -> list[int]:
+    """One Jacobi iteration of `state` after `context` (eq. 3), from a plain uncached forward."""
+    with torch.inference_mode():
+        logits = model.hf(torch.tensor([context + state])).logits[0]
+    return logits[len(context) - 1 : len(context) + len(state) - 1].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("init", ["repeat", "random", "pad"])
+@pytest.mark.parametrize("n", [1, 3, 5, 8])
+def test_fixed_points_concatenated_equal_greedy_ar(tiny, prompts, n, init):
+    trajectories = jacobi_trajectories(tiny, prompts, n, max_new_tokens=14, init=init)
+    total = -(-14 // n) * n  # whole blocks
+    ar = ARDecoder().generate(tiny, prompts, max_new_tokens=total)
+    for blocks, gen in zip(trajectories, ar, strict=True):
+        assert len(blocks) == -(-14 // n)
+        response = [t for b in blocks for t in b.fixed]
+        assert cut(response, tiny.stop_token_ids, total) == gen.token_ids
+        assert all(len(s) == n for b in blocks for s in b.trajectory)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_stop_token_inside_a_block_makes_it_the_last(tiny, prompts, n):
+    free = ARDecoder().generate(tiny, [prompts[0]], max_new_tokens=20)[0].token_ids
+    at = next(i for i in range(5, 20) if i % n != n - 1 and free[i] not in free[:i])  # mid-block, first time
+    original = tiny.hf.generation_config.eos_token_id
+    tiny.hf.generation_config.eos_token_id = [original, free[at]]
+    try:
+        [blocks] = jacobi_trajectories(tiny, [prompts[0]], n, max_new_tokens=40)
+        ar = ARDecoder().generate(tiny, [prompts[0]], max_new_tokens=40)[0].token_ids
+    finally:
+        tiny.hf.generation_config.eos_token_id = original
+    assert len(blocks) == at // n + 1
+    response = [t for b in blocks for t in b.fixed]
+    assert cut(response, [free[at]], 40) == ar == free[: at + 1]
+
+
+def test_states_are_jacobi_iterates_ending_at_the_fixed_point(tiny, prompts):
+    for prompt in prompts[:3]:
+        [blocks] = jacobi_trajectories(tiny, [prompt], 4, max_new_tokens=12, init="repeat")
+        context = list(prompt)
+        for block in blocks:
+            points = block.trajectory
+            assert points[0] == [context[-1]] * 4  # "repeat": the token before the block
+            for state, following in zip(points, points[1:], strict=False):
+                assert state != following
+                assert jacobi_update(tiny, context, state) == following
+            assert jacobi_update(tiny, context, block.fixed) == block.fixed
+            assert len(points) <= 4 + 1  # at least one more token is right after each iteration
+            context += block.fixed
+
+
+def test_a_prompt_gets_the_same_trajectory_alone_or_in_a_batch(tiny, prompts):
+    batched = jacobi_trajectories(tiny, prompts, 3, max_new_tokens=12, init="random", keys=[10, 11, 12, 13])
+    for key, prompt, blocks in zip([10, 11, 12, 13], prompts, batched, strict=True):
+        assert jacobi_trajectories(tiny, [prompt], 3, max_new_tokens=12, init="random", keys=[key])[0] == blocks
+
+
+def test_bad_knobs_are_refused(tiny, prompts):
+    with pytest.raises(FastForwardError, match="draft init"):
+        jacobi_trajectories(tiny, prompts, 3, 12, init="zeros")
+    with pytest.raises(FastForwardError, match="block size"):
+        jacobi_trajectories(tiny, prompts, 0, 12)
+    with pytest.raises(FastForwardError, match="no room"):
+        jacobi_trajectories(tiny, [[5] * 510], 4, 12)
+
+
+# ---- writing and reading ------------------------------------------------------------------------
+class Stop(Exception):
+    pass
+
+
+def test_killed_collection_resumes_without_duplicates(tiny, tmp_path):
+    texts = ["def add(a, b):", "Tom has 3 apples", "The quick brown fox", "0", "1 + 2 =", "return a"]
+    straight = tmp_path / "straight.jsonl"
+    collect(tiny, texts, straight, block_size=3, max_new_tokens=9, batch_size=2, progress=False)
+
+    path = tmp_path / "t.jsonl"
+    seen = []
+
+    def kill_after_three(trajectory):
+        seen.append(trajectory.index)
+        if len(seen) == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        collect(tiny, texts, path, block_size=3, max_new_tokens=9, batch_size=2, callback=kill_after_three)
+    assert len(path.read_text().splitlines()) == 3
+    with path.open("a") as f:
+        f.write('{"index": 3, "prompt_ids": [1, 2')  # a line torn by the kill
+    summary = collect(tiny, texts, path, block_size=3, max_new_tokens=9, batch_size=2, progress=False)
+    assert (summary.skipped, summary.written) == (3, 3)
+    lines = path.read_text().splitlines()
+    assert sorted(json.loads(line)["index"] for line in lines) == list(range(len(texts)))
+    assert sorted(lines) == sorted(straight.read_text().splitlines())
+    again = collect(tiny, texts, path, block_size=3, max_new_tokens=9, progress=False)
+    assert (again.skipped, again.written) == (len(texts), 0)
+
+    with pytest.raises(FastForwardError, match="block size 3"):
+        collect(tiny, texts, path, block_size=4, max_new_tokens=9, progress=False)
+    with pytest.raises(FastForwardError, match="not among the prompts"):
+        collect(tiny, texts[::-1], path, block_size=3, max_new_tokens=9, progress=False)
+
+
+def test_records_round_trip(tiny, tmp_path):
+    path = tmp_path / "t.jsonl"
+    collect(tiny, ["Tom has", "0"], path, block_size=2, max_new_tokens=4, ids=["a", "b"], progress=False)
+    first, second = read_trajectories(path)
+    assert (first.index, first.id, first.prompt, second.id) == (0, "a", "Tom has", "b")
+    assert first.prompt_ids == tiny.encode_prompt("Tom has")
+    assert Trajectory.from_record(first.to_record()) == first
+    assert first.forwards == sum(len(b.states) + 1 for b in first.blocks)
+
+
+def test_training_data_fits_rows_and_batches_deterministically():
+    blocks = [Block([[9, 9]], [i, i + 1]) for i in range(5)]
+    long = Trajectory(prompt_ids=[1, 2, 3], blocks=blocks, block_size=2)
+    assert len(fit(long, 12).blocks) == 2  # 3 + 2·2·2 = 11 <= 12
+    squeezed = fit(Trajectory(prompt_ids=list(range(20)), blocks=blocks, block_size=2), 8)
+    assert (squeezed.prompt_ids, len(squeezed.blocks)) == (list(range(16, 20)), 1)
+    with pytest.raises(FastForwardError, match="seq_len"):
+        fit(long, 4)
+    data = TrajectoryData([long, Trajectory([4], blocks[:1], 2, index=1)], seq_len=12)
+    assert data.batch(3, 2, seed=1) == data.batch(3, 2, seed=1)
+    assert data.batch(0, 2, seed=1).n_tokens == 3 + 8 + 1 + 4
+    assert data.fingerprint() != TrajectoryData([long], seq_len=12).fingerprint()
+
+
+def test_cli_collects_a_task_and_resumes(tmp_path, capsys):
+    tiny_model(init_std=0.5).save(tmp_path / "m")
+    out = tmp_path / "t.jsonl"
+    args = ["trajectories", "--model", str(tmp_path / "m"), "--task", "arithmetic", "--n", "3"]
+    args += ["--out", str(out), "--block-size", "4", "--max-new-tokens", "8"]
+    assert main(args) == 0
+    assert "3 prompts written" in capsys.readouterr().out
+    assert main(args) == 0
+    assert "0 prompts written, 3 already there" in capsys.readouterr().out
+    assert [len(t.blocks) <= 2 for t in read_trajectories(out)] == [True] * 3
+    assert main([*args, "--prompts", str(out)]) == 2
+    assert "exactly one of" in capsys.readouterr().err
