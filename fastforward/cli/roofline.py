@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         cost = _measure(args)
         record["measured"] = cost.as_dict() | {
             "model": args.model,
-            "speedups": {str(nfe): row for nfe, row in cost.speedups(args.nfe).items()},
+            "speedups": {f"{nfe:g}": row for nfe, row in cost.speedups(args.nfe).items()},
         }
         print(("\n" if printed else "") + f"[{args.model}] " + roofline.format_block_cost(cost, args.nfe))
     if args.json:
