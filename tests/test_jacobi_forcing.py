@@ -1,0 +1,217 @@
+"""Jacobi Forcing: eq. 7 schedules, trajectory-point choice, the Fig. 2 packing rules, the loss, training end to end."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fastforward.cli import main
+from fastforward.errors import FastForwardError
+from fastforward.model import load_model
+from fastforward.objectives import JacobiForcing, make_objective
+from fastforward.objectives.base import IGNORE
+from fastforward.objectives.jacobi_forcing import choose_point, jacobi_forcing_rule, noise_ratios, pack
+from fastforward.tiny import tiny_model
+from fastforward.train import TrainConfig, train
+from fastforward.trajectories import Block, Trajectory, TrajectoryBatch, TrajectoryData, collect, read_trajectories
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- schedule and trajectory points -------------------------------------------------------------
+def test_noise_schedules_follow_eq7():
+    assert noise_ratios(6, "progressive", 4) == [0, 0.25, 0.5, 0.75, 0, 0.25]
+    assert noise_ratios(6, "reverse", 4) == [0.75, 0.5, 0.25, 0, 0.75, 0.5]
+    assert noise_ratios(3, "progressive", 1) == [0, 0, 0]
+    drawn = noise_ratios(50, "random", 4, torch.Generator().manual_seed(0))
+    assert set(drawn) == {0, 0.25, 0.5, 0.75}
+    assert drawn == noise_ratios(50, "random", 4, torch.Generator().manual_seed(0))
+    with pytest.raises(FastForwardError, match="noise schedule"):
+        noise_ratios(3, "cosine", 4)
+
+
+def test_the_point_nearest_the_scheduled_ratio_is_chosen():
+    # Unconverged fractions along the trajectory: 1, 0.75, 0.5, 0.5, 0.25, then the fixed point 0.
+    block = Block([[9, 9, 9, 9], [1, 9, 9, 9], [1, 2, 9, 9], [1, 8, 3, 9], [1, 2, 3, 9]], [1, 2, 3, 4])
+    assert [block.unconverged(s) for s in block.trajectory] == [1, 0.75, 0.5, 0.5, 0.25, 0]
+    assert choose_point(block, 0.0) == [1, 2, 3, 4]
+    assert choose_point(block, 0.2) == [1, 2, 3, 9]
+    assert choose_point(block, 0.5) == [1, 2, 9, 9]  # a tie goes to the earlier point
+    assert choose_point(block, 0.55) == [1, 2, 9, 9]
+    assert choose_point(block, 0.7) == [1, 9, 9, 9]
+    assert choose_point(block, 1.0) == [9, 9, 9, 9]
+    assert choose_point(Block([], [5, 6]), 0.75) == [5, 6]  # nothing but the fixed point
+
+
+# ---- packing ------------------------------------------------------------------------------------
+def drawn(rows: list[str]) -> torch.Tensor:
+    return torch.tensor([[c == "1" for c in row] for row in rows])
+
+
+def test_noise_conditioned_rule_is_fig2b():
+    #          p p n n c c n n c c
+    expected = [
+        "1000000000",  # p0
+        "1100000000",  # p1
+        "1110000000",  # noisy1 a: prompt, itself
+        "1111000000",  # noisy1 b
+        "1100100000",  # clean1 a: prompt, itself
+        "1100110000",  # clean1 b
+        "1111001000",  # noisy2 a: prompt, noisy1, itself
+        "1111001100",  # noisy2 b
+        "1100110010",  # clean2 a: prompt, clean1, itself
+        "1100110011",  # clean2 b
+    ]
+    assert torch.equal(jacobi_forcing_rule(2, [2, 2], "noisy"), drawn(expected))
+
+
+def test_clean_context_rule_is_fig2a():
+    expected = [
+        "1000000000",
+        "1100000000",
+        "1110000000",
+        "1111000000",
+        "1100100000",
+        "1100110000",
+        "1100111000",  # noisy2 a: prompt, clean1, itself
+        "1100111100",
+        "1100110010",
+        "1100110011",
+    ]
+    assert torch.equal(jacobi_forcing_rule(2, [2, 2], "clean"), drawn(expected))
+
+
+def test_packing_shares_positions_and_pairs_noisy_with_clean_slots():
+    packed = pack([([7, 8], [[9, 9], [3, 9]], [[1, 2], [3, 4]]), ([5], [[1, 9]], [[1, 2]])], pad_id=0)
+    layout = packed.layout
+    assert layout.tokens.tolist() == [[7, 8, 9, 9, 1, 2, 3, 9, 3, 4], [5, 1, 9, 1, 2, 0, 0, 0, 0, 0]]
+    assert layout.positions[0].tolist() == [0, 1, 2, 3, 2, 3, 4, 5, 4, 5]
+    assert layout.positions[1, :5].tolist() == [0, 1, 2, 1, 2]
+    assert layout.visibility.shape == (2, 10, 10)
+    assert not layout.visibility[1, :, 5:].any(-1)[:5].any()  # padding is never seen by real tokens
+    noisy = list(zip(*(t.tolist() for t in packed.noisy), strict=True))
+    read = list(zip(*(t.tolist() for t in packed.read), strict=True))
+    assert noisy == [(0, 2), (0, 3), (0, 6), (0, 7), (1, 1), (1, 2)]
+    assert [read[j] for j in packed.teacher.tolist()] == [(0, 4), (0, 5), (0, 8), (0, 9), (1, 3), (1, 4)]
+    labels = dict(zip(read, packed.labels.tolist(), strict=True))
+    assert labels == {(0, 1): 1, (0, 4): 2, (0, 5): 3, (0, 8): 4, (0, 9): IGNORE, (1, 0): 1, (1, 3): 2, (1, 4): IGNORE}
+    assert packed.noise == pytest.approx(4 / 6)
+
+
+# ---- the loss -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=0, init_std=0.5)
+
+
+def random_batch(model, clean_states: bool, seed: int = 0) -> TrajectoryBatch:
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for index, (prompt_len, blocks) in enumerate([(3, 3), (5, 2)]):
+        prompt = torch.randint(0, 200, (prompt_len,), generator=g).tolist()
+        fixed = [torch.randint(0, 200, (4,), generator=g).tolist() for _ in range(blocks)]
+        states = [[] if clean_states else [torch.randint(0, 200, (4,), generator=g).tolist()] for _ in fixed]
+        examples.append(Trajectory(prompt, [Block(s, f) for s, f in zip(states, fixed, strict=True)], 4, index))
+    return TrajectoryBatch(examples)
+
+
+@pytest.mark.parametrize("context", ["noisy", "clean"])
+def test_consistency_loss_is_zero_when_noisy_blocks_are_clean(model, context):
+    objective = JacobiForcing(noisy_context=context, ar_weight=0.0)
+    loss, metrics = objective.loss(model, random_batch(model, clean_states=True), torch.Generator())
+    assert abs(loss.item()) < 1e-5 and metrics["noise"] == 0
+    assert metrics["ar_loss"] > 0  # still logged
+
+
+def test_noisy_blocks_give_a_positive_loss_whose_gradient_flows_through_the_student(model):
+    objective = JacobiForcing(noise_schedule="progressive", noise_window=2, ar_weight=0.0)
+    batch = random_batch(model, clean_states=False)
+    loss, metrics = objective.loss(model, batch, torch.Generator())
+    assert loss.item() > 0 and 0 < metrics["noise"] <= 1
+    assert metrics["blocks"] == 2.5
+    loss.backward()
+    grads = [p.grad for p in model.hf.parameters()]
+    assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    model.hf.zero_grad(set_to_none=True)
+
+
+def test_ar_term_is_the_next_token_loss_of_the_clean_stream(model):
+    batch = random_batch(model, clean_states=False)
+    _, metrics = JacobiForcing(ar_weight=1.0).loss(model, batch, torch.Generator())
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for example in batch.examples:
+            ids = example.prompt_ids + example.response
+            logits = model.hf(torch.tensor([ids])).logits[0].float()
+            start = len(example.prompt_ids) - 1
+            targets = torch.tensor(ids[start + 1 :])
+            total += torch.nn.functional.cross_entropy(logits[start:-1], targets, reduction="sum").item()
+            count += len(targets)
+    assert metrics["ar_loss"] == pytest.approx(total / count, rel=1e-4)
+
+
+def test_options_are_checked_and_text_batches_refused(model):
+    with pytest.raises(FastForwardError, match="noise schedule"):
+        make_objective("jacobi_forcing", noise_schedule="linear")
+    with pytest.raises(FastForwardError, match="noisy context"):
+        JacobiForcing(noisy_context="mixed")
+    with pytest.raises(FastForwardError, match="trajectories"):
+        JacobiForcing().loss(model, object(), torch.Generator())
+
+
+# ---- end to end ---------------------------------------------------------------------------------
+TEXTS = ["def add(a, b):", "Tom has 3 apples", "The quick brown fox", "0", "1 + 2 =", "return a"]
+
+
+def test_trains_end_to_end_through_the_common_trainer(tmp_path):
+    model = tiny_model(seed=0, init_std=0.5)
+    path = tmp_path / "t.jsonl"
+    collect(model, TEXTS, path, block_size=4, max_new_tokens=12, batch_size=6, progress=False)
+    data = TrajectoryData(read_trajectories(path), seq_len=40)
+    config = TrainConfig(steps=12, seq_len=40, batch_size=3, lr=3e-3, warmup=2, save_every=0, eval_every=0)
+    history = train(model, JacobiForcing(noise_window=3), data, config, tmp_path / "run")
+    losses = [r["loss"] for r in history]
+    assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) < sum(losses[:3])
+
+
+def test_cli_trajectories_train_generate(tmp_path, capsys):
+    tiny_model(init_std=0.5).save(tmp_path / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{t}"}}\n' for t in TEXTS))
+    traj = tmp_path / "t.jsonl"
+    collect_args = ["trajectories", "--model", str(tmp_path / "m"), "--prompts", str(prompts), "--out", str(traj)]
+    assert main([*collect_args, "--block-size", "4", "--max-new-tokens", "8"]) == 0
+    train_args = ["train", "--objective", "jacobi_forcing", "--trajectories", str(traj), "--model", str(tmp_path / "m")]
+    train_args += ["--out", str(tmp_path / "jf"), "--steps", "2", "--seq-len", "32", "--batch-size", "2"]
+    assert main([*train_args, "--eval-fraction", "0.3", "--noise-window", "4"]) == 0
+    assert main(["generate", "--model", str(tmp_path / "jf"), "--decoder", "jacobi", "--max-new-tokens", "6", "0"]) == 0
+    assert "tokens/forward" in capsys.readouterr().err
+    bad = ["train", "--objective", "jacobi_forcing", "--data", str(prompts), "--out", str(tmp_path / "x")]
+    assert main(bad) == 2
+    assert "--trajectories" in capsys.readouterr().err
+
+
+def test_progressive_rounds_resume_by_skipping_finished_rounds(tmp_path, capsys):
+    tiny_model(init_std=0.5).save(tmp_path / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{t}"}}\n' for t in TEXTS[:4]))
+    args = ["jacobi-forcing", "--model", str(tmp_path / "m"), "--prompts", str(prompts), "--out", str(tmp_path / "jf")]
+    args += ["--rounds", "2", "--block-sizes", "2", "3", "--max-new-tokens", "6", "--steps", "2", "--seq-len", "24"]
+    assert main(args) == 0
+    for r, n in ((1, 2), (2, 3)):
+        assert (tmp_path / "jf" / f"round-{r}" / "config.json").exists()
+        assert {t.block_size for t in read_trajectories(tmp_path / "jf" / f"trajectories-round-{r}.jsonl")} == {n}
+    capsys.readouterr()
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "round 1: done" in out and "round 2: done" in out
+    assert load_model(str(tmp_path / "jf" / "round-2")).hf is not None
