@@ -224,7 +224,9 @@ def _preset_gguf(name: str) -> Path:
 
 
 def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
+    )
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     # A GGUF-loaded model carries a quantizer stub that refuses save_pretrained; the weights are dequantized.
     hf.hf_quantizer = None
