@@ -205,14 +205,16 @@ def jacobi_trajectories(
     blocks: list[list[Block]] = [[] for _ in range(batch)]
     pending: list[list[list[int]]] = [[] for _ in range(batch)]
 
-    def fresh(rows: torch.Tensor) -> torch.Tensor:
+    def fresh(rows: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """`state` with the rows that start a new block replaced by their initial drafts."""
         if not bool(rows.any()):
             return state
         seeds = [derive_seed(seed, keys[r], len(blocks[r])) for r in range(batch)]
         return torch.where(rows[:, None], _drafts(init, before, n, model, seeds), state)
 
-    state = torch.zeros(batch, n, dtype=torch.long, device=device)
-    state = fresh(torch.ones(batch, dtype=torch.bool, device=device))
+    state = fresh(
+        torch.ones(batch, dtype=torch.bool, device=device), torch.zeros(batch, n, dtype=torch.long, device=device)
+    )
     steps = torch.arange(n, device=device)
     done = session.done
     while not bool(done.all()):
@@ -224,9 +226,9 @@ def jacobi_trajectories(
         session.keep_accepted(n, converged.long() * n)
         session.next_pos += converged.long() * n
         stops = torch.isin(state, session.stop_ids).any(-1).tolist()
-        rows, states = converged.tolist(), state.tolist()
+        rows, states, finished = converged.tolist(), state.tolist(), done.tolist()
         for r in range(batch):
-            if done[r]:
+            if finished[r]:
                 continue
             if rows[r]:
                 blocks[r].append(Block(pending[r], states[r]))
@@ -237,8 +239,7 @@ def jacobi_trajectories(
                 pending[r].append(states[r])
         following = torch.where(converged, guess[:, -1], following)
         before = torch.where(converged, state[:, -1], before)
-        state = torch.where(converged[:, None], state, update)
-        state = fresh(converged)
+        state = fresh(converged, update)
     return blocks
 
 
