@@ -113,8 +113,11 @@ def encode_record(record: dict[str, str], tokenizer: PreTrainedTokenizerBase, ch
         raise FastForwardError("the tokenizer has no end-of-sequence token; set tokenizer.eos_token first")
     # Special tokens the tokenizer puts around any text (e.g. BOS) are context, never targets.
     prefix = [i for i in tokenizer("", add_special_tokens=True)["input_ids"] if i != tokenizer.eos_token_id]
-    context = prefix + (_plain(tokenizer, record["prompt"]) if "prompt" in record else [])
-    target = _plain(tokenizer, record.get("completion", record.get("text", ""))) + [tokenizer.eos_token_id]
+    if "prompt" in record:
+        context, target = prefix + _plain(tokenizer, record["prompt"]), _plain(tokenizer, record["completion"])
+    else:
+        context, target = prefix, _plain(tokenizer, record["text"])
+    target.append(tokenizer.eos_token_id)
     return Example(context + target, [False] * len(context) + [True] * len(target))
 
 
