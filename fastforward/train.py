@@ -20,9 +20,10 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
@@ -30,7 +31,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from fastforward.data import Batch, PackedData, derive_seed
+from fastforward.data import derive_seed
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.objectives import Objective
@@ -42,6 +43,24 @@ CHECKPOINT = re.compile(r"step-(\d+)")
 RESUME_NEUTRAL = {"eval_every", "save_every", "keep_checkpoints", "max_eval_batches"}
 
 Callback = Callable[[int, dict], None]
+
+
+class TrainData(Protocol):
+    """What the trainer needs of a data set (e.g. PackedData); its batches have `.to(device)` and `.n_tokens`."""
+
+    seq_len: int
+
+    def batch(self, index: int, batch_size: int, seed: int) -> Any:
+        """The `index`-th batch: a pure function of (seed, index), so a resume needs only the step."""
+        ...
+
+    def in_order(self, batch_size: int) -> Iterator[Any]:
+        """Every example once, in a fixed order (evaluation)."""
+        ...
+
+    def fingerprint(self) -> str:
+        """Changes whenever the data would: a resumed run must see the same data."""
+        ...
 
 
 @dataclass
@@ -86,7 +105,7 @@ class _ObjectiveModule(nn.Module):
         self.model = model
         self.objective = objective
 
-    def forward(self, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+    def forward(self, batch: Any, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
         return self.objective.loss(self.model, batch, generator)
 
 
@@ -199,7 +218,7 @@ def _mean_over_processes(accelerator: Accelerator, metrics: dict[str, float]) ->
     return dict(zip(metrics, values.tolist(), strict=True))
 
 
-def _train_step(accelerator, module, optimizer, scheduler, data: PackedData, config: TrainConfig, step: int) -> dict:
+def _train_step(accelerator, module, optimizer, scheduler, data: TrainData, config: TrainConfig, step: int) -> dict:
     """One optimizer step over grad_accum micro-batches; returns metrics averaged over them."""
     totals: dict[str, float] = {}
     tokens = 0
@@ -226,7 +245,7 @@ def _train_step(accelerator, module, optimizer, scheduler, data: PackedData, con
 
 
 @torch.no_grad()
-def evaluate(accelerator: Accelerator, module: nn.Module, data: PackedData, config: TrainConfig) -> dict[str, float]:
+def evaluate(accelerator: Accelerator, module: nn.Module, data: TrainData, config: TrainConfig) -> dict[str, float]:
     """The objective's metrics averaged over the eval rows (same masks and block sizes every time)."""
     module.eval()
     totals: dict[str, float] = {}
@@ -252,10 +271,10 @@ def evaluate(accelerator: Accelerator, module: nn.Module, data: PackedData, conf
 def train(
     model: Model,
     objective: Objective,
-    train_data: PackedData,
+    train_data: TrainData,
     config: TrainConfig,
     out_dir: str | Path,
-    eval_data: PackedData | None = None,
+    eval_data: TrainData | None = None,
     callback: Callback | None = None,
     overwrite: bool = False,
 ) -> list[dict]:
