@@ -1,0 +1,137 @@
+"""`fastforward eval`: a model × decoder × task → accuracy, NFE, TPF, TPS and speedup against AR
+decoding of the same model, measured in the same run; `--sweep` a decoder knob for the
+accuracy-vs-TPF curve, its AUP, a PNG plot and JSON."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fastforward.api import DECODERS, build_decoder
+from fastforward.evaluate import (
+    AR,
+    compare,
+    parse_sweep,
+    results_table,
+    sweep_label,
+    write_json,
+    write_records,
+)
+from fastforward.model import DTYPES, load_model
+from fastforward.tasks import get_task, parse_options
+
+KNOBS = (
+    "block_size",
+    "policy",
+    "gamma",
+    "first_token_from_ntp",
+    "draft_init",
+    "max_blocks",
+    "spawn_ratio",
+    "verify",
+    "ngram",
+    "temperature",
+    "top_p",
+    "seed",
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="accuracy, NFE, TPF, TPS and speedup of a decoder on a task (AR baseline in the same run)",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="preset, model directory or .gguf file")
+    p.add_argument("--task", required=True, help="arithmetic, pycode, humaneval, or a JSONL file of {prompt, answer}")
+    p.add_argument(
+        "--task-option", action="append", default=[], metavar="K=V", help="task knob, e.g. max_number=20 (repeat)"
+    )
+    p.add_argument("--split", default="test")
+    p.add_argument("--n", type=int, default=100, help="examples to evaluate")
+    p.add_argument("--seed", type=int, default=0, help="which examples (for generated tasks)")
+    p.add_argument("--decoder", choices=sorted(DECODERS), default="sbd")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (sbd) or drafts per block (jacobi)")
+    p.add_argument("--policy", default="entropy", help="reveal policy: entropy, confidence, factor, threshold")
+    p.add_argument("--gamma", type=float, default=0.35, help="the policy's bound: γ, factor f or threshold τ")
+    p.add_argument("--first-token-from-ntp", action="store_true", help="sbd: block's first token from NTP")
+    p.add_argument("--draft-init", default="repeat", help="jacobi: fill fresh drafts by 'repeat' or 'random'")
+    p.add_argument("--max-blocks", type=int, default=2, help="jacobi-mr: blocks refined at once")
+    p.add_argument("--spawn-ratio", type=float, default=0.85, help="jacobi-mr: spawn threshold")
+    p.add_argument("--verify", type=int, default=2, help="jacobi-mr: recycled candidates per forward")
+    p.add_argument("--ngram", type=int, default=0, help="jacobi-mr: candidate length")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the AR baseline is always greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--sweep",
+        metavar="KNOB=V1,V2,...",
+        help="evaluate the decoder at each value of one knob, e.g. gamma=0,0.1,0.35,1 (curve, AUP, plot)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's own budget")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together; timings are per batch")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default=None, help="torch device (default: cpu)")
+    p.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
+    p.add_argument("--out", default=None, help="directory for results.json, records.jsonl (and sweep.png, sweep.json)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    knobs = {k: getattr(args, k) for k in KNOBS}
+    task = get_task(args.task, **parse_options(args.task_option))
+    sweep_spec = parse_sweep(args.sweep) if args.sweep else None
+    if sweep_spec:
+        name, values = sweep_spec
+        decoders = {sweep_label(name, v): build_decoder(args.decoder, **{**knobs, name: v}) for v in values}
+    else:
+        decoder = build_decoder(args.decoder, **knobs)
+        greedy_ar = args.decoder == "ar" and args.temperature == 0
+        decoders = {} if greedy_ar else {args.decoder: decoder}
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    results = compare(
+        model,
+        task,
+        decoders,
+        n=args.n,
+        split=args.split,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        chat_template=not args.no_chat_template,
+        progress=not args.quiet,
+    )
+    ordered = [results[AR]] + [results[label] for label in decoders]
+    print(f"{task.name}: {ordered[0].n} {args.split} examples, model {args.model}, batch size {args.batch_size}")
+    print(results_table(ordered))
+    summary = {
+        "model": args.model,
+        "task": task.describe(),
+        "split": args.split,
+        "seed": args.seed,
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens or task.max_new_tokens,
+        "results": [r.summary() for r in ordered],
+    }
+    if sweep_spec:
+        from fastforward.evaluate import SweepResult
+        from fastforward.plots import plot_sweep
+
+        name, values = sweep_spec
+        curve = SweepResult(name, values, [results[label] for label in decoders], results[AR])
+        summary["sweep"] = curve.summary()
+        aup = curve.aup
+        print(f"AUP over {name} = {', '.join(map(str, values))}: " + ("-" if aup is None else f"{aup:.2f}"))
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "results.json", summary)
+        write_records(out / "records.jsonl", ordered)
+        written = [out / "results.json", out / "records.jsonl"]
+        if sweep_spec:
+            write_json(out / "sweep.json", summary["sweep"])
+            plot_sweep(out / "sweep.png", curve, name=args.decoder)
+            written += [out / "sweep.json", out / "sweep.png"]
+        print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0

@@ -1,0 +1,133 @@
+"""`fastforward eval` and the evaluation API on a tiny random model saved to disk with a JSONL task."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fastforward import metrics
+from fastforward.api import build_decoder
+from fastforward.cli import main
+from fastforward.errors import FastForwardError
+from fastforward.evaluate import compare, evaluate, parse_sweep, sweep
+from fastforward.model import load_model
+from fastforward.tasks import get_task
+from fastforward.tiny import tiny_model
+
+PROMPTS = ["Tom has 3 apples", "def add(a, b):", "The quick brown fox", "0123", "jumps over the lazy"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models decode many times faster on one thread when the 2 shared cores are busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    model = tiny_model(seed=0, init_std=0.5)
+    model.add_mask_token()
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    model.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def task_file(tmp_path_factory, model_dir):
+    """A JSONL task whose first answers are what the model writes greedily (so accuracy is not 0)."""
+    model = load_model(str(model_dir))
+    gens = build_decoder("ar").generate(model, [model.encode_prompt(p) for p in PROMPTS], 12)
+    path = tmp_path_factory.mktemp("tasks") / "echo.jsonl"
+    with path.open("w") as f:
+        for i, (prompt, gen) in enumerate(zip(PROMPTS, gens, strict=True)):
+            answer = gen.text.strip() if i < 3 and gen.text.strip() else "no such answer"
+            f.write(json.dumps({"prompt": prompt, "answer": answer}) + "\n")
+    return path
+
+
+def check_consistent(result: dict) -> None:
+    assert result["nfe"] > 0 and result["tokens"] > 0
+    assert result["tpf"] * result["nfe"] == pytest.approx(result["tokens"], rel=1e-3)
+    assert result["tps"] * result["seconds"] == pytest.approx(result["tokens"], rel=1e-3)
+    assert result["speedup"] == pytest.approx(result["tps"] / result["ar_tps"], rel=1e-3)
+    assert 0 <= result["accuracy"] <= 100
+    assert result["prefill_seconds"] <= result["seconds"]
+
+
+def test_eval_cli_end_to_end(tmp_path, model_dir, task_file, capsys):
+    out = tmp_path / "eval"
+    argv = ["eval", "--model", str(model_dir), "--task", str(task_file), "--decoder", "sbd", "--gamma", "0.5"]
+    assert main([*argv, "--block-size", "4", "--max-new-tokens", "12", "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "TPF" in printed and "speedup" in printed
+    summary = json.loads((out / "results.json").read_text())
+    ar, sbd = summary["results"]
+    assert ar["label"] == "ar" and sbd["label"] == "sbd"
+    for result in (ar, sbd):
+        check_consistent(result)
+        assert result["n"] == len(PROMPTS)
+    assert ar["speedup"] == pytest.approx(1.0)
+    assert ar["accuracy"] == pytest.approx(60.0)  # the first three answers are AR's own outputs
+    assert ar["agree_exact"] == 100.0
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * len(PROMPTS)
+    assert {r["label"] for r in records} == {"ar", "sbd"}
+    for label, result in (("ar", ar), ("sbd", sbd)):
+        mine = [r for r in records if r["label"] == label]
+        assert sum(r["nfe"] for r in mine) == result["nfe"]
+        assert sum(r["tokens"] for r in mine) == result["tokens"]
+        assert 100 * sum(r["correct"] for r in mine) / len(mine) == pytest.approx(result["accuracy"])
+
+
+def test_eval_cli_sweep_writes_plot_json_and_aup(tmp_path, model_dir, task_file):
+    out = tmp_path / "sweep"
+    argv = ["eval", "--model", str(model_dir), "--task", str(task_file), "--block-size", "4"]
+    argv += ["--sweep", "gamma=0,0.5,4", "--max-new-tokens", "12", "--out", str(out), "--quiet", "--batch-size", "2"]
+    assert main(argv) == 0
+    assert (out / "sweep.png").stat().st_size > 1000
+    assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    curve = json.loads((out / "sweep.json").read_text())
+    assert curve["knob"] == "gamma" and curve["values"] == [0.0, 0.5, 4.0]
+    points = [(p["tpf"], p["accuracy"]) for p in curve["points"]]
+    assert curve["aup"] == pytest.approx(metrics.aup(points), rel=1e-3)
+    for p in curve["points"]:
+        check_consistent(p)
+        assert p["batch_size"] == 2
+    # a larger γ never reveals fewer tokens per forward on the same prompts
+    assert points[0][0] <= points[-1][0] + 1e-9
+
+
+def test_python_api_figures(model_dir, task_file):
+    model = load_model(str(model_dir))
+    task = get_task(str(task_file))
+    result = evaluate(model, task, build_decoder("sbd", block_size=4, gamma=0.0), max_new_tokens=12, progress=False)
+    assert result.label == "sbd" and result.n == len(PROMPTS)
+    assert result.tpf * result.nfe == pytest.approx(result.tokens)
+    assert result.speedup == pytest.approx(result.tps / result.ar_tps)
+    assert len(result.records) == len(PROMPTS)
+    ar = evaluate(model, task, "ar", max_new_tokens=12, progress=False)
+    assert ar.label == "ar" and ar.speedup == pytest.approx(1.0) and ar.agree_exact == 100.0
+    curve = sweep(model, task, "sbd", "gamma", [0.0, 1.0], knobs={"block_size": 4}, max_new_tokens=12, progress=False)
+    assert [p.label for p in curve.points] == ["gamma=0.0", "gamma=1.0"]
+    assert curve.aup == pytest.approx(metrics.aup(curve.curve))
+    both = compare(model, task, {"a": build_decoder("sbd", block_size=4)}, max_new_tokens=12, progress=False)
+    assert set(both) == {"ar", "a"}
+
+
+def test_parse_sweep_and_errors():
+    assert parse_sweep("gamma=0,0.1,1") == ("gamma", [0.0, 0.1, 1.0])
+    assert parse_sweep("block-size=4,8") == ("block_size", [4, 8])
+    assert parse_sweep("policy=entropy,factor") == ("policy", ["entropy", "factor"])
+    for bad in ("gamma", "gamma=", "nope=1,2", "block_size=1.5"):
+        with pytest.raises(FastForwardError):
+            parse_sweep(bad)
+
+
+def test_eval_cli_reports_bad_input(model_dir, capsys):
+    assert main(["eval", "--model", str(model_dir), "--task", "nope"]) == 2
+    assert "unknown task" in capsys.readouterr().err
