@@ -1,0 +1,90 @@
+"""The demo pipeline end to end on the 'smoke' budget (a few training steps, a few problems)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fastforward.cli import main
+from fastforward.demo import PRESETS, auto_threads, run_demo
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_demo_trains_evaluates_and_reuses(tmp_path):
+    out, lines = tmp_path / "demo", []
+    config = PRESETS["smoke"]
+    result = run_demo(out, config, json_path=tmp_path / "t.json", threads=1, progress=False, log=lines.append)
+    for name in ("pretrain", "ntp", "sbd"):
+        assert (out / name / "config.json").exists()
+    assert {"train_pretrain", "train_ntp", "train_sbd", "evaluate"} <= set(result.seconds)
+    assert [(r["model"], r["decoder"], r["gamma"]) for r in result.rows] == [
+        ("NTP", "AR", None),
+        ("SBD", "AR", None),
+        ("SBD", "SBD", config.gamma_low),
+        ("SBD", "SBD", config.gamma_high),
+    ]
+    for row in result.rows:
+        for key in ("model", "decoder", "gamma", "accuracy", "nfe", "tpf", "tps", "speedup"):
+            assert key in row
+        assert row["tpf"] * row["nfe"] == pytest.approx(row["tokens"], rel=1e-2)
+    assert result.rows[0]["speedup"] == pytest.approx(1.0) and result.rows[1]["speedup"] == pytest.approx(1.0)
+    assert [p["gamma"] for p in result.sweep] == config.sweep_values()
+    written = json.loads((tmp_path / "t.json").read_text())
+    assert written["rows"] == result.rows
+    assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    records = (out / "records.jsonl").read_text().splitlines()
+    assert len(records) == config.eval_examples * (2 + len(config.sweep_values()))
+    text = "\n".join(lines)
+    assert "wall speedup" in text and "NFE speedup" in text
+
+    # a second run reuses the models; changing an evaluation setting does not retrain
+    weights = (out / "sbd" / "model.safetensors").stat().st_mtime_ns
+    lines.clear()
+    again = run_demo(out, replace(config, gamma_high=2.0), threads=1, progress=False, log=lines.append)
+    assert not any(k.startswith("train_") for k in again.seconds)
+    assert (out / "sbd" / "model.safetensors").stat().st_mtime_ns == weights
+    assert sum("reusing" in line for line in lines) == 3
+    assert again.rows[3]["gamma"] == 2.0
+
+    # a training setting that changed, or --retrain, trains again
+    lines.clear()
+    changed = run_demo(out, replace(config, finetune_steps=2), threads=1, progress=False, log=lines.append)
+    assert "train_sbd" in changed.seconds and any("other settings" in line for line in lines)
+
+
+def test_demo_cli_smoke(tmp_path, capsys):
+    out = tmp_path / "demo"
+    argv = [
+        "demo",
+        "--preset",
+        "smoke",
+        "--out",
+        str(out),
+        "--threads",
+        "1",
+        "--quiet",
+        "--json",
+        str(tmp_path / "t.json"),
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "accuracy %" in printed and "SBD" in printed
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert len(rows) == 4
+    assert main([*argv, "--retrain", "--n", "2"]) == 0
+    assert json.loads((tmp_path / "t.json").read_text())["rows"][0]["n"] == 2
+
+
+def test_auto_threads_is_sane():
+    assert 1 <= auto_threads() <= (os.cpu_count() or 1)
