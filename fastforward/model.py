@@ -170,7 +170,7 @@ class Model:
         return self.hf.get_decoder()(
             input_ids=layout.tokens,
             position_ids=layout.positions,
-            attention_mask=layout.visibility[:, None],
+            attention_mask=None if layout.visibility is None else layout.visibility[:, None],
             use_cache=False,
         ).last_hidden_state
 

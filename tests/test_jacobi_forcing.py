@@ -18,14 +18,6 @@ from fastforward.train import TrainConfig, train
 from fastforward.trajectories import Block, Trajectory, TrajectoryBatch, TrajectoryData, collect, read_trajectories
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---- schedule and trajectory points -------------------------------------------------------------
 def test_noise_schedules_follow_eq7():
     assert noise_ratios(6, "progressive", 4) == [0, 0.25, 0.5, 0.75, 0, 0.25]

@@ -49,15 +49,6 @@ def crash_at(at: int):
     return callback
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models train ~10x faster on one thread when the 2 shared cores are busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("objective", [NTP(), SBD(min_block=2, max_block=8)], ids=["ntp", "sbd"])
 def test_loss_falls_on_a_tiny_task(tmp_path, objective):
     model = tiny_model(TEXTS)
