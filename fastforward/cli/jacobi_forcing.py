@@ -12,17 +12,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from fastforward.cli.train import add_optimizer_flags, train_config
 from fastforward.cli.trajectories import add_collect_flags, add_prompt_flags, load_prompt_source
 from fastforward.errors import FastForwardError
-from fastforward.model import DTYPES, load_model
+from fastforward.model import load_model
 from fastforward.objectives import JacobiForcing
 from fastforward.objectives.jacobi_forcing import CONTEXTS, SCHEDULES
-from fastforward.train import TrainConfig, train
+from fastforward.train import train
 from fastforward.trajectories import TrajectoryData, collect
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    d, jf = TrainConfig(), JacobiForcing()
+    jf = JacobiForcing()
     p = sub.add_parser(
         "jacobi-forcing",
         help="progressive Jacobi Forcing: rounds of trajectory collection and training (resumable)",
@@ -39,19 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--noise-schedule", choices=SCHEDULES, default=jf.noise_schedule)
     p.add_argument("--noisy-context", choices=CONTEXTS, default=jf.noisy_context)
     p.add_argument("--ar-weight", type=float, default=jf.ar_weight, help="weight of the AR loss (eq. 9)")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per round")
-    p.add_argument("--seq-len", type=int, default=1024, help="most tokens of a packed row (prompt + 2 × response)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--grad-accum", type=int, default=d.grad_accum)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--warmup", type=int, default=d.warmup)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm)
-    p.add_argument("--save-every", type=int, default=d.save_every)
-    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast in training")
+    add_optimizer_flags(p, seq_len=1024)  # a row holds the prompt and the response twice
     p.set_defaults(run=run)
 
 
@@ -67,22 +56,7 @@ def run(args: argparse.Namespace) -> int:
         raise FastForwardError(f"--rounds must be at least 1, got {args.rounds}")
     sizes = per_round(args.block_sizes, args.rounds, "--block-sizes")
     windows = per_round(args.noise_windows, args.rounds, "--noise-windows")
-    config = TrainConfig(
-        steps=args.steps,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        lr=args.lr,
-        warmup=args.warmup,
-        weight_decay=args.weight_decay,
-        max_grad_norm=args.max_grad_norm,
-        seed=args.seed,
-        mixed_precision="bf16" if args.bf16 else "no",
-        eval_every=0,
-        save_every=args.save_every,
-        keep_checkpoints=args.keep_checkpoints,
-    )
-    config.validate()
+    config = train_config(args, eval_every=0)
     prompts, ids, budget = load_prompt_source(args)
     out = Path(args.out)
     start = args.model

@@ -29,14 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-data", help="JSONL held out for evaluation (trajectories for jacobi_forcing)")
     p.add_argument("--eval-fraction", type=float, default=0.0, help="hold out this share of --data instead")
     p.add_argument("--no-chat-template", action="store_true", help="join prompt and completion as raw text")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per packed row")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per device per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps (then cosine decay)")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="0 disables clipping")
+    add_optimizer_flags(p, seq_len=TrainConfig().seq_len)
     p.add_argument("--min-block", type=int, default=sbd.min_block, help="smallest block size drawn (sbd)")
     p.add_argument("--max-block", type=int, default=sbd.max_block, help="largest block size drawn (sbd)")
     p.add_argument("--ntp-weight", type=float, default=sbd.ntp_weight, help="weight of the NTP term (sbd)")
@@ -47,16 +40,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--noisy-context", default=jf.noisy_context, help="noisy blocks see earlier noisy or clean blocks")
     p.add_argument("--ar-weight", type=float, default=jf.ar_weight, help="weight of the AR loss (jacobi_forcing)")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evaluations")
-    p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
-    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
     p.add_argument("--max-eval-batches", type=int, default=d.max_eval_batches)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast (weights and optimizer stay in --dtype)")
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def add_optimizer_flags(p: argparse.ArgumentParser, seq_len: int) -> None:
+    """The trainer's flags shared by every command that trains (see `train_config`)."""
+    d = TrainConfig()
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per packed row")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per device per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps (then cosine decay)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="0 disables clipping")
+    p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (weights and optimizer stay in --dtype)")
+
+
+def train_config(args: argparse.Namespace, **overrides) -> TrainConfig:
+    """A validated TrainConfig from `add_optimizer_flags` flags (plus per-command settings)."""
     config = TrainConfig(
         steps=args.steps,
         seq_len=args.seq_len,
@@ -68,12 +75,16 @@ def run(args: argparse.Namespace) -> int:
         max_grad_norm=args.max_grad_norm,
         seed=args.seed,
         mixed_precision="bf16" if args.bf16 else "no",
-        eval_every=args.eval_every,
         save_every=args.save_every,
         keep_checkpoints=args.keep_checkpoints,
-        max_eval_batches=args.max_eval_batches,
+        **overrides,
     )
     config.validate()
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    config = train_config(args, eval_every=args.eval_every, max_eval_batches=args.max_eval_batches)
     objective = make_objective(
         args.objective,
         min_block=args.min_block,
