@@ -170,18 +170,26 @@ def _packed(model: Model, records: list[dict[str, str]], seq_len: int) -> Packed
 
 
 def _train(
-    model: Model, objective, data: PackedData, config: TrainConfig, run: Path, log: Callable[[str], None]
+    model: Model,
+    objective,
+    data: PackedData,
+    config: TrainConfig,
+    run: Path,
+    log: Callable[[str], None],
+    callback: Callable[[int, dict], None] | None = None,
 ) -> None:
     """Train into `run`, resuming a killed run of the same settings; any other leftover is replaced."""
     try:
-        train(model, objective, data, config, run)
+        train(model, objective, data, config, run, callback=callback)
     except FastForwardError as exc:
         log(f"starting {run} afresh: {exc}")
-        train(model, objective, data, config, run, overwrite=True)
+        train(model, objective, data, config, run, callback=callback, overwrite=True)
 
 
-def pretrain(config: DemoConfig, run: Path, log: Callable[[str], None] = print) -> None:
-    """A fresh model with a tokenizer fitted to the task, trained with NTP on whole problems."""
+def pretrain(config: DemoConfig, run: Path, log: Callable[[str], None] = print, callback=None) -> Model:
+    """A fresh model with a tokenizer fitted to the task, trained with NTP on whole problems.
+
+    callback(step, record) runs after every step."""
     task = config.task()
     records = task.training_records(config.pretrain_examples, seed=config.seed)
     texts = [r["prompt"] + r["completion"] for r in records]
@@ -201,11 +209,16 @@ def pretrain(config: DemoConfig, run: Path, log: Callable[[str], None] = print) 
     log(f"model: llama, {shape}, {params / 1e6:.2f}M parameters")
     data = _packed(model, [{"text": t} for t in texts], config.seq_len)
     log(f"pretraining (NTP) on {len(texts)} problems = {len(data)} rows of {config.seq_len} tokens")
-    _train(model, NTP(), data, _train_config(config, config.pretrain_steps, config.pretrain_lr), run, log)
+    _train(model, NTP(), data, _train_config(config, config.pretrain_steps, config.pretrain_lr), run, log, callback)
+    return model
 
 
-def finetune(config: DemoConfig, base: Path, run: Path, objective: str, log: Callable[[str], None] = print) -> None:
-    """A copy of the pretrained model fine-tuned on prompt → worked solution with `objective`."""
+def finetune(
+    config: DemoConfig, base: Path, run: Path, objective: str, log: Callable[[str], None] = print, callback=None
+) -> Model:
+    """A copy of the pretrained model fine-tuned on prompt → worked solution with `objective`.
+
+    callback(model, step, record) runs after every step (e.g. to snapshot the model)."""
     task = config.task()
     records = task.training_records(config.finetune_examples, seed=config.seed + 1)
     model = load_model(str(base))
@@ -213,7 +226,9 @@ def finetune(config: DemoConfig, base: Path, run: Path, objective: str, log: Cal
     data = _packed(model, records, config.seq_len)
     loss = NTP() if objective == "ntp" else SBD(config.min_block, config.max_block, config.ntp_weight)
     log(f"fine-tuning a copy with {objective.upper()} on {len(records)} problems = {len(data)} rows")
-    _train(model, loss, data, _train_config(config, config.finetune_steps, config.finetune_lr), run, log)
+    hook = None if callback is None else (lambda step, record: callback(model, step, record))
+    _train(model, loss, data, _train_config(config, config.finetune_steps, config.finetune_lr), run, log, hook)
+    return model
 
 
 def train_models(

@@ -7,18 +7,9 @@ import os
 from dataclasses import replace
 
 import pytest
-import torch
 
 from fastforward.cli import main
 from fastforward.demo import PRESETS, auto_threads, run_demo
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_demo_trains_evaluates_and_reuses(tmp_path):

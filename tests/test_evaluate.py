@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from fastforward import metrics
 from fastforward.api import build_decoder
@@ -17,15 +16,6 @@ from fastforward.tasks import get_task
 from fastforward.tiny import tiny_model
 
 PROMPTS = ["Tom has 3 apples", "def add(a, b):", "The quick brown fox", "0123", "jumps over the lazy"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models decode many times faster on one thread when the 2 shared cores are busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
