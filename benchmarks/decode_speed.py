@@ -159,7 +159,9 @@ def main() -> None:
             f"{r['tps']:>9.2f}{r['tps_vs_ar']:>8.3f}"
         )
     for name, mem in memory.items():
-        print(f"peak memory {name}: {mem['peak_bytes'] / 2**20:.1f} MiB (+{mem['extra_bytes'] / 2**20:.1f} MiB decoding)")
+        print(
+            f"peak memory {name}: {mem['peak_bytes'] / 2**20:.1f} MiB (+{mem['extra_bytes'] / 2**20:.1f} MiB decoding)"
+        )
     ratio = memory["sbd"]["peak_bytes"] / memory["ar"]["peak_bytes"]
     print(f"sbd / ar peak memory: {ratio:.4f}")
 
