@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from fastforward.api import DECODERS, build_decoder
+from fastforward.cli.generate import add_decoder_flags, decoder_knobs
 from fastforward.evaluate import (
     AR,
     compare,
@@ -20,21 +21,6 @@ from fastforward.evaluate import (
 )
 from fastforward.model import DTYPES, load_model
 from fastforward.tasks import get_task, parse_options
-
-KNOBS = (
-    "block_size",
-    "policy",
-    "gamma",
-    "first_token_from_ntp",
-    "draft_init",
-    "max_blocks",
-    "spawn_ratio",
-    "verify",
-    "ngram",
-    "temperature",
-    "top_p",
-    "seed",
-)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,17 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, default=100, help="examples to evaluate")
     p.add_argument("--seed", type=int, default=0, help="which examples (for generated tasks)")
     p.add_argument("--decoder", choices=sorted(DECODERS), default="sbd")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (sbd) or drafts per block (jacobi)")
-    p.add_argument("--policy", default="entropy", help="reveal policy: entropy, confidence, factor, threshold")
-    p.add_argument("--gamma", type=float, default=0.35, help="the policy's bound: γ, factor f or threshold τ")
-    p.add_argument("--first-token-from-ntp", action="store_true", help="sbd: block's first token from NTP")
-    p.add_argument("--draft-init", default="repeat", help="jacobi: fill fresh drafts by 'repeat' or 'random'")
-    p.add_argument("--max-blocks", type=int, default=2, help="jacobi-mr: blocks refined at once")
-    p.add_argument("--spawn-ratio", type=float, default=0.85, help="jacobi-mr: spawn threshold")
-    p.add_argument("--verify", type=int, default=2, help="jacobi-mr: recycled candidates per forward")
-    p.add_argument("--ngram", type=int, default=0, help="jacobi-mr: candidate length")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the AR baseline is always greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    add_decoder_flags(p)
     p.add_argument(
         "--sweep",
         metavar="KNOB=V1,V2,...",
@@ -80,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    knobs = {k: getattr(args, k) for k in KNOBS}
+    knobs = {**decoder_knobs(args), "seed": args.seed}
     task = get_task(args.task, **parse_options(args.task_option))
     sweep_spec = parse_sweep(args.sweep) if args.sweep else None
     if sweep_spec:
