@@ -5,6 +5,7 @@ Every decoder runs every prompt `--repeats` times, interleaved, and the median t
 
     python benchmarks/decode_speed.py                       # SmolLM2-135M, bf16, 2 threads
     python benchmarks/decode_speed.py --sbd-model runs/sbd  # SBD on an SBD-trained checkpoint
+    python benchmarks/decode_speed.py --model runs/demo/ntp --sbd-model runs/demo/sbd --task arithmetic
 
 Prints a table and writes benchmarks/results/decode_speed.json.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import threading
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from fastforward import ARDecoder, SBDDecoder, load_model, make_policy
+from fastforward.tasks import get_task
 
 PROMPTS = [
     "Write a Python function that reverses a string.",
@@ -89,19 +92,30 @@ def time_decoder(decoder, model, prompt_ids, max_new_tokens):
     return gen.stats.tokens, time.perf_counter() - start, gen.stats.nfe
 
 
-def measure(name, fn, prompts, repeats):
-    """Median seconds per prompt; totals of tokens and forwards (one pass per prompt)."""
-    tokens = nfe = 0
-    seconds = 0.0
-    for prompt in prompts:
-        runs = [fn(prompt) for _ in range(repeats)]
-        tokens += runs[0][0]
-        nfe += runs[0][2] or 0
-        seconds += statistics.median(r[1] for r in runs)
-    row = {"decoder": name, "tokens": tokens, "seconds": round(seconds, 3), "tps": round(tokens / seconds, 2)}
-    if nfe:
-        row["nfe"], row["tpf"] = nfe, round(tokens / nfe, 3)
-    return row
+def measure_all(runners: dict, prompts, repeats: int) -> list[dict]:
+    """Per prompt and repeat, every runner in turn (interleaved, so load drifts hit all alike).
+
+    Seconds are the per-prompt medians summed; tokens and forwards come from one pass.
+    """
+    times = {name: [[] for _ in prompts] for name in runners}
+    first: dict[str, list] = {name: [] for name in runners}
+    for i, prompt in enumerate(prompts):
+        for _ in range(repeats):
+            for name, fn in runners.items():
+                result = fn(prompt)
+                times[name][i].append(result[1])
+                if len(times[name][i]) == 1:
+                    first[name].append(result)
+    rows = []
+    for name in runners:
+        tokens = sum(r[0] for r in first[name])
+        nfe = sum(r[2] or 0 for r in first[name])
+        seconds = sum(statistics.median(t) for t in times[name])
+        row = {"decoder": name, "tokens": tokens, "seconds": round(seconds, 3), "tps": round(tokens / seconds, 2)}
+        if nfe:
+            row["nfe"], row["tpf"] = nfe, round(tokens / nfe, 3)
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -114,6 +128,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--gammas", type=float, nargs="+", default=[0.35, 1.0])
+    ap.add_argument("--task", default=None, help="take prompts from a task's test split (e.g. arithmetic)")
+    ap.add_argument("--n", type=int, default=8, help="prompts from --task")
     ap.add_argument("--out", default="benchmarks/results/decode_speed.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -122,24 +138,22 @@ def main() -> None:
     sbd_model = load_model(args.sbd_model, dtype=args.dtype) if args.sbd_model else model
     if sbd_model.mask_token_id is None:
         sbd_model.add_mask_token()  # untrained mask: SBD figures then only show the mechanics' cost
-    prompts = [model.encode_prompt(p) for p in PROMPTS]
+    texts = [e.prompt for e in get_task(args.task).examples("test", args.n)] if args.task else PROMPTS
+    prompts = [model.encode_prompt(p) for p in texts]
     warm = ARDecoder()
     warm.generate(model, prompts[:1], 8)
 
-    rows = [
-        measure("hf-generate", lambda p: time_hf_generate(model, p, args.max_new_tokens), prompts, args.repeats),
-        measure("ar", lambda p: time_decoder(ARDecoder(), model, p, args.max_new_tokens), prompts, args.repeats),
-    ]
-    ar_tps = rows[1]["tps"]
+    runners = {
+        "hf-generate": lambda p: time_hf_generate(model, p, args.max_new_tokens),
+        "ar": lambda p: time_decoder(ARDecoder(), model, p, args.max_new_tokens),
+    }
     for gamma in args.gammas:
         decoder = SBDDecoder(args.block_size, make_policy("entropy", gamma), first_token_from_ntp=True)
-        row = measure(
-            f"sbd k={args.block_size} γ={gamma}",
-            lambda p, d=decoder: time_decoder(d, sbd_model, p, args.max_new_tokens),
-            prompts,
-            args.repeats,
+        runners[f"sbd k={args.block_size} γ={gamma}"] = lambda p, d=decoder: time_decoder(
+            d, sbd_model, p, args.max_new_tokens
         )
-        rows.append(row)
+    rows = measure_all(runners, prompts, args.repeats)
+    ar_tps = rows[1]["tps"]
     for row in rows:
         row["tps_vs_ar"] = round(row["tps"] / ar_tps, 3)
 
@@ -166,7 +180,12 @@ def main() -> None:
     print(f"sbd / ar peak memory: {ratio:.4f}")
 
     result = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "threads": args.threads,
+            "load_average": os.getloadavg(),
+        },
         "device": str(model.device),
         "args": vars(args),
         "rows": rows,
