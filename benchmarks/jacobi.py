@@ -63,14 +63,19 @@ def log(message: str) -> None:
 
 
 # ---- the model ------------------------------------------------------------------------------------
-def demo_config(quick: bool):
+def demo_config(quick: bool, pretrain_steps: int = 0, finetune_steps: int = 0):
     """The demo's settings (smaller training budgets with --quick)."""
     from dataclasses import replace
 
     from fastforward.demo import PRESETS
 
     # --quick: the demo's seconds-long smoke model (its accuracy is meaningless), a longer budget
-    return replace(PRESETS["smoke"], max_new_tokens=48) if quick else PRESETS["default"]
+    if quick:
+        return replace(PRESETS["smoke"], max_new_tokens=48)
+    config = PRESETS["default"]
+    steps = {"pretrain_steps": pretrain_steps or config.pretrain_steps}
+    steps["finetune_steps"] = finetune_steps or config.finetune_steps
+    return replace(config, **steps)
 
 
 def resolve_model(args) -> tuple[str, dict, int | None]:
@@ -84,8 +89,11 @@ def resolve_model(args) -> tuple[str, dict, int | None]:
         return str(DEMO_MODEL), options, demo_config(False).max_new_tokens
     from fastforward.demo import finetune, pretrain
 
-    config = demo_config(args.quick)
-    root = Path(args.work) / ("demo-model-quick" if args.quick else "demo-model")
+    config = demo_config(args.quick, args.pretrain_steps, args.finetune_steps)
+    name = "demo-model-quick" if args.quick else "demo-model"
+    if not args.quick and (args.pretrain_steps or args.finetune_steps):
+        name += f"-{config.pretrain_steps}-{config.finetune_steps}"
+    root = Path(args.work) / name
     if not (root / "ntp" / "config.json").exists():
         log(f"model: {DEMO_MODEL} not found; building one the way the demo does → {root}")
         started = time.perf_counter()
@@ -108,6 +116,7 @@ def jf_argv(args, model: str, task_options: dict, budget: int, out: Path) -> lis
     argv += ["--noise-windows", *map(str, args.noise_windows), "--steps", str(args.steps)]
     argv += ["--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--lr", str(args.lr)]
     argv += ["--warmup", str(args.warmup), "--ar-weight", str(args.ar_weight), "--dtype", args.dtype]
+    argv += ["--noise-schedule", args.noise_schedule]
     argv += ["--collect-batch-size", "16", "--save-every", str(max(1, args.steps // 4)), "--keep-checkpoints", "1"]
     if not args.chat_template:
         argv.append("--no-chat-template")
@@ -161,7 +170,7 @@ def trajectory_tpf(path: Path) -> float:
 
 # ---- measuring ------------------------------------------------------------------------------------
 def jacobi_decoders(args) -> dict:
-    n = args.decode_block_size or args.block_sizes[-1]
+    n = args.decode_block_size
     return {
         "jacobi": build_decoder("jacobi", block_size=n),
         "jacobi-mr": build_decoder(
@@ -173,6 +182,31 @@ def jacobi_decoders(args) -> dict:
             ngram=args.mr_ngram,
         ),
     }
+
+
+def quality_rows(results: dict, labels=(AR, "jacobi", "jacobi-mr")) -> dict:
+    """Accuracy, TPF and the count of outputs identical to greedy AR, per decoder of a `compare` result."""
+    rows = {}
+    for label in labels:
+        row = results[label].summary()
+        row["identical_to_ar"] = sum(r["agree_exact"] for r in results[label].records)
+        row["accuracy_minus_ar"] = round(row["accuracy"] - results[AR].accuracy, 3)
+        rows[label] = row
+    return rows
+
+
+def report_quality(stage: str, model_path: str, task, rows: dict, load: list) -> dict:
+    ratio = rows["jacobi-mr"]["tpf"] / rows["jacobi"]["tpf"]
+    n = rows[AR]["n"]
+    log(f"\n[{stage}] {model_path} on {n} held-out {task.name} prompts (load {load[0]} → {load[1]})")
+    log(f"{'decoder':<11}{'acc %':>7}{'tokens':>8}{'nfe':>7}{'tpf':>7}{'identical':>11}")
+    for label, r in rows.items():
+        log(
+            f"{label:<11}{r['accuracy']:>7.1f}{r['tokens']:>8}{r['nfe']:>7}{r['tpf']:>7.3f}"
+            f"{r['identical_to_ar']:>6}/{r['n']:<4}"
+        )
+    log(f"jacobi-mr TPF / jacobi TPF: {ratio:.3f}")
+    return {"model": model_path, "n": n, "load_average": load, "rows": rows, "mr_over_jacobi_tpf": round(ratio, 4)}
 
 
 def quality(model_path: str, args, task, examples, budget: int, stage: str) -> dict:
@@ -188,34 +222,13 @@ def quality(model_path: str, args, task, examples, budget: int, stage: str) -> d
         chat_template=args.chat_template,
         desc=stage,
     )
-    rows = {}
-    for label, result in results.items():
-        row = result.summary()
-        row["identical_to_ar"] = sum(r["agree_exact"] for r in result.records)
-        rows[label] = row
-    ar = rows[AR]
-    for label in ("jacobi", "jacobi-mr"):
-        rows[label]["accuracy_minus_ar"] = round(rows[label]["accuracy"] - ar["accuracy"], 3)
-    ratio = rows["jacobi-mr"]["tpf"] / rows["jacobi"]["tpf"]
-    log(f"\n[{stage}] {model_path} on {len(examples)} held-out {task.name} prompts (load {load} → {load_average()})")
-    log(f"{'decoder':<11}{'acc %':>7}{'tokens':>8}{'nfe':>7}{'tpf':>7}{'identical':>11}{'tok/s':>8}")
-    for label, r in rows.items():
-        log(
-            f"{label:<11}{r['accuracy']:>7.1f}{r['tokens']:>8}{r['nfe']:>7}{r['tpf']:>7.3f}"
-            f"{r['identical_to_ar']:>6}/{r['n']:<4}{r['tps']:>8.1f}"
-        )
-    log(f"jacobi-mr TPF / jacobi TPF: {ratio:.3f}")
-    return {
-        "model": model_path,
-        "n": len(examples),
-        "load_average": [load, load_average()],
-        "rows": rows,
-        "mr_over_jacobi_tpf": round(ratio, 4),
-    }
+    return report_quality(stage, model_path, task, quality_rows(results), [load, load_average()])
 
 
 def timing(model_path: str, args, task, examples, budget: int) -> dict:
-    """TPS of our AR, jacobi, jacobi-mr and transformers' greedy and prompt-lookup generate; interleaved."""
+    """TPS of our AR, jacobi, jacobi-mr and transformers' greedy and prompt-lookup generate; interleaved.
+
+    Also returns the quality figures (accuracy, TPF, identical outputs) of the first repeat."""
     model = load_model(model_path, dtype=args.dtype)
     decoders = {
         **jacobi_decoders(args),
@@ -251,6 +264,7 @@ def timing(model_path: str, args, task, examples, budget: int) -> dict:
             "tps": round(first.tokens / seconds, 3),
             "tps_each_repeat": [round(r.tps, 3) for r in runs],
             "identical_to_ar": sum(rec["agree_exact"] for rec in first.records),
+            "accuracy": round(first.accuracy, 3),
         }
     for row in rows.values():
         row["speedup_vs_ar"] = round(row["tps"] / rows[AR]["tps"], 4)
@@ -273,6 +287,8 @@ def timing(model_path: str, args, task, examples, budget: int) -> dict:
         "max_new_tokens": budget,
         "load_average": [r["load_average"] for r in repeats],
         "rows": rows,
+        "quality_rows": quality_rows(repeats[0]["results"]),
+        "quality_load": repeats[0]["load_average"],
     }
 
 
@@ -285,10 +301,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="a 1–2 minute smoke run (small budgets everywhere)")
     ap.add_argument("--no-train", action="store_true", help="skip Jacobi Forcing (untrained figures and timing)")
     ap.add_argument("--retrain", action="store_true", help="train again even if the same settings were trained")
+    ap.add_argument("--pretrain-steps", type=int, default=0, help="building a model: NTP steps (0: the demo's)")
+    ap.add_argument("--finetune-steps", type=int, default=0, help="building a model: fine-tune steps (0: the demo's)")
     ap.add_argument("--work", default="runs/bench-jacobi", help="directory of built models and trained rounds")
     ap.add_argument("--out", default="benchmarks/results/jacobi.json")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: the cores not busy, as the demo)")
     ap.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto", help="auto: off for pycode")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the demo's or the task's budget")
     # prompts
@@ -299,18 +317,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Jacobi Forcing
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32], help="block size of each round")
-    ap.add_argument("--noise-windows", type=int, nargs="+", default=[16, 8], help="noise window of each round")
-    ap.add_argument("--steps", type=int, default=300, help="optimizer steps per round")
+    ap.add_argument("--noise-windows", type=int, nargs="+", default=[16], help="noise window w of each round")
+    ap.add_argument(
+        "--noise-schedule",
+        default="random",
+        choices=("progressive", "random", "reverse"),
+        help="random: rows here hold only 2-6 blocks, so eq. 7's progressive schedule would use only t < 6/w",
+    )
+    ap.add_argument("--steps", type=int, default=800, help="optimizer steps per round")
     ap.add_argument("--seq-len", type=int, default=320)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--ar-weight", type=float, default=1.0)
     # decoding
     ap.add_argument("--decode-block-size", type=int, default=None, help="default: the last round's block size")
     ap.add_argument("--mr-blocks", type=int, default=2, help="jacobi-mr: most blocks in flight (K)")
-    ap.add_argument("--mr-spawn", type=float, default=0.85, help="jacobi-mr: spawn ratio r")
-    ap.add_argument("--mr-verify", type=int, default=2, help="jacobi-mr: recycled n-grams verified per forward")
+    ap.add_argument("--mr-spawn", type=float, default=0.3, help="jacobi-mr: spawn ratio r")
+    ap.add_argument("--mr-verify", type=int, default=8, help="jacobi-mr: recycled n-grams verified per forward")
     ap.add_argument("--mr-ngram", type=int, default=0, help="jacobi-mr: n-gram length (0: the block size)")
     ap.add_argument("--prompt-lookup", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     args = ap.parse_args(argv)
@@ -324,11 +348,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         args.chat_template = args.chat_template == "on"
     args.timing_prompts = min(args.timing_prompts, args.eval_prompts)
+    if args.decode_block_size is None:  # the block size of the last round trained, or of the first
+        args.decode_block_size = args.block_sizes[0 if args.no_train else min(args.rounds, len(args.block_sizes)) - 1]
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not args.threads:
+        from fastforward.demo import auto_threads
+
+        args.threads = auto_threads()  # on a busy machine extra threads make small models many times slower
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     log(f"load average at start: {load_average()} ({torch.get_num_threads()} torch threads)")
@@ -345,12 +375,14 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "load_average_start": load_average(),
     }
-    result["untrained"] = quality(model, args, task, examples, budget, "untrained")
-    timed = model
-    if not args.no_train:
+    if args.no_train:  # one interleaved run gives the untrained figures and the timings
+        result["timing"] = timing(model, args, task, examples[: args.timing_prompts], budget)
+        rows, load = result["timing"].pop("quality_rows"), result["timing"].pop("quality_load")
+        result["untrained"] = report_quality("untrained", model, task, rows, load)
+    else:
+        result["untrained"] = quality(model, args, task, examples, budget, "untrained")
         trained, result["jacobi_forcing"] = jacobi_forcing(args, model, task_options, budget)
         result["trained"] = quality(trained, args, task, examples, budget, "trained")
-        timed = trained
         before = result["untrained"]["rows"][AR]["accuracy"]
         after = result["trained"]["rows"][AR]["accuracy"]
         trained_rows = result["trained"]["rows"]
@@ -366,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             "mr_over_jacobi_tpf": result["trained"]["mr_over_jacobi_tpf"],
             "mr_at_least_10_percent_higher": result["trained"]["mr_over_jacobi_tpf"] >= 1.10,
         }
-    result["timing"] = timing(timed, args, task, examples[: args.timing_prompts], budget)
+        result["timing"] = timing(trained, args, task, examples[: args.timing_prompts], budget)
+        del result["timing"]["quality_rows"], result["timing"]["quality_load"]
     result["seconds"] = round(time.perf_counter() - started, 1)
     result["load_average_end"] = load_average()
 
