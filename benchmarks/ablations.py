@@ -70,6 +70,7 @@ def main() -> None:
     p.add_argument("--out", default="runs/sbd_vs_ntp", help="the run directory of benchmarks/sbd_vs_ntp.py")
     p.add_argument("--results", default=str(HERE / "results"))
     p.add_argument("--n", type=int, default=200, help="test problems per evaluation")
+    p.add_argument("--dtype", default="float32", help="weights dtype for evaluation (float32, bfloat16)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--skip", choices=["ntp-term", "policies"], action="append", default=[])
     args = p.parse_args()
@@ -79,7 +80,7 @@ def main() -> None:
         raise SystemExit(f"no trained models in {out}: run benchmarks/sbd_vs_ntp.py first")
     saved = json.loads(settings.read_text())
     saved.pop("snapshots", None)
-    config = replace(DemoConfig(), **saved, eval_examples=args.n)
+    config = replace(DemoConfig(), **saved, eval_examples=args.n, eval_dtype=args.dtype)
     threads = args.threads or auto_threads()
     torch.set_num_threads(threads)
     task = config.task()
@@ -95,7 +96,7 @@ def main() -> None:
         rows = []
         sbd_decoder = build_decoder("sbd", block_size=config.block_size, gamma=config.gamma_low)
         for name in ("ntp", "sbd", "sbd-no-ntp"):
-            model = load_model(str(out / name))
+            model = load_model(str(out / name), dtype=config.eval_dtype)
             decoders = {} if name == "ntp" else {"sbd": sbd_decoder}
             results = compare(model, task, decoders, examples, desc=f"{name}: AR", **options)
             row = {
@@ -110,7 +111,7 @@ def main() -> None:
         report["ntp_term"] = {"gamma": config.gamma_low, "rows": rows}
 
     if "policies" not in args.skip:
-        model = load_model(str(out / "sbd"))
+        model = load_model(str(out / "sbd"), dtype=config.eval_dtype)
         decoders = {
             f"{policy} {sweep_label('v', v)}": build_decoder(
                 "sbd", block_size=config.block_size, policy=policy, gamma=v

@@ -96,12 +96,21 @@ def model_dirs(out: Path, objective: str, final_step: int) -> dict[int, Path]:
 def evaluate_step(config: DemoConfig, ntp_dir: Path, sbd_dir: Path, gammas: list[float], examples, label: str):
     task = config.task()
     options = dict(max_new_tokens=config.max_new_tokens, batch_size=config.eval_batch_size, chat_template=False)
-    ntp = compare(load_model(str(ntp_dir)), task, {}, examples, desc=f"{label} NTP: AR", **options)[AR]
+    ntp = compare(
+        load_model(str(ntp_dir), dtype=config.eval_dtype), task, {}, examples, desc=f"{label} NTP: AR", **options
+    )[AR]
     decoders = {
         sweep_label("gamma", g): build_decoder("sbd", block_size=config.block_size, policy=config.policy, gamma=g)
         for g in gammas
     }
-    sbd = compare(load_model(str(sbd_dir)), task, decoders, examples, desc=f"{label} SBD: AR + SBD", **options)
+    sbd = compare(
+        load_model(str(sbd_dir), dtype=config.eval_dtype),
+        task,
+        decoders,
+        examples,
+        desc=f"{label} SBD: AR + SBD",
+        **options,
+    )
     return ntp, sbd
 
 
@@ -141,6 +150,7 @@ def main() -> None:
     p.add_argument("--gamma-low", type=float, default=d.gamma_low)
     p.add_argument("--gamma-high", type=float, default=d.gamma_high)
     p.add_argument("--gammas", default=",".join(f"{g:g}" for g in d.gammas), help="γ sweep of the final models")
+    p.add_argument("--dtype", default=d.eval_dtype, help="weights dtype for evaluation (float32, bfloat16)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--retrain", action="store_true")
     args = p.parse_args()
@@ -157,6 +167,7 @@ def main() -> None:
         gamma_low=args.gamma_low,
         gamma_high=args.gamma_high,
         gammas=tuple(float(g) for g in args.gammas.split(",")),
+        eval_dtype=args.dtype,
     )
     threads = args.threads or auto_threads()
     torch.set_num_threads(threads)

@@ -81,6 +81,7 @@ class DemoConfig:
     policy: str = "entropy"
     max_new_tokens: int = 96
     eval_batch_size: int = 1
+    eval_dtype: str = "float32"
     seed: int = 0
 
     def task(self) -> ArithmeticTask:
@@ -312,9 +313,9 @@ def evaluate_models(
     options = dict(
         max_new_tokens=config.max_new_tokens, batch_size=config.eval_batch_size, chat_template=False, progress=progress
     )
-    ntp_model = load_model(str(out / "ntp"))
+    ntp_model = load_model(str(out / "ntp"), dtype=config.eval_dtype)
     ntp = compare(ntp_model, task, {}, examples, desc="eval NTP model: AR", **options)[AR]
-    sbd_model = load_model(str(out / "sbd"))
+    sbd_model = load_model(str(out / "sbd"), dtype=config.eval_dtype)
     values = config.sweep_values()
     decoders = {
         sweep_label("gamma", g): build_decoder("sbd", block_size=config.block_size, policy=config.policy, gamma=g)

@@ -414,5 +414,6 @@ def results_table(results: Sequence[EvalResult]) -> str:
             ("TPS", "tps", lambda x: f"{x:.1f}"),
             ("speedup", "speedup", lambda x: f"{x:.2f}x"),
             ("same as AR %", "agree_exact", lambda x: f"{x:.1f}"),
+            ("AR token match", "agree_tokens", lambda x: f"{x:.3f}"),
         ],
     )
