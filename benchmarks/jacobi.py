@@ -406,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     everything = json.loads(out.read_text()) if out.exists() else {}
-    label = "demo-arithmetic" if args.model == "auto" else Path(args.model).name
+    built = Path(model).parent.name if Path(model).parent.parent == Path(args.work) else None
+    label = built or ("demo-ntp" if Path(model) == DEMO_MODEL else Path(model).name)
     key = f"{label}/{args.task}" + ("/quick" if args.quick else "")
     everything[key] = result
     out.write_text(json.dumps(everything, indent=2) + "\n")
