@@ -145,6 +145,7 @@ def main() -> None:
     p.add_argument("--results", default=str(HERE / "results"), help="where the JSON and PNG go")
     p.add_argument("--pretrain-steps", type=int, default=2 * d.pretrain_steps)
     p.add_argument("--finetune-steps", type=int, default=4 * d.finetune_steps)
+    p.add_argument("--finetune-lr", type=float, default=d.finetune_lr, help="peak LR of both fine-tunes")
     p.add_argument("--snapshots", default=None, help="fine-tune steps to evaluate (default: 1/8, 1/4, 1/2 of the run)")
     p.add_argument("--n", type=int, default=d.eval_examples, help="test problems per evaluation")
     p.add_argument("--gamma-low", type=float, default=d.gamma_low)
@@ -163,6 +164,7 @@ def main() -> None:
         d,
         pretrain_steps=args.pretrain_steps,
         finetune_steps=steps,
+        finetune_lr=args.finetune_lr,
         eval_examples=args.n,
         gamma_low=args.gamma_low,
         gamma_high=args.gamma_high,
@@ -237,7 +239,10 @@ def main() -> None:
     plot_curves(
         results / f"{name}_sweep.png",
         {"SBD model, SBD (entropy)": [(p["tpf"], p["accuracy"]) for p in sweep_points]},
-        {"NTP model, AR": (final_rows[0]["tpf"], final_rows[0]["accuracy"])},
+        {
+            "NTP model, AR": (final_rows[0]["tpf"], final_rows[0]["accuracy"]),
+            "SBD model, AR (NTP mode)": (final_rows[1]["tpf"], final_rows[1]["accuracy"]),
+        },
         {"SBD model, SBD (entropy)": [f"γ={p['gamma']:g}" for p in sweep_points]},
         title=f"arithmetic, final models: accuracy vs TPF (n={final_rows[0]['n']})",
     )

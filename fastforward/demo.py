@@ -61,11 +61,11 @@ class DemoConfig:
     heads: int = 6
     # training
     pretrain_examples: int = 20000
-    pretrain_steps: int = 500
+    pretrain_steps: int = 400
     pretrain_lr: float = 2e-3
     finetune_examples: int = 10000
-    finetune_steps: int = 200
-    finetune_lr: float = 1e-3
+    finetune_steps: int = 400
+    finetune_lr: float = 2e-3
     seq_len: int = 128
     batch_size: int = 16
     min_block: int = 2
@@ -73,11 +73,11 @@ class DemoConfig:
     ntp_weight: float = 1.0
     mixed_precision: str = "no"
     # evaluation
-    eval_examples: int = 200
+    eval_examples: int = 150
     block_size: int = 16
     gamma_low: float = 0.1
     gamma_high: float = 0.6
-    gammas: tuple[float, ...] = (0.0, 0.1, 0.35, 0.6, 1.0, 2.0)
+    gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0, 2.0)
     policy: str = "entropy"
     max_new_tokens: int = 96
     eval_batch_size: int = 1
