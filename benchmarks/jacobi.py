@@ -78,10 +78,22 @@ def demo_config(quick: bool, pretrain_steps: int = 0, finetune_steps: int = 0):
     return replace(config, **steps)
 
 
+def settings_beside(model: Path) -> tuple[dict, int | None]:
+    """Task options and budget of a model trained by the demo or benchmarks/sbd_vs_ntp.py, read from
+    the settings file they leave next to it (demo.json, bench.json); none for any other model."""
+    for name in (DEMO_SETTINGS.name, "bench.json"):
+        path = model.parent / name
+        if path.exists():
+            saved = json.loads(path.read_text())
+            log(f"task options of {model} from {path}")
+            return {k: saved[k] for k in TASK_KNOBS if k in saved}, demo_config(False).max_new_tokens
+    return {}, None
+
+
 def resolve_model(args) -> tuple[str, dict, int | None]:
     """(model path or preset, task options, generation budget) for `--model`."""
     if args.model != "auto":
-        return args.model, {}, None
+        return args.model, *settings_beside(Path(args.model))
     if (DEMO_MODEL / "config.json").exists():
         saved = json.loads(DEMO_SETTINGS.read_text()) if DEMO_SETTINGS.exists() else {}
         options = {k: saved[k] for k in TASK_KNOBS if k in saved}
