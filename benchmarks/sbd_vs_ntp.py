@@ -12,9 +12,10 @@ SBD at γ_low within 1 point of the NTP baseline's accuracy with TPF ≥ 3; at �
 3 points; wall-clock speedup ≥ 0.8 × TPF.
 
     python benchmarks/sbd_vs_ntp.py                      # trains into runs/sbd_vs_ntp (reused later)
-    python benchmarks/sbd_vs_ntp.py --finetune-steps 1200 --snapshots 150,300,600,1200
+    python benchmarks/sbd_vs_ntp.py --pretrain-steps 3000 --finetune-steps 2400 --snapshots 300,600,1200 \
+        --n 150 --threads 2                              # the run quoted in the README (about 55 min)
 
-Writes benchmarks/results/sbd_vs_ntp.json and sbd_vs_ntp.png (or --results DIR).
+Writes benchmarks/results/sbd_vs_ntp.json, sbd_vs_ntp_steps.png and sbd_vs_ntp_sweep.png (or --results DIR).
 """
 
 from __future__ import annotations
