@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from fastforward.cli import main
-from fastforward.demo import PRESETS, auto_threads, run_demo
+from fastforward.demo import PRESETS, auto_threads, busy_cores, run_demo
 
 
 def test_demo_trains_evaluates_and_reuses(tmp_path):
@@ -78,4 +78,5 @@ def test_demo_cli_smoke(tmp_path, capsys):
 
 
 def test_auto_threads_is_sane():
+    assert 0.0 <= busy_cores(0.05) <= (os.cpu_count() or 1)
     assert 1 <= auto_threads() <= (os.cpu_count() or 1)
