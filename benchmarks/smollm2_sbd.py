@@ -40,7 +40,7 @@ from common import HFGenerate, load_average, machine_info  # noqa: E402
 
 from fastforward.api import build_decoder  # noqa: E402
 from fastforward.data import PackedData, encode_record  # noqa: E402
-from fastforward.decoders import ARDecoder, Decoder, Generation  # noqa: E402
+from fastforward.decoders import Decoder  # noqa: E402
 from fastforward.demo import auto_threads  # noqa: E402
 from fastforward.errors import FastForwardError  # noqa: E402
 from fastforward.evaluate import AR, EvalResult, compare, format_table, write_json, write_records  # noqa: E402
@@ -55,27 +55,6 @@ HF = "hf-generate"
 
 def log(message: str) -> None:
     print(message, flush=True)
-
-
-class Recording(Decoder):
-    """`decoder` as it is, keeping each output's token ids by prompt (compare's records keep only text)."""
-
-    def __init__(self, decoder: Decoder):
-        vars(self).update(vars(decoder))  # the same knobs in result files
-        self.name = decoder.name
-        self._decoder = decoder
-        self._ids: dict[tuple[int, ...], list[int]] = {}
-
-    def decode(self, session) -> None:  # not used: generate is overridden
-        raise NotImplementedError
-
-    def generate(self, model: Model, prompts: list[list[int]], max_new_tokens: int = 256) -> list[Generation]:
-        generations = self._decoder.generate(model, prompts, max_new_tokens)
-        self._ids.update((tuple(p), g.token_ids) for p, g in zip(prompts, generations, strict=True))
-        return generations
-
-    def token_ids(self, prompt: list[int]) -> list[int]:
-        return self._ids[tuple(prompt)]
 
 
 # ---- training ---------------------------------------------------------------------------------------
@@ -160,7 +139,7 @@ def evaluate_task(name: str, n: int, models: dict[str, Model], args: argparse.Na
     loads: dict[str, list] = {}
     results: list[EvalResult] = []
     for model_name, model in models.items():
-        decoders = {HF: Recording(HFGenerate())}
+        decoders: dict[str, Decoder] = {HF: HFGenerate()}
         for gamma in args.gammas:
             sbd = build_decoder(
                 "sbd",
@@ -169,14 +148,11 @@ def evaluate_task(name: str, n: int, models: dict[str, Model], args: argparse.Na
                 gamma=gamma,
                 first_token_from_ntp=args.first_token_from_ntp,
             )
-            decoders[f"sbd γ={gamma:g}"] = Recording(sbd)
+            decoders[f"sbd γ={gamma:g}"] = sbd
         load = load_average()
         got = compare(model, task, decoders, examples, max_new_tokens=budget, chat_template=chat, desc=model_name)
         loads[model_name] = [load, load_average()]
-        prompts = [model.encode_prompt(e.prompt, chat_template=chat) for e in examples]
-        # compare keeps only texts: greedy AR once more, untimed, for its token ids
-        ids = {AR: [ARDecoder().generate(model, [p], budget)[0].token_ids for p in prompts]}
-        ids.update({label: [d.token_ids(p) for p in prompts] for label, d in decoders.items()})
+        ids = {label: [r["token_ids"] for r in result.records] for label, result in got.items()}
         reference = reference or ids[AR]
         for label, result in got.items():
             agreement = [token_agreement(a, b) for a, b in zip(ids[label], reference, strict=True)]

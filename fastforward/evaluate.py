@@ -267,6 +267,7 @@ def _result(
                 "prompt": example.prompt,
                 "reference": example.reference,
                 "output": gen.text,
+                "token_ids": gen.token_ids,
                 "correct": grade.correct,
                 "score": grade.score,
                 "detail": grade.detail,

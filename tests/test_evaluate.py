@@ -72,6 +72,7 @@ def test_eval_cli_end_to_end(tmp_path, model_dir, task_file, capsys):
         mine = [r for r in records if r["label"] == label]
         assert sum(r["nfe"] for r in mine) == result["nfe"]
         assert sum(r["tokens"] for r in mine) == result["tokens"]
+        assert all(len(r["token_ids"]) == r["tokens"] for r in mine)
         assert 100 * sum(r["correct"] for r in mine) / len(mine) == pytest.approx(result["accuracy"])
 
 
