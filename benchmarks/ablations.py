@@ -156,8 +156,16 @@ def main() -> None:
         )
 
     report["seconds"] = time.perf_counter() - started
-    write_json(Path(args.results) / "ablations.json", report)
-    print(f"wrote {Path(args.results) / 'ablations.json'} in {report['seconds']:.0f} s")
+    path = Path(args.results) / "ablations.json"
+    # A --skip run keeps the other part's figures from an earlier run (each part has its own machine).
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    for part in ("ntp_term", "policies"):
+        if part in report:
+            report[part]["machine"], report[part]["seconds"] = report["machine"], report["seconds"]
+        elif part in earlier:
+            report[part] = {"machine": earlier.get("machine"), "seconds": earlier.get("seconds"), **earlier[part]}
+    write_json(path, report)
+    print(f"wrote {path} in {report['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

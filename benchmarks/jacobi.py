@@ -128,7 +128,7 @@ def jf_argv(args, model: str, task_options: dict, budget: int, out: Path) -> lis
     argv += ["--noise-windows", *map(str, args.noise_windows), "--steps", str(args.steps)]
     argv += ["--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--lr", str(args.lr)]
     argv += ["--warmup", str(args.warmup), "--ar-weight", str(args.ar_weight), "--dtype", args.dtype]
-    argv += ["--noise-schedule", args.noise_schedule]
+    argv += ["--noise-schedule", args.noise_schedule, "--noisy-context", args.noisy_context]
     argv += ["--collect-batch-size", "16", "--save-every", str(max(1, args.steps // 4)), "--keep-checkpoints", "1"]
     if not args.chat_template:
         argv.append("--no-chat-template")
@@ -335,6 +335,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="random",
         choices=("progressive", "random", "reverse"),
         help="random: rows here hold only 2-6 blocks, so eq. 7's progressive schedule would use only t < 6/w",
+    )
+    ap.add_argument(
+        "--noisy-context",
+        default="noisy",
+        choices=("noisy", "clean"),
+        help="what a noisy block sees of earlier blocks: noisy (Fig. 2b) or clean (Fig. 2a)",
     )
     ap.add_argument("--steps", type=int, default=800, help="optimizer steps per round")
     ap.add_argument("--seq-len", type=int, default=320)

@@ -12,7 +12,7 @@ from fastforward.errors import FastForwardError
 from fastforward.model import load_model
 from fastforward.objectives import JacobiForcing, make_objective
 from fastforward.objectives.base import IGNORE
-from fastforward.objectives.jacobi_forcing import choose_point, jacobi_forcing_rule, noise_ratios, pack
+from fastforward.objectives.jacobi_forcing import choose_point, cut_after_stop, jacobi_forcing_rule, noise_ratios, pack
 from fastforward.tiny import tiny_model
 from fastforward.train import TrainConfig, train
 from fastforward.trajectories import Block, Trajectory, TrajectoryBatch, TrajectoryData, collect, read_trajectories
@@ -91,11 +91,21 @@ def test_packing_shares_positions_and_pairs_noisy_with_clean_slots():
     assert not layout.visibility[1, :, 5:].any(-1)[:5].any()  # padding is never seen by real tokens
     noisy = list(zip(*(t.tolist() for t in packed.noisy), strict=True))
     read = list(zip(*(t.tolist() for t in packed.read), strict=True))
-    assert noisy == [(0, 2), (0, 3), (0, 6), (0, 7), (1, 1), (1, 2)]
-    assert [read[j] for j in packed.teacher.tolist()] == [(0, 4), (0, 5), (0, 8), (0, 9), (1, 3), (1, 4)]
+    assert noisy == [(0, 2), (0, 3), (0, 6), (1, 1)]  # a response's last slot has nothing to predict
+    assert [read[j] for j in packed.teacher.tolist()] == [(0, 4), (0, 5), (0, 8), (1, 3)]
     labels = dict(zip(read, packed.labels.tolist(), strict=True))
     assert labels == {(0, 1): 1, (0, 4): 2, (0, 5): 3, (0, 8): 4, (0, 9): IGNORE, (1, 0): 1, (1, 3): 2, (1, 4): IGNORE}
     assert packed.noise == pytest.approx(4 / 6)
+
+
+def test_blocks_are_cut_after_the_first_stop_token():
+    noisy, clean = [[5, 6, 7], [8, 9, 1]], [[4, 5, 6], [0, 7, 8]]
+    assert cut_after_stop(noisy, clean, [0]) == ([[5, 6, 7], [8]], [[4, 5, 6], [0]])
+    assert cut_after_stop(noisy, clean, [6, 0]) == ([[5, 6, 7]], [[4, 5, 6]])
+    assert cut_after_stop(noisy, clean, [3]) == (noisy, clean)
+    trajectory = Trajectory([1, 2], [Block([[9, 9, 9]], [4, 5, 6]), Block([], [7, 0, 3])], 3)
+    ((_, _, kept),) = JacobiForcing().rows(TrajectoryBatch([trajectory]), torch.Generator(), stop_ids=[0])
+    assert kept == [[4, 5, 6], [7, 0]]
 
 
 # ---- the loss -----------------------------------------------------------------------------------

@@ -14,11 +14,15 @@ ordinary causal LM over `[prompt, response]`. The clean-context rule (Fig. 2a,
 `noisy_context="clean"`) lets noisy_i see the clean blocks before it instead of the noisy ones.
 
 Loss (eq. 9) = L_pc + ar_weight · L_AR, one forward:
-- L_pc (eq. 8): KL(p_θ⁻(· | clean slot) ‖ p_θ(· | noisy slot)) for every slot of every noisy block,
+- L_pc (eq. 8): KL(p_θ⁻(· | clean slot) ‖ p_θ(· | noisy slot)) for every slot of every noisy block
+  that has a next response token,
   the teacher being the same forward's distribution at the matching clean slot, detached
   (stop-gradient); averaged over the noisy tokens of the batch.
 - L_AR: cross entropy of the next response token at the last prompt slot and every clean slot
   (the response is the fixed points concatenated: the model's own greedy output); averaged.
+
+Blocks are cut after the response's first stop token (collection decodes whole blocks, so the
+fixed points run on past the answer; those tokens are not trained on).
 
 Schedules (eq. 7, with blocks numbered from 0 within a row): W = {0, 1/w, …, (w-1)/w};
 "progressive" tᵢ = W[i mod w]; "reverse" tᵢ = W[w-1 - (i mod w)]; "random" tᵢ drawn uniformly from W.
@@ -69,6 +73,18 @@ def choose_point(block: Block, ratio: float) -> list[int]:
     return points[best]
 
 
+def cut_after_stop(
+    noisy: list[list[int]], clean: list[list[int]], stop_ids: Sequence[int]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The blocks up to the first stop token of the clean response (kept), the rest dropped."""
+    stops = set(stop_ids)
+    for i, block in enumerate(clean):
+        for k, token in enumerate(block):
+            if token in stops:
+                return [*noisy[:i], noisy[i][: k + 1]], [*clean[:i], block[: k + 1]]
+    return noisy, clean
+
+
 # ---- packing and visibility ---------------------------------------------------------------------
 def segments(prompt_len: int, block_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per packed token: its kind (PROMPT, NOISY, CLEAN) and block number (-1 in the prompt)."""
@@ -106,8 +122,9 @@ def jacobi_forcing_rule(
 class Packed:
     """A packed batch: the layout, the slots each loss reads, and the AR labels.
 
-    `noisy` (rows, slots): the student's slots. `read` (rows, slots): the clean stream's slots that
-    are projected — each row's last prompt slot, then every clean slot. `teacher[j]` indexes the
+    `noisy` (rows, slots): the student's slots, those with a next response token. `read` (rows,
+    slots): the clean stream's slots that are projected — each row's last prompt slot, then every
+    clean slot. `teacher[j]` indexes the
     `read` slot matching noisy slot j (same block, same offset). `labels[i]`: the next response
     token after `read` slot i, or IGNORE past the end of the response.
     """
@@ -147,10 +164,12 @@ def pack(
             seq += noisy_block + clean_block
             pos += list(range(start, start + n)) * 2
             for k in range(n):
-                noisy_slots.append((r, at + k))
-                teacher.append(len(read))
+                following = done + k + 1  # the response index this slot predicts
+                if following < len(response):  # the last slot predicts past the end: no target
+                    noisy_slots.append((r, at + k))
+                    teacher.append(len(read))
                 read.append((r, at + n + k))
-                labels.append(response[done + k + 1] if done + k + 1 < len(response) else IGNORE)
+                labels.append(response[following] if following < len(response) else IGNORE)
             differing += sum(a != b for a, b in zip(noisy_block, clean_block, strict=True))
             total += n
             done += n
@@ -199,8 +218,12 @@ class JacobiForcing(Objective):
         if self.ar_weight < 0:
             raise FastForwardError(f"ar_weight must be >= 0, got {self.ar_weight}")
 
-    def rows(self, batch: TrajectoryBatch, generator: torch.Generator) -> list:
-        """(prompt, noisy blocks, clean blocks) of each example, the noisy ones picked by the schedule."""
+    def rows(self, batch: TrajectoryBatch, generator: torch.Generator, stop_ids: Sequence[int] = ()) -> list:
+        """(prompt, noisy blocks, clean blocks) of each example, the noisy ones picked by the schedule.
+
+        Blocks are cut after the response's first stop token: whole-block collection decodes past
+        it, and what the model would say after its answer ends is not something to train on.
+        """
         if not isinstance(batch, TrajectoryBatch):
             raise FastForwardError(
                 "the jacobi_forcing objective trains on Jacobi trajectories: give --trajectories "
@@ -210,13 +233,14 @@ class JacobiForcing(Objective):
         for example in batch.examples:
             ratios = noise_ratios(len(example.blocks), self.noise_schedule, self.noise_window, generator)
             noisy = [choose_point(b, t) for b, t in zip(example.blocks, ratios, strict=True)]
-            out.append((example.prompt_ids, noisy, [b.fixed for b in example.blocks]))
+            clean = [b.fixed for b in example.blocks]
+            out.append((example.prompt_ids, *cut_after_stop(noisy, clean, stop_ids)))
         return out
 
     def loss(
         self, model: Model, batch: TrajectoryBatch, generator: torch.Generator
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        rows = self.rows(batch, generator)
+        rows = self.rows(batch, generator, model.stop_token_ids)
         packed = pack(rows, model.pad_token_id, self.noisy_context, model.device)
         hidden = model.hidden_states(packed.layout)
         # Only the slots a loss reads are projected to the vocabulary: noisy ones and the clean stream.
@@ -236,4 +260,4 @@ class JacobiForcing(Objective):
         }
 
 
-__all__ = ["JacobiForcing", "choose_point", "jacobi_forcing_rule", "noise_ratios", "pack"]
+__all__ = ["JacobiForcing", "choose_point", "cut_after_stop", "jacobi_forcing_rule", "noise_ratios", "pack"]
