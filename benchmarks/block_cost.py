@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     p.add_argument("--no-read-logits", action="store_true", help="skip the output layer (hidden states only)")
+    p.add_argument(
+        "--causal-path",
+        action="store_true",
+        help="run the k tokens through the model's mask-free causal path (same work, no dense mask)",
+    )
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "block_cost.json")
     args = p.parse_args(argv)
 
@@ -55,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                 repeats=args.repeats,
                 warmup=args.warmup,
                 read_logits=not args.no_read_logits,
+                dense_mask=not args.causal_path,
             )
             print(format_block_cost(cost), end="\n\n", flush=True)
             runs.append(cost.as_dict())
@@ -98,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         "processor": platform.processor(),
         "torch": torch.__version__,
         "read_logits": not args.no_read_logits,
+        "dense_mask": not args.causal_path,
         "loadavg_before": load_before,  # other work on the machine inflates and scatters the times
         "loadavg_after": os.getloadavg(),
         "seconds": time.perf_counter() - started,

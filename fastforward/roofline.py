@@ -329,6 +329,7 @@ def measure_block_cost(
     read_logits: bool = True,
     cache: DynamicCache | None = None,
     seed: int = 0,
+    dense_mask: bool = True,
 ) -> BlockCost:
     """Time a forward of k new tokens against a `cache_len`-token cache, for each k, on `model`.
 
@@ -337,6 +338,8 @@ def measure_block_cost(
     their logits read (read_logits) and their entries dropped (keep=0), so the cache is the same
     for every repeat. Block sizes are interleaved within each repeat so drift hits all alike; the
     median of `repeats` timings after `warmup` untimed rounds is reported. k=1 is always measured.
+    dense_mask=False runs the same tokens through the model's own mask-free causal path instead:
+    the same work, so comparing the two tells what the dense SBD mask itself costs.
     """
     ks = sorted(set(ks) | {1})
     if ks[0] <= 0 or cache_len < 0 or repeats <= 0 or batch <= 0:
@@ -373,7 +376,9 @@ def measure_block_cost(
             layouts[k] = Layout(
                 tokens=ids(k),
                 positions=torch.arange(cache_len, cache_len + k, device=device).expand(batch, -1),
-                visibility=visibility.against_cache(visibility.sbd_decode(0, k, device), key_valid),
+                visibility=visibility.against_cache(visibility.sbd_decode(0, k, device), key_valid)
+                if dense_mask
+                else None,
                 read=torch.arange(k, device=device) if read_logits else None,
                 keep=0,
             )

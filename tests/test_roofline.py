@@ -73,6 +73,8 @@ def test_measure_block_cost_on_tiny_model_keeps_the_cache():
     assert set(cost.speedups([2])[2]) == {2}  # k=2 needs time(4): measured
     with pytest.raises(ValueError):
         roofline.measure_block_cost(model, [2], cache_len=8, repeats=1, cache=cache)  # not empty
+    causal = roofline.measure_block_cost(model, [2], cache_len=8, repeats=1, warmup=0, dense_mask=False)
+    assert sorted(causal.ratios) == [1, 2]
 
 
 def test_cli_prints_tables_and_writes_json(tmp_path, capsys):
