@@ -124,9 +124,9 @@ class Packed:
 
     `noisy` (rows, slots): the student's slots, those with a next response token. `read` (rows,
     slots): the clean stream's slots that are projected — each row's last prompt slot, then every
-    clean slot. `teacher[j]` indexes the
-    `read` slot matching noisy slot j (same block, same offset). `labels[i]`: the next response
-    token after `read` slot i, or IGNORE past the end of the response.
+    clean slot. `teacher[j]` indexes the `read` slot matching noisy slot j (same block, same
+    offset). `labels[i]`: the next response token after `read` slot i, or IGNORE past the end of
+    the response.
     """
 
     layout: Layout
