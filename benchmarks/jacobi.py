@@ -322,7 +322,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto", help="auto: off for pycode")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the demo's or the task's budget")
     # prompts
-    ap.add_argument("--train-prompts", type=int, default=1000, help="train-split prompts for the trajectories")
+    ap.add_argument("--train-prompts", type=int, default=2000, help="train-split prompts for the trajectories")
     ap.add_argument("--eval-prompts", type=int, default=100, help="held-out (test split) prompts")
     ap.add_argument("--timing-prompts", type=int, default=16, help="held-out prompts timed (a prefix of the eval ones)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved timing repeats (median counts)")
@@ -338,14 +338,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--noisy-context",
-        default="noisy",
+        default="clean",
         choices=("noisy", "clean"),
-        help="what a noisy block sees of earlier blocks: noisy (Fig. 2b) or clean (Fig. 2a)",
+        help="what a noisy block sees of earlier blocks: noisy (Fig. 2b) or clean (Fig. 2a; the README's run)",
     )
-    ap.add_argument("--steps", type=int, default=800, help="optimizer steps per round")
+    ap.add_argument("--steps", type=int, default=600, help="optimizer steps per round")
     ap.add_argument("--seq-len", type=int, default=320)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--ar-weight", type=float, default=1.0)
     # decoding
