@@ -124,8 +124,10 @@ def test_pycode_examples_match_the_source_and_are_disjoint():
         assert ex.meta["file"] in task.files["test"]
         lines = (task.root / ex.meta["file"]).read_text(encoding="utf-8").splitlines(keepends=True)
         cut = ex.meta["line"] - 1
-        assert "".join(lines[:cut]).endswith(ex.prompt)
-        assert ex.prompt.endswith("\n") and len(ex.prompt) <= 400 and ex.prompt.count("\n") <= 10
+        gap = "\n" * ex.meta["newlines"]  # the prompt stops before its line break
+        assert "".join(lines[:cut]).endswith(ex.prompt + gap) and not ex.prompt.endswith("\n")
+        assert len(ex.prompt) < 400 and ex.prompt.count("\n") < 10
+        assert ex.completion == gap + "".join(lines[cut : cut + 16])
         assert ex.reference == "\n".join(line.rstrip() for line in lines[cut : cut + 2])
         assert ex.reference.split("\n")[0].strip()
     train = task.examples("train", 50, seed=0)
@@ -135,18 +137,25 @@ def test_pycode_examples_match_the_source_and_are_disjoint():
 
 def test_pycode_grader():
     task = PyCodeTask(lines=1)
-    ex = Example("f.py:3", "def f(x):\n", "    return x + 1")
-    assert task.grade(ex, "    return x + 1   \n    # more").correct
-    assert not task.grade(ex, "  return x + 1").correct  # indentation counts
-    wrong = task.grade(ex, "    return x - 1")
+    ex = Example("f.py:3", "def f(x):", "    return x + 1")
+    assert task.grade(ex, "\n    return x + 1   \n    # more").correct
+    assert not task.grade(ex, "\n  return x + 1").correct  # indentation counts
+    wrong = task.grade(ex, "\n    return x - 1")
     assert not wrong.correct and "expected" in wrong.detail
     assert task.grade(ex, "\n").detail.startswith("malformed")
+    assert task.grade(ex, "").detail.startswith("malformed")
+    same_line = task.grade(ex, "    return x + 1")  # no newline: it continued the `def` line
+    assert not same_line.correct and same_line.detail.startswith("no line break first")
+    assert not task.grade(ex, "\n\n    return x + 1").correct  # a blank line first
+    after_blank = Example("f.py:4", "x = 1", "y = 2", meta={"newlines": 2})
+    assert task.grade(after_blank, "\n\ny = 2\n").correct
+    assert not task.grade(after_blank, "\ny = 2").correct
     two = PyCodeTask(lines=2)
-    ex2 = Example("f.py:3", "def f(x):\n", "    y = x\n    return y")
-    assert two.grade(ex2, "    y = x\n    return y\n").correct
-    half = two.grade(ex2, "    y = x\n    return x")
+    ex2 = Example("f.py:3", "def f(x):", "    y = x\n    return y")
+    assert two.grade(ex2, "\n    y = x\n    return y\n").correct
+    half = two.grade(ex2, "\n    y = x\n    return x")
     assert not half.correct and half.score == 0.5
-    assert two.grade(ex2, "    y = x").score == 0.5
+    assert two.grade(ex2, "\n    y = x").score == 0.5
 
 
 def test_pycode_training_records(tmp_path: Path):
@@ -157,7 +166,8 @@ def test_pycode_training_records(tmp_path: Path):
     task = PyCodeTask(root=str(tmp_path), train_lines=3, test_fraction=0.3)
     assert "test_skip.py" not in task.files["train"] + task.files["test"]
     records = task.training_records(4, seed=0)
-    assert len(records) == 4 and all(r["completion"].count("\n") <= 3 for r in records)
+    assert len(records) == 4 and all(r["completion"].startswith("\n") for r in records)
+    assert all(r["completion"].count("\n") <= 5 and not r["prompt"].endswith("\n") for r in records)
     texts = task.text_records(3, max_chars=200)
     assert len(texts) == 3 and all(len(r["text"]) <= 200 and r["text"].strip() for r in texts)
 

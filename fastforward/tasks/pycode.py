@@ -9,20 +9,24 @@ corpus); on one machine they are a pure function of (knobs, split, n, seed).
 An example cuts a file at a line boundary before a non-blank line:
 
 - `prompt`: the up to `context_lines` lines before the cut (fewer when they exceed
-  `max_prompt_chars`; whole lines only), ending in a newline;
+  `max_prompt_chars`; whole lines only), *without* the newlines at its end (`meta["newlines"]`
+  counts them: one, or more after blank lines);
 - `reference`: the next `lines` line(s), each stripped of trailing whitespace, joined by newlines;
-- `completion`: the next `train_lines` lines verbatim (the training target).
+- `completion`: those newlines and the next `train_lines` lines verbatim (the training target).
 
-Grading: the output's first `lines` line(s), stripped of trailing whitespace, must equal the
-reference's (leading indentation counts). `score` is the fraction of those lines that match. How far
-a decoder agrees with the same model's greedy AR output is measured on token ids by
-`fastforward.metrics.token_agreement`, not here.
+The prompt stops short of its newlines because BPE tokenizers merge a newline with what follows it
+(`"\n    "`, `"\n\n"`): a prompt ending in a bare newline token puts the model at a boundary it
+never saw in training, and it answers with a blank line or the wrong indentation. Ending the prompt
+mid-line lets the model write the line break and the next line's indentation itself, as in real code.
+
+Grading: the output must start with exactly those newlines (one when `meta` does not say); after
+them, its first `lines` line(s), stripped of trailing whitespace, must equal the reference's (leading
+indentation counts). `score` is the
+fraction of those lines that match. How far a decoder agrees with the same model's greedy AR output
+is measured on token ids by `fastforward.metrics.token_agreement`, not here.
 
 Splits are disjoint by file: a file is in the test split when the hash of its path relative to the
 root falls below `test_fraction`.
-
-Tokenizer note: the prompt ends with a newline, so the model's first token starts the next line; BPE
-tokenizers that merge a newline with the next line's indentation see an unusual boundary there.
 """
 
 from __future__ import annotations
@@ -130,12 +134,15 @@ class PyCodeTask(Task):
             context = context[1:]
         if not context:
             return None
-        prompt = "".join(context)
-        if not prompt.endswith("\n"):
+        text = "".join(context)
+        prompt = text.rstrip("\n")  # the model writes the line break itself (module docstring)
+        newlines = len(text) - len(prompt)
+        if not prompt.strip() or newlines == 0:
             return None
         reference = "\n".join(line.rstrip() for line in lines[cut : cut + self.lines])
-        completion = "".join(lines[cut : cut + self.train_lines])
-        return Example(f"{rel}:{cut + 1}", prompt, reference, completion, {"file": rel, "line": cut + 1})
+        completion = text[len(prompt) :] + "".join(lines[cut : cut + self.train_lines])
+        meta = {"file": rel, "line": cut + 1, "newlines": newlines}
+        return Example(f"{rel}:{cut + 1}", prompt, reference, completion, meta)
 
     def examples(self, split: str = "test", n: int | None = None, seed: int = 0) -> list[Example]:
         """`n` cuts (default 200) at distinct random non-blank lines of random files of the split."""
@@ -171,18 +178,19 @@ class PyCodeTask(Task):
 
     def grade(self, example: Example, output: str) -> Grade:
         want = example.reference.split("\n")
-        got = [line.rstrip() for line in output.split("\n")[: len(want)]]
+        if not output.strip():
+            return Grade(False, 0.0, "malformed: empty output")
+        newlines = (example.meta or {}).get("newlines", 1)
+        if not output.startswith("\n" * newlines):  # it went on with the prompt's last line
+            return Grade(False, 0.0, f"no line break first: got {output[:40]!r}, expected {newlines} newline(s)")
+        got = [line.rstrip() for line in output[newlines:].split("\n")[: len(want)]]
         matches = sum(a == b for a, b in zip(got, want, strict=False))
         correct = matches == len(want) and len(got) == len(want)
         if correct:
             return Grade(True, 1.0, "exact")
-        if not output.strip():
-            detail = "malformed: empty output"
-        else:
-            i = next((i for i, w in enumerate(want) if i >= len(got) or got[i] != w), 0)
-            seen = repr(got[i]) if i < len(got) else "nothing"
-            detail = f"line {i + 1}: got {seen}, expected {want[i]!r}"
-        return Grade(False, matches / len(want), detail)
+        i = next((i for i, w in enumerate(want) if i >= len(got) or got[i] != w), 0)
+        seen = repr(got[i]) if i < len(got) else "nothing"
+        return Grade(False, matches / len(want), f"line {i + 1}: got {seen}, expected {want[i]!r}")
 
     # ---- training data -------------------------------------------------------------------------------
     def training_records(self, n: int, seed: int = 0) -> list[dict[str, str]]:
