@@ -15,7 +15,7 @@
     python benchmarks/smollm2_sbd.py                                   # the default budget: hours on CPU
     python benchmarks/smollm2_sbd.py --steps 2000 --batch-size 8 --mixed-precision bf16   # on a GPU
     python benchmarks/smollm2_sbd.py --steps 3 --seq-len 128 --batch-size 1 --n 3 --humaneval-n 2 \\
-        --max-new-tokens 32 --threads 1                                # smoke run (figures meaningless)
+        --pycode-max-new-tokens 16 --humaneval-max-new-tokens 32 --threads 1   # smoke run (figures meaningless)
 
 Prints a table per task and writes benchmarks/results/smollm2_sbd.json (machine, load averages,
 training figures, every row) and per-example records to `--work`/records-<task>.jsonl.
@@ -128,11 +128,13 @@ def read_metrics(run: Path) -> list[dict]:
 
 
 # ---- evaluation -------------------------------------------------------------------------------------
-def evaluate_task(name: str, n: int, models: dict[str, Model], args: argparse.Namespace) -> dict[str, Any]:
+def evaluate_task(
+    name: str, n: int, max_new_tokens: int, models: dict[str, Model], args: argparse.Namespace
+) -> dict[str, Any]:
     """Every model × decoder on one task, the first model's greedy AR output being the reference."""
     task = get_task(name)
     chat = name != "pycode"  # pycode continues raw code; humaneval asks the instruct model
-    budget = args.max_new_tokens or task.max_new_tokens
+    budget = max_new_tokens or task.max_new_tokens
     examples = task.examples("test", n, seed=args.seed)
     reference: list[list[int]] | None = None
     rows: list[dict[str, Any]] = []
@@ -221,7 +223,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # evaluation
     ap.add_argument("--n", type=int, default=100, help="pycode test examples (0: skip)")
     ap.add_argument("--humaneval-n", type=int, default=10, help="HumanEval problems (0: skip)")
-    ap.add_argument("--max-new-tokens", type=int, default=0, help="0: each task's budget (pycode 40, humaneval 512)")
+    ap.add_argument("--pycode-max-new-tokens", type=int, default=0, help="0: the task's budget (40)")
+    ap.add_argument("--humaneval-max-new-tokens", type=int, default=0, help="0: the task's budget (512)")
     ap.add_argument("--dtype", default="float32", help="evaluation dtype")
     ap.add_argument("--gammas", type=float, nargs="+", default=[0.1, 0.6], help="SBD γ (entropy bound)")
     ap.add_argument("--block-size", type=int, default=16)
@@ -244,8 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     models["original"].add_mask_token()  # untrained: lets SBD decoding run; greedy AR never picks it
     tasks = {
-        name: evaluate_task(name, n, models, args)
-        for name, n in (("pycode", args.n), ("humaneval", args.humaneval_n))
+        name: evaluate_task(name, n, budget, models, args)
+        for name, n, budget in (
+            ("pycode", args.n, args.pycode_max_new_tokens),
+            ("humaneval", args.humaneval_n, args.humaneval_max_new_tokens),
+        )
         if n > 0
     }
     result = {
