@@ -99,6 +99,36 @@ def test_stop_token_inside_a_block_ends_generation(tiny, prompts, decoder):
     assert gen.stats.tokens == cut
 
 
+class _ScriptedOrder:
+    """A reveal policy for tests: one position per forward, the first still masked in `order`."""
+
+    def __init__(self, order: list[int]):
+        self.order = order
+
+    def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        reveal = torch.zeros_like(masked)
+        for row in range(masked.shape[0]):
+            pick = next((i for i in self.order if masked[row, i]), None)
+            if pick is not None:
+                reveal[row, pick] = True
+        return reveal
+
+
+def test_sbd_spends_no_forward_after_a_revealed_stop(tiny, prompts):
+    """Position 2 is revealed first and holds a stop token: position 5 (after it) is never revealed,
+    so the block ends after revealing positions 0 and 1, in three forwards."""
+    decoder = SBDDecoder(8, _ScriptedOrder([2, 5, 0, 1, 3, 4, 6, 7]))
+    free = decoder.generate(tiny, [prompts[0]], max_new_tokens=8)[0].token_ids
+    assert free[2] not in free[:2]
+    original = _with_stop_token(tiny, free[2])
+    try:
+        gen = decoder.generate(tiny, [prompts[0]], max_new_tokens=8)[0]
+    finally:
+        tiny.hf.generation_config.eos_token_id = original
+    assert gen.token_ids[2] == free[2] and len(gen.token_ids) == 3
+    assert gen.stats.nfe == 3  # revealing position 5 first would have cost a fourth
+
+
 def test_sampling_is_reproducible_by_seed(tiny, prompts):
     def run(seed):
         dec = SBDDecoder(4, EntropyBounded(1.0), sampler=Sampler(temperature=1.0, top_p=0.9, seed=seed))
