@@ -132,6 +132,8 @@ def jf_argv(args, model: str, task_options: dict, budget: int, out: Path) -> lis
     argv += ["--collect-batch-size", "16", "--save-every", str(max(1, args.steps // 4)), "--keep-checkpoints", "1"]
     if not args.chat_template:
         argv.append("--no-chat-template")
+    if args.only_correct:
+        argv.append("--only-correct")
     return argv
 
 
@@ -342,6 +344,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("noisy", "clean"),
         help="what a noisy block sees of earlier blocks: noisy (Fig. 2b) or clean (Fig. 2a; the README's run)",
     )
+    ap.add_argument("--only-correct", action="store_true", help="train on the trajectories graded correct only")
     ap.add_argument("--steps", type=int, default=600, help="optimizer steps per round")
     ap.add_argument("--seq-len", type=int, default=320)
     ap.add_argument("--batch-size", type=int, default=8)

@@ -11,12 +11,17 @@ nothing. Collection stops after the block whose fixed point holds a stop token, 
 
 One JSONL line per prompt, written and flushed as soon as its batch is done:
 
-    {"index": 0, "id": "...", "prompt": "...", "prompt_ids": [...], "block_size": 16, "init": "repeat",
-     "blocks": [{"states": [[...n ids...], ...], "fixed": [...n ids...]}, ...]}
+    {"index": 0, "id": "...", "prompt": "...", "correct": true, "prompt_ids": [...], "block_size": 16,
+     "init": "repeat", "blocks": [{"states": [[...n ids...], ...], "fixed": [...n ids...]}, ...]}
 
 `states` are the iterates y⁽⁰⁾ … y⁽ᵏ⁻¹⁾ before the fixed point, in order (y⁽ᵏ⁻¹⁾ ≠ y⁽ᵏ⁾ = fixed);
-`fixed` is the fixed point. A rerun of the same command skips the prompts already written, so a
-killed run loses at most the batch it was decoding; a half-written last line is cut off.
+`fixed` is the fixed point. `correct` is present when the prompts come from a graded task: the
+response (up to its first stop token) graded against the example's reference. Training can keep
+only those (`only_correct`; the Jacobi Forcing paper, §4.1, likewise keeps prompts whose
+generations pass their unit tests): the AR term then never reinforces a wrong answer.
+
+A rerun of the same command skips the prompts already written, so a killed run loses at most the
+batch it was decoding; a half-written last line is cut off.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -69,11 +74,17 @@ class Trajectory:
     init: str = "repeat"
     prompt: str | None = None
     id: str | None = None
+    correct: bool | None = None  # graded against the task's reference (None: not graded)
 
     @property
     def response(self) -> list[int]:
         """The fixed points concatenated: greedy AR decoding's output, whole blocks (past any stop token)."""
         return [t for b in self.blocks for t in b.fixed]
+
+    def answer(self, stop_ids: Sequence[int]) -> list[int]:
+        """The response up to and including its first stop token: what greedy AR decoding returns."""
+        response, stops = self.response, set(stop_ids)
+        return response[: next((i + 1 for i, t in enumerate(response) if t in stops), len(response))]
 
     @property
     def forwards(self) -> int:
@@ -86,6 +97,8 @@ class Trajectory:
             record["id"] = self.id
         if self.prompt is not None:
             record["prompt"] = self.prompt
+        if self.correct is not None:
+            record["correct"] = self.correct
         record.update(
             prompt_ids=self.prompt_ids,
             block_size=self.block_size,
@@ -109,7 +122,10 @@ class Trajectory:
                 init=str(record.get("init", "repeat")),
                 prompt=record.get("prompt"),
                 id=record.get("id"),
+                correct=record.get("correct"),
             )
+            if traj.correct not in (None, True, False):
+                raise ValueError(f"correct must be true or false, got {traj.correct!r}")
         except (KeyError, TypeError, ValueError) as exc:
             raise FastForwardError(f"{where}: not a trajectory record ({type(exc).__name__}: {exc})") from exc
         if any(len(s) != n for b in blocks for s in b.trajectory):
@@ -252,8 +268,8 @@ class CollectSummary:
     skipped: int = 0
     forwards: int = 0
     tokens: int = 0
+    correct: int = 0  # of the prompts written now, graded correct (when a grader was given)
     path: str = ""
-    extra: dict = field(default_factory=dict)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -278,12 +294,14 @@ def collect(
     ids: Sequence[str] | None = None,
     progress: bool = True,
     callback: Callable[[Trajectory], None] | None = None,
+    grade: Callable[[int, str], bool] | None = None,
 ) -> CollectSummary:
     """Write the Jacobi trajectories of `prompts` (text, or token ids) to the JSONL file `path`.
 
     Resumable: prompts whose index is already in the file are skipped (the file must have been
     written with the same prompts, block size and initialisation). Lines are appended and flushed
-    one by one; callback(trajectory) runs after each line is written.
+    one by one; callback(trajectory) runs after each line is written. grade(prompt index, response
+    text up to its stop token) → correct, stored in the record's `correct`.
     """
     if init not in DRAFT_INITS:
         raise FastForwardError(f"unknown draft init {init!r}; choose one of {', '.join(DRAFT_INITS)}")
@@ -334,6 +352,9 @@ def collect(
                     prompt=prompts[i] if isinstance(prompts[i], str) else None,
                     id=None if ids is None else str(ids[i]),
                 )
+                if grade is not None:
+                    traj.correct = bool(grade(i, model.decode(traj.answer(model.stop_token_ids))))
+                    summary.correct += traj.correct
                 f.write(_line(traj))
                 f.flush()
                 os.fsync(f.fileno())
@@ -379,15 +400,21 @@ def fit(trajectory: Trajectory, seq_len: int) -> Trajectory:
     keep = max(1, min(len(trajectory.blocks), (seq_len - len(prompt)) // (2 * n)))
     if len(prompt) + 2 * n * keep > seq_len:
         prompt = prompt[len(prompt) + 2 * n * keep - seq_len :]
-    return Trajectory(
-        prompt_ids=prompt,
-        blocks=trajectory.blocks[:keep],
-        block_size=n,
-        index=trajectory.index,
-        init=trajectory.init,
-        prompt=trajectory.prompt,
-        id=trajectory.id,
-    )
+    return replace(trajectory, prompt_ids=prompt, blocks=trajectory.blocks[:keep])
+
+
+def only_correct(trajectories: Sequence[Trajectory], where: str) -> list[Trajectory]:
+    """The trajectories whose response was graded correct; every one must carry a grade."""
+    ungraded = sum(t.correct is None for t in trajectories)
+    if ungraded:
+        raise FastForwardError(
+            f"{ungraded} of {len(trajectories)} trajectories in {where} carry no grade: collect them from a "
+            "task (`fastforward trajectories --task NAME`) to grade them, or train without --only-correct"
+        )
+    kept = [t for t in trajectories if t.correct]
+    if not kept:
+        raise FastForwardError(f"no trajectory in {where} was graded correct: nothing to train on")
+    return kept
 
 
 class TrajectoryData:
@@ -406,8 +433,9 @@ class TrajectoryData:
             raise FastForwardError("every trajectory is empty (no blocks)")
 
     @classmethod
-    def from_file(cls, path: str | Path, seq_len: int) -> TrajectoryData:
-        return cls(read_trajectories(path), seq_len)
+    def from_file(cls, path: str | Path, seq_len: int, correct_only: bool = False) -> TrajectoryData:
+        trajectories = read_trajectories(path)
+        return cls(only_correct(trajectories, str(path)) if correct_only else trajectories, seq_len)
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -439,8 +467,10 @@ def trajectory_datasets(
     eval_path: str | Path | None = None,
     eval_fraction: float = 0.0,
     seed: int = 0,
+    correct_only: bool = False,
 ) -> tuple[TrajectoryData, TrajectoryData | None]:
-    """Training data (and held-out data: a second file, or a seeded share of the first) from trajectory files."""
+    """Training data (and held-out data: a second file, or a seeded share of the first) from trajectory
+    files; correct_only keeps the trajectories graded correct."""
     if not path:
         raise FastForwardError(
             "the jacobi_forcing objective trains on Jacobi trajectories: give --trajectories FILE "
@@ -448,6 +478,9 @@ def trajectory_datasets(
         )
     records = read_trajectories(path)
     held = read_trajectories(eval_path) if eval_path else None
+    if correct_only:
+        records = only_correct(records, str(path))
+        held = only_correct(held, str(eval_path)) if held else None
     if held is None and eval_fraction:
         records, held = split_examples(records, eval_fraction, seed)  # type: ignore[arg-type]
     return TrajectoryData(records, seq_len), TrajectoryData(held, seq_len) if held else None
@@ -477,14 +510,28 @@ def read_prompts(path: str | Path) -> tuple[list[str], list[str]]:
     return prompts, ids
 
 
+@dataclass
+class PromptSource:
+    """Prompts to collect trajectories for, and their ids; from a task, also its budget and grader."""
+
+    prompts: list[str]
+    ids: list[str]
+    max_new_tokens: int | None = None
+    grade: Callable[[int, str], bool] | None = None  # (prompt index, response text) → correct
+
+
 def task_prompts(
     task: str, n: int | None = None, split: str = "train", seed: int = 0, options: dict | None = None
-) -> tuple[list[str], list[str], int]:
-    """Prompts, ids and the suggested generation budget of a task's examples (e.g. arithmetic's train split)."""
+) -> PromptSource:
+    """The prompts of a task's examples (e.g. arithmetic's train split), with the task's grader."""
     from fastforward.tasks import get_task
 
     chosen = get_task(task, **(options or {}))
     examples = chosen.examples(split, n, seed)
     if not examples:
         raise FastForwardError(f"task {task!r} gave no {split} examples")
-    return [e.prompt for e in examples], [e.id for e in examples], chosen.max_new_tokens
+
+    def grade(index: int, text: str) -> bool:
+        return chosen.grade(examples[index], text).correct
+
+    return PromptSource([e.prompt for e in examples], [e.id for e in examples], chosen.max_new_tokens, grade)

@@ -18,6 +18,7 @@ from fastforward.trajectories import (
     collect,
     fit,
     jacobi_trajectories,
+    only_correct,
     read_trajectories,
 )
 
@@ -143,6 +144,39 @@ def test_records_round_trip(tiny, tmp_path):
     assert first.forwards == sum(len(b.states) + 1 for b in first.blocks)
 
 
+def test_collect_grades_each_response_up_to_its_stop(tiny, prompts, tmp_path):
+    seen: list[tuple[int, str]] = []
+
+    def grade(index: int, text: str) -> bool:
+        seen.append((index, text))
+        return index != 1
+
+    path = tmp_path / "t.jsonl"
+    summary = collect(tiny, prompts[:3], path, block_size=4, max_new_tokens=12, grade=grade, progress=False)
+    trajectories = read_trajectories(path)
+    assert [t.correct for t in trajectories] == [True, False, True] and summary.correct == 2
+    for (index, text), t in zip(sorted(seen), trajectories, strict=True):
+        ar = ARDecoder().generate(tiny, [prompts[index]], max_new_tokens=len(t.response))[0]
+        assert text == ar.text and t.answer(tiny.stop_token_ids) == ar.token_ids
+    assert Trajectory.from_record(trajectories[1].to_record()).correct is False
+    with pytest.raises(FastForwardError, match="correct must be true or false"):
+        Trajectory.from_record({**trajectories[0].to_record(), "correct": "yes"})
+
+
+def test_only_correct_keeps_the_graded_correct_and_refuses_ungraded(tmp_path):
+    block = [Block([], [5, 6])]
+    graded = [Trajectory([1], block, 2, index=i, correct=c) for i, c in enumerate([True, False, True])]
+    assert [t.index for t in only_correct(graded, "f")] == [0, 2]
+    with pytest.raises(FastForwardError, match="1 of 2 trajectories in f carry no grade"):
+        only_correct([graded[0], Trajectory([1], block, 2, index=3)], "f")
+    with pytest.raises(FastForwardError, match="nothing to train on"):
+        only_correct([graded[1]], "f")
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(t.to_record()) + "\n" for t in graded))
+    assert len(TrajectoryData.from_file(path, 16)) == 3
+    assert [t.index for t in TrajectoryData.from_file(path, 16, correct_only=True).examples] == [0, 2]
+
+
 def test_training_data_fits_rows_and_batches_deterministically():
     blocks = [Block([[9, 9]], [i, i + 1]) for i in range(5)]
     long = Trajectory(prompt_ids=[1, 2, 3], blocks=blocks, block_size=2)
@@ -163,9 +197,24 @@ def test_cli_collects_a_task_and_resumes(tmp_path, capsys):
     args = ["trajectories", "--model", str(tmp_path / "m"), "--task", "arithmetic", "--n", "3"]
     args += ["--out", str(out), "--block-size", "4", "--max-new-tokens", "8"]
     assert main(args) == 0
-    assert "3 prompts written" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "3 prompts written" in printed and "of 3 responses graded correct" in printed
     assert main(args) == 0
     assert "0 prompts written, 3 already there" in capsys.readouterr().out
-    assert [len(t.blocks) <= 2 for t in read_trajectories(out)] == [True] * 3
+    assert [len(t.blocks) <= 2 and t.correct in (True, False) for t in read_trajectories(out)] == [True] * 3
     assert main([*args, "--prompts", str(out)]) == 2
     assert "exactly one of" in capsys.readouterr().err
+    train = ["train", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "jf"), "--steps", "1"]
+    assert main([*train, "--objective", "sbd", "--data", str(out), "--only-correct"]) == 2
+    assert "use it with --objective jacobi_forcing" in capsys.readouterr().err
+    # a random tiny model answers no arithmetic problem right
+    assert main([*train, "--objective", "jacobi_forcing", "--trajectories", str(out), "--only-correct"]) == 2
+    assert "nothing to train on" in capsys.readouterr().err
+    (tmp_path / "p.jsonl").write_text('{"prompt": "Tom has"}\n')
+    ungraded = [*args[:3], "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "u.jsonl")]
+    assert main(ungraded) == 0 and "graded" not in capsys.readouterr().out
+    assert (
+        main([*train, "--objective", "jacobi_forcing", "--trajectories", str(tmp_path / "u.jsonl"), "--only-correct"])
+        == 2
+    )
+    assert "carry no grade" in capsys.readouterr().err

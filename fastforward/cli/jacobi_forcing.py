@@ -12,14 +12,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fastforward.cli.train import add_optimizer_flags, train_config
-from fastforward.cli.trajectories import add_collect_flags, add_prompt_flags, load_prompt_source
+from fastforward.cli.train import add_only_correct_flag, add_optimizer_flags, train_config
+from fastforward.cli.trajectories import (
+    add_collect_flags,
+    add_prompt_flags,
+    collect_from,
+    describe,
+    load_prompt_source,
+)
 from fastforward.errors import FastForwardError
 from fastforward.model import load_model
 from fastforward.objectives import JacobiForcing
 from fastforward.objectives.jacobi_forcing import CONTEXTS, SCHEDULES
 from fastforward.train import train
-from fastforward.trajectories import TrajectoryData, collect
+from fastforward.trajectories import TrajectoryData
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--noise-schedule", choices=SCHEDULES, default=jf.noise_schedule)
     p.add_argument("--noisy-context", choices=CONTEXTS, default=jf.noisy_context)
     p.add_argument("--ar-weight", type=float, default=jf.ar_weight, help="weight of the AR loss (eq. 9)")
+    add_only_correct_flag(p)
     add_optimizer_flags(p, seq_len=1024)  # a row holds the prompt and the response twice
     p.set_defaults(run=run)
 
@@ -57,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = per_round(args.block_sizes, args.rounds, "--block-sizes")
     windows = per_round(args.noise_windows, args.rounds, "--noise-windows")
     config = train_config(args, eval_every=0)
-    prompts, ids, budget = load_prompt_source(args)
+    source = load_prompt_source(args)
     out = Path(args.out)
     start = args.model
     for r, (size, window) in enumerate(zip(sizes, windows, strict=True), start=1):
@@ -70,21 +77,10 @@ def run(args: argparse.Namespace) -> int:
         model = load_model(start, dtype=args.dtype)
         path = out / f"trajectories-round-{r}.jsonl"
         print(f"round {r}: trajectories of {start} at block size {size} → {path}", flush=True)
-        summary = collect(
-            model,
-            prompts,
-            path,
-            block_size=size,
-            max_new_tokens=args.max_new_tokens or budget or 256,
-            init=args.init,
-            batch_size=args.collect_batch_size,
-            seed=args.seed,
-            chat_template=not args.no_chat_template,
-            ids=ids,
-        )
+        summary = collect_from(model, source, args, path, size)
         if summary.written:
-            print(f"round {r}: {summary.tokens_per_forward:.2f} tokens per Jacobi forward", flush=True)
-        data = TrajectoryData.from_file(path, args.seq_len)
+            print(f"round {r}: {describe(summary, source.grade is not None)}", flush=True)
+        data = TrajectoryData.from_file(path, args.seq_len, args.only_correct)
         print(f"round {r}: training on {len(data)} trajectories (window {window}) → {run_dir}", flush=True)
         train(model, objective, data, config, run_dir)
         start = str(run_dir)

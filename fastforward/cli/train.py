@@ -39,9 +39,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--noise-window", type=int, default=jf.noise_window, help="window w of eq. 7 (jacobi_forcing)")
     p.add_argument("--noisy-context", default=jf.noisy_context, help="noisy blocks see earlier noisy or clean blocks")
     p.add_argument("--ar-weight", type=float, default=jf.ar_weight, help="weight of the AR loss (jacobi_forcing)")
+    add_only_correct_flag(p)
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evaluations")
     p.add_argument("--max-eval-batches", type=int, default=d.max_eval_batches)
     p.set_defaults(run=run)
+
+
+def add_only_correct_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--only-correct",
+        action="store_true",
+        help="jacobi_forcing: train only on trajectories whose response was graded correct (collected from a --task)",
+    )
 
 
 def add_optimizer_flags(p: argparse.ArgumentParser, seq_len: int) -> None:
@@ -101,10 +110,12 @@ def run(args: argparse.Namespace) -> int:
             "give --trajectories FILE to the jacobi_forcing objective (write one with `fastforward trajectories`) "
             "and --data FILE to the others"
         )
+    if args.only_correct and not on_trajectories:
+        raise FastForwardError("--only-correct filters Jacobi trajectories: use it with --objective jacobi_forcing")
     model = load_model(args.model, dtype=args.dtype)
     if on_trajectories:
         train_data, eval_data = trajectory_datasets(
-            args.trajectories, args.seq_len, args.eval_data, args.eval_fraction, args.seed
+            args.trajectories, args.seq_len, args.eval_data, args.eval_fraction, args.seed, args.only_correct
         )
         print(f"{len(train_data)} trajectories in rows of up to {args.seq_len} tokens", flush=True)
         train(model, objective, train_data, config, args.out, eval_data=eval_data, overwrite=args.overwrite)

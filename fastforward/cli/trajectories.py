@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from fastforward.errors import FastForwardError
-from fastforward.model import DTYPES, load_model
+from fastforward.model import DTYPES, Model, load_model
 from fastforward.tasks import parse_options
-from fastforward.trajectories import DRAFT_INITS, collect, read_prompts, task_prompts
+from fastforward.trajectories import (
+    DRAFT_INITS,
+    CollectSummary,
+    PromptSource,
+    collect,
+    read_prompts,
+    task_prompts,
+)
 
 
 def add_prompt_flags(p: argparse.ArgumentParser) -> None:
@@ -20,13 +28,12 @@ def add_prompt_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-seed", type=int, default=0, help="seed of the task's example draw")
 
 
-def load_prompt_source(args: argparse.Namespace) -> tuple[list[str], list[str], int | None]:
-    """(prompts, ids, the task's generation budget or None) from --prompts or --task."""
+def load_prompt_source(args: argparse.Namespace) -> PromptSource:
+    """The prompts of --prompts, or of --task (then graded, with the task's generation budget)."""
     if bool(args.prompts) == bool(args.task):
         raise FastForwardError("give exactly one of --prompts FILE and --task NAME")
     if args.prompts:
-        prompts, ids = read_prompts(args.prompts)
-        return prompts, ids, None
+        return PromptSource(*read_prompts(args.prompts))
     return task_prompts(args.task, args.n, args.split, args.prompt_seed, parse_options(args.task_option))
 
 
@@ -57,24 +64,40 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    prompts, ids, budget = load_prompt_source(args)
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
-    summary = collect(
+def collect_from(
+    model: Model, source: PromptSource, args: argparse.Namespace, path: str | Path, block_size: int
+) -> CollectSummary:
+    """`collect` with the collection flags of `add_collect_flags` (shared by both commands)."""
+    return collect(
         model,
-        prompts,
-        args.out,
-        block_size=args.block_size,
-        max_new_tokens=args.max_new_tokens or budget or 256,
+        source.prompts,
+        path,
+        block_size=block_size,
+        max_new_tokens=args.max_new_tokens or source.max_new_tokens or 256,
         init=args.init,
         batch_size=args.collect_batch_size,
         seed=args.seed,
         chat_template=not args.no_chat_template,
-        ids=ids,
+        ids=source.ids,
+        grade=source.grade,
     )
+
+
+def describe(summary: CollectSummary, graded: bool) -> str:
+    """What a collection did: tokens per forward, and how many responses were graded correct."""
+    text = f"{summary.tokens_per_forward:.2f} tokens per Jacobi forward"
+    if graded and summary.written:
+        text += f"; {summary.correct} of {summary.written} responses graded correct"
+    return text
+
+
+def run(args: argparse.Namespace) -> int:
+    source = load_prompt_source(args)
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    summary = collect_from(model, source, args, args.out, args.block_size)
     print(
         f"{summary.written} prompts written, {summary.skipped} already there → {args.out} "
-        f"({summary.tokens_per_forward:.2f} tokens per Jacobi forward this run)",
+        f"({describe(summary, source.grade is not None)} this run)",
         flush=True,
     )
     return 0
