@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
-from fastforward.decoders import ARDecoder, Decoder, Generation, JacobiDecoder, MultiBlockJacobiDecoder, SBDDecoder
+from fastforward.decoders import (
+    ARDecoder,
+    Decoder,
+    Generation,
+    JacobiDecoder,
+    MultiBlockJacobiDecoder,
+    SBDDecoder,
+    VerifiedSBDDecoder,
+)
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.policies import make_policy
 from fastforward.sampling import Sampler
 
-DECODERS = {"ar": ARDecoder, "sbd": SBDDecoder, "jacobi": JacobiDecoder, "jacobi-mr": MultiBlockJacobiDecoder}
+DECODERS = {
+    "ar": ARDecoder,
+    "sbd": SBDDecoder,
+    "sbd-verified": VerifiedSBDDecoder,
+    "jacobi": JacobiDecoder,
+    "jacobi-mr": MultiBlockJacobiDecoder,
+}
 
 
 def build_decoder(
@@ -31,7 +45,7 @@ def build_decoder(
     sampler = Sampler(temperature=temperature, top_p=top_p, seed=seed)
     if name == "ar":
         return ARDecoder(sampler)
-    if name in ("jacobi", "jacobi-mr") and temperature != 0:
+    if name in ("jacobi", "jacobi-mr", "sbd-verified") and temperature != 0:
         raise FastForwardError(f"{name} decoding is greedy (its output equals greedy AR); use --temperature 0")
     if name == "jacobi":
         return JacobiDecoder(block_size, draft_init, seed)
@@ -39,6 +53,8 @@ def build_decoder(
         return MultiBlockJacobiDecoder(block_size, max_blocks, spawn_ratio, verify, ngram)
     if name == "sbd":
         return SBDDecoder(block_size, make_policy(policy, gamma), sampler, first_token_from_ntp)
+    if name == "sbd-verified":
+        return VerifiedSBDDecoder(block_size, make_policy(policy, gamma))
     raise FastForwardError(f"unknown decoder {name!r}; choose one of {', '.join(DECODERS)}")
 
 

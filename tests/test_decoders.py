@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from fastforward import visibility
-from fastforward.decoders import ARDecoder, JacobiDecoder, SBDDecoder, Session
+from fastforward.api import build_decoder
+from fastforward.decoders import ARDecoder, JacobiDecoder, SBDDecoder, Session, VerifiedSBDDecoder
 from fastforward.decoders.multiblock_jacobi import MultiBlockJacobiDecoder
+from fastforward.errors import FastForwardError
 from fastforward.model import Layout
 from fastforward.policies import EntropyBounded
 from fastforward.sampling import Sampler
@@ -84,7 +86,13 @@ def _with_stop_token(tiny, token):
 
 @pytest.mark.parametrize(
     "decoder",
-    [ARDecoder(), SBDDecoder(4, EntropyBounded(INF)), SBDDecoder(6, EntropyBounded(1.5), first_token_from_ntp=True)],
+    [
+        ARDecoder(),
+        SBDDecoder(4, EntropyBounded(INF)),
+        SBDDecoder(6, EntropyBounded(1.5), first_token_from_ntp=True),
+        VerifiedSBDDecoder(4, EntropyBounded(1.0)),
+        VerifiedSBDDecoder(16, EntropyBounded(INF)),
+    ],
 )
 def test_stop_token_inside_a_block_ends_generation(tiny, prompts, decoder):
     free = decoder.generate(tiny, [prompts[1]], max_new_tokens=30)[0].token_ids
@@ -138,10 +146,63 @@ def test_sampling_is_reproducible_by_seed(tiny, prompts):
     assert run(3) != run(4)
 
 
-def test_max_new_tokens_is_respected_mid_block(tiny, prompts):
+@pytest.mark.parametrize("decoder", [SBDDecoder(4, EntropyBounded(0.5)), VerifiedSBDDecoder(4, EntropyBounded(0.5))])
+def test_max_new_tokens_is_respected_mid_block(tiny, prompts, decoder):
     for n in (1, 5, 7):
-        gens = SBDDecoder(4, EntropyBounded(0.5)).generate(tiny, prompts, max_new_tokens=n)
+        gens = decoder.generate(tiny, prompts, max_new_tokens=n)
         assert all(len(g.token_ids) == n for g in gens)
+
+
+# ---- SBD drafts verified by next-token prediction ---------------------------------------------------
+@pytest.mark.parametrize(("block", "gamma"), [(1, 0.5), (2, 0.0), (3, 0.5), (5, INF), (8, 0.5), (16, 2.0), (16, INF)])
+def test_verified_sbd_equals_greedy_ar(tiny, prompts, block, gamma):
+    ar = _ids(ARDecoder().generate(tiny, prompts, max_new_tokens=33))
+    decoder = VerifiedSBDDecoder(block, EntropyBounded(gamma))
+    assert _ids(decoder.generate(tiny, prompts, max_new_tokens=33)) == ar  # batched, with holes
+    assert [decoder.generate(tiny, [p], max_new_tokens=33)[0].token_ids for p in prompts] == ar
+
+
+class _OracleDrafts(VerifiedSBDDecoder):
+    """Drafts the true continuation (one row), so every draft is accepted."""
+
+    def __init__(self, truth: list[int], block_size: int):
+        super().__init__(block_size)
+        self.truth = truth
+
+    def _reveal(self, session, logits, block, masked):
+        start = len(session.outputs[0]) - 1  # block[:, 0] is the last token output
+        block = block.clone()
+        for j in range(block.shape[1]):
+            if masked[0, j] and start + j < len(self.truth):
+                block[0, j] = self.truth[start + j]
+        return block, torch.zeros_like(masked)
+
+
+@pytest.mark.parametrize("block", [3, 8])
+def test_verified_sbd_commits_accepted_drafts_and_keeps_an_exact_cache(tiny, prompts, block):
+    prompt = prompts[1]
+    truth = ARDecoder().generate(tiny, [prompt], max_new_tokens=40)[0].token_ids
+    decoder = _OracleDrafts(truth, block)
+    with torch.inference_mode():
+        session = Session(tiny, [prompt], max_new_tokens=40)
+        decoder.decode(session)
+        generated = session.outputs[0]
+        ids = torch.tensor([prompt + generated[:-1]])
+        n = ids.shape[1]
+        fresh = tiny.new_cache()
+        tiny.run(Layout(ids, torch.arange(n)[None], visibility.causal(n)[None], keep=n), fresh)
+    assert generated == truth
+    # one forward drafts the first block; then each forward verifies a whole block and drafts the next
+    assert session.nfe.item() == 1 + -(-(len(truth) - 1) // block)
+    assert session.cache.get_seq_length() >= n  # accepted drafts past max_new_tokens may follow
+    for a, b in zip(fresh.layers, session.cache.layers, strict=True):
+        torch.testing.assert_close(b.keys[..., :n, :], a.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b.values[..., :n, :], a.values, rtol=1e-4, atol=1e-4)
+
+
+def test_verified_sbd_is_greedy_only():
+    with pytest.raises(FastForwardError, match="temperature 0"):
+        build_decoder("sbd-verified", temperature=0.7)
 
 
 @pytest.mark.parametrize("init", ["repeat", "random"])

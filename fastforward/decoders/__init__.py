@@ -5,6 +5,7 @@ from fastforward.decoders.base import Decoder, Generation, Session, Stats
 from fastforward.decoders.jacobi import JacobiDecoder
 from fastforward.decoders.multiblock_jacobi import MultiBlockJacobiDecoder
 from fastforward.decoders.sbd import SBDDecoder
+from fastforward.decoders.sbd_verified import VerifiedSBDDecoder
 
 __all__ = [
     "ARDecoder",
@@ -15,4 +16,5 @@ __all__ = [
     "SBDDecoder",
     "Session",
     "Stats",
+    "VerifiedSBDDecoder",
 ]

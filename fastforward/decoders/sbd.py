@@ -18,7 +18,7 @@ from fastforward.policies import EntropyBounded
 from fastforward.sampling import Sampler
 
 
-def _after_stop(block: torch.Tensor, masked: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
+def after_stop(block: torch.Tensor, masked: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
     """Positions after each row's first revealed stop token: the output is cut there, so no
     forward is worth spending on them."""
     is_stop = (torch.isin(block, stop_ids) & ~masked).long()
@@ -78,7 +78,7 @@ class SBDDecoder(Decoder):
                 masked &= ~reveal
                 revealed += reveal.sum(-1)
                 session.record_step(revealed.tolist())
-                masked &= ~_after_stop(block, masked, session.stop_ids)
+                masked &= ~after_stop(block, masked, session.stop_ids)
                 finished = _open_prefix_stop(block, masked, session.stop_ids)
                 masked &= ~finished[:, None]
                 session.done |= finished  # no more forwards are counted for these rows
