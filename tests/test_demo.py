@@ -24,6 +24,7 @@ def test_demo_trains_evaluates_and_reuses(tmp_path):
         ("SBD", "AR", None),
         ("SBD", "SBD", config.gamma_low),
         ("SBD", "SBD", config.gamma_high),
+        ("SBD", "SBD-VERIFIED", None),
     ]
     for row in result.rows:
         for key in ("model", "decoder", "gamma", "accuracy", "nfe", "tpf", "tps", "speedup"):
@@ -35,7 +36,7 @@ def test_demo_trains_evaluates_and_reuses(tmp_path):
     assert written["rows"] == result.rows
     assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     records = (out / "records.jsonl").read_text().splitlines()
-    assert len(records) == config.eval_examples * (2 + len(config.sweep_values()))
+    assert len(records) == config.eval_examples * (3 + len(config.sweep_values()))
     text = "\n".join(lines)
     assert "wall speedup" in text and "NFE speedup" in text
 
@@ -72,7 +73,7 @@ def test_demo_cli_smoke(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "accuracy %" in printed and "SBD" in printed
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
-    assert len(rows) == 4
+    assert len(rows) == 5 and rows[4]["decoder"] == "SBD-VERIFIED"
     assert main([*argv, "--retrain", "--n", "2"]) == 0
     assert json.loads((tmp_path / "t.json").read_text())["rows"][0]["n"] == 2
 
