@@ -10,6 +10,7 @@ from fastforward.decoders import (
     SBDDecoder,
     Session,
     Stats,
+    VerifiedSBDDecoder,
 )
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, load_model
@@ -35,6 +36,7 @@ __all__ = [
     "Session",
     "Stats",
     "Threshold",
+    "VerifiedSBDDecoder",
     "load_model",
     "make_policy",
 ]
