@@ -344,7 +344,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("noisy", "clean"),
         help="what a noisy block sees of earlier blocks: noisy (Fig. 2b) or clean (Fig. 2a; the README's run)",
     )
-    ap.add_argument("--only-correct", action="store_true", help="train on the trajectories graded correct only")
+    ap.add_argument(
+        "--only-correct",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="train on the trajectories whose response the task grades correct (default: on, off with --quick)",
+    )
     ap.add_argument("--steps", type=int, default=600, help="optimizer steps per round")
     ap.add_argument("--seq-len", type=int, default=320)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -362,6 +367,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.train_prompts, args.eval_prompts, args.timing_prompts, args.repeats = 48, 12, 4, 1
         args.rounds, args.block_sizes, args.noise_windows, args.steps = 1, [16], [16], 20
+    if args.only_correct is None:  # the smoke model may answer nothing right
+        args.only_correct = not args.quick
     if args.task is None:
         args.task = "pycode" if "smollm" in args.model.lower() else "arithmetic"
     if args.chat_template == "auto":
