@@ -55,8 +55,12 @@ class VerifiedSBDDecoder(Decoder):
             block, masked = self._verify(session, block, mask_id)
 
     def _size(self, session: Session, drafted: int) -> int:
-        """Size of the next block: whole, unless fewer tokens are left in the budget."""
-        return min(self.block_size, max(1, session.max_new_tokens - session.produced - drafted + 1))
+        """Size of the next block: whole, unless the furthest running row has fewer tokens left.
+
+        Rows drift apart (each keeps its own share of a draft), so finished rows must not count."""
+        lengths = [len(out) for out, done in zip(session.outputs, session.done.tolist(), strict=True) if not done]
+        produced = max(lengths, default=session.max_new_tokens)
+        return min(self.block_size, max(1, session.max_new_tokens - produced - drafted + 1))
 
     def _open(
         self, session: Session, first: torch.Tensor, size: int, mask_id: int
