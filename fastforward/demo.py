@@ -35,6 +35,7 @@ import torch
 
 from fastforward.api import build_decoder
 from fastforward.data import PackedData, encode_record
+from fastforward.decoders import Decoder
 from fastforward.errors import FastForwardError
 from fastforward.evaluate import AR, EvalResult, compare, format_table, sweep_label, write_json, write_records
 from fastforward.model import Model, load_model
@@ -329,6 +330,16 @@ def format_demo_table(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def sbd_decoders(config: DemoConfig, gammas: list[float]) -> dict[str, Decoder]:
+    """SBD at each γ (labelled by `sweep_label`), and `sbd-verified` drafting whole blocks (γ = ∞)."""
+    decoders: dict[str, Decoder] = {
+        sweep_label("gamma", g): build_decoder("sbd", block_size=config.block_size, policy=config.policy, gamma=g)
+        for g in gammas
+    }
+    decoders[VERIFIED] = build_decoder(VERIFIED, block_size=config.block_size, gamma=math.inf)
+    return decoders
+
+
 def evaluate_models(
     config: DemoConfig, out: Path, progress: bool = True
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[EvalResult]]:
@@ -342,14 +353,13 @@ def evaluate_models(
     ntp = compare(ntp_model, task, {}, examples, desc="eval NTP model: AR", **options)[AR]
     sbd_model = load_model(str(out / "sbd"), dtype=config.eval_dtype)
     values = config.sweep_values()
-    decoders = {
-        sweep_label("gamma", g): build_decoder("sbd", block_size=config.block_size, policy=config.policy, gamma=g)
-        for g in values
-    }
-    # whole blocks drafted in one forward (γ = ∞), verified by next-token prediction: lossless
-    decoders[VERIFIED] = build_decoder(VERIFIED, block_size=config.block_size, gamma=math.inf)
     results = compare(
-        sbd_model, task, decoders, examples, desc=f"eval SBD model: AR, SBD at {len(values)} γ, verified", **options
+        sbd_model,
+        task,
+        sbd_decoders(config, values),
+        examples,
+        desc=f"eval SBD model: AR, SBD at {len(values)} γ, verified",
+        **options,
     )
     rows = [
         table_row("NTP", ntp, None),
@@ -406,6 +416,7 @@ def run_demo(
                 {
                     "NTP model, AR": (rows[0]["tpf"], rows[0]["accuracy"]),
                     "SBD model, AR (NTP mode)": (rows[1]["tpf"], rows[1]["accuracy"]),
+                    "SBD model, sbd-verified (γ=∞)": (rows[4]["tpf"], rows[4]["accuracy"]),
                 },
                 {f"SBD model, SBD decoding ({config.policy})": [f"γ={p['gamma']:g}" for p in points]},
                 title=f"arithmetic: accuracy vs TPF (γ low {low:g}, high {high:g}; n={rows[0]['n']})",
