@@ -162,6 +162,23 @@ def test_verified_sbd_equals_greedy_ar(tiny, prompts, block, gamma):
     assert [decoder.generate(tiny, [p], max_new_tokens=33)[0].token_ids for p in prompts] == ar
 
 
+def _decode_and_check_cache(tiny, decoder, prompt: list[int], max_new_tokens: int) -> Session:
+    """Decode one prompt; its cache must begin with a fresh causal prefill of prompt + output (the
+    last output token is not cached yet; verified tokens past max_new_tokens may follow)."""
+    with torch.inference_mode():
+        session = Session(tiny, [prompt], max_new_tokens=max_new_tokens)
+        decoder.decode(session)
+        ids = torch.tensor([prompt + session.outputs[0][:-1]])
+        n = ids.shape[1]
+        fresh = tiny.new_cache()
+        tiny.run(Layout(ids, torch.arange(n)[None], visibility.causal(n)[None], keep=n), fresh)
+    assert session.cache.get_seq_length() >= n
+    for a, b in zip(fresh.layers, session.cache.layers, strict=True):
+        torch.testing.assert_close(b.keys[..., :n, :], a.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b.values[..., :n, :], a.values, rtol=1e-4, atol=1e-4)
+    return session
+
+
 class _OracleDrafts(VerifiedSBDDecoder):
     """Drafts the true continuation (one row), so every draft is accepted."""
 
@@ -182,22 +199,10 @@ class _OracleDrafts(VerifiedSBDDecoder):
 def test_verified_sbd_commits_accepted_drafts_and_keeps_an_exact_cache(tiny, prompts, block):
     prompt = prompts[1]
     truth = ARDecoder().generate(tiny, [prompt], max_new_tokens=40)[0].token_ids
-    decoder = _OracleDrafts(truth, block)
-    with torch.inference_mode():
-        session = Session(tiny, [prompt], max_new_tokens=40)
-        decoder.decode(session)
-        generated = session.outputs[0]
-        ids = torch.tensor([prompt + generated[:-1]])
-        n = ids.shape[1]
-        fresh = tiny.new_cache()
-        tiny.run(Layout(ids, torch.arange(n)[None], visibility.causal(n)[None], keep=n), fresh)
-    assert generated == truth
+    session = _decode_and_check_cache(tiny, _OracleDrafts(truth, block), prompt, 40)
+    assert session.outputs[0] == truth
     # one forward drafts the first block; then each forward verifies a whole block and drafts the next
     assert session.nfe.item() == 1 + -(-(len(truth) - 1) // block)
-    assert session.cache.get_seq_length() >= n  # accepted drafts past max_new_tokens may follow
-    for a, b in zip(fresh.layers, session.cache.layers, strict=True):
-        torch.testing.assert_close(b.keys[..., :n, :], a.keys, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(b.values[..., :n, :], a.values, rtol=1e-4, atol=1e-4)
 
 
 def test_verified_sbd_is_greedy_only():
@@ -277,19 +282,9 @@ def test_recycled_candidates_are_committed_losslessly(tiny, prompts):
     prompt = prompts[0]
     truth = ARDecoder().generate(tiny, [prompt], max_new_tokens=40)[0].token_ids
     assert len(set(truth)) > 1
-    decoder = _OracleRecycling(truth, block_size=4, max_blocks=1, verify=3, ngram=6)
-    with torch.inference_mode():
-        session = Session(tiny, [prompt], max_new_tokens=40)
-        decoder.decode(session)
-        generated = session.outputs[0]
-        ids = torch.tensor([prompt + generated[:-1]])
-        n = ids.shape[1]
-        fresh = tiny.new_cache()
-        tiny.run(Layout(ids, torch.arange(n)[None], visibility.causal(n)[None], keep=n), fresh)
-    assert generated == truth
+    # entries were moved from the candidates' slots
+    session = _decode_and_check_cache(
+        tiny, _OracleRecycling(truth, block_size=4, max_blocks=1, verify=3, ngram=6), prompt, 40
+    )
+    assert session.outputs[0] == truth
     assert session.nfe.item() < len(truth) / 3  # candidates of 6 confirmed tokens win
-    # entries were moved from the candidates' slots; verified tokens past max_new_tokens may follow
-    assert session.cache.get_seq_length() >= n
-    for a, b in zip(fresh.layers, session.cache.layers, strict=True):
-        torch.testing.assert_close(b.keys[..., :n, :], a.keys, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(b.values[..., :n, :], a.values, rtol=1e-4, atol=1e-4)
