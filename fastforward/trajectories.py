@@ -124,7 +124,7 @@ class Trajectory:
                 id=record.get("id"),
                 correct=record.get("correct"),
             )
-            if traj.correct not in (None, True, False):
+            if traj.correct is not None and not isinstance(traj.correct, bool):
                 raise ValueError(f"correct must be true or false, got {traj.correct!r}")
         except (KeyError, TypeError, ValueError) as exc:
             raise FastForwardError(f"{where}: not a trajectory record ({type(exc).__name__}: {exc})") from exc

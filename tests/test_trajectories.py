@@ -160,7 +160,7 @@ def test_collect_grades_each_response_up_to_its_stop(tiny, prompts, tmp_path):
         assert text == ar.text and t.answer(tiny.stop_token_ids) == ar.token_ids
     assert Trajectory.from_record(trajectories[1].to_record()).correct is False
     with pytest.raises(FastForwardError, match="correct must be true or false"):
-        Trajectory.from_record({**trajectories[0].to_record(), "correct": "yes"})
+        Trajectory.from_record({**trajectories[0].to_record(), "correct": 1})
 
 
 def test_only_correct_keeps_the_graded_correct_and_refuses_ungraded(tmp_path):

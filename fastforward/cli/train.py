@@ -46,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_only_correct_flag(p: argparse.ArgumentParser) -> None:
+    """--only-correct, shared by `train` and `jacobi-forcing`."""
     p.add_argument(
         "--only-correct",
         action="store_true",
