@@ -25,13 +25,6 @@ def after_stop(block: torch.Tensor, masked: torch.Tensor, stop_ids: torch.Tensor
     return (is_stop.cumsum(-1) - is_stop) > 0
 
 
-def _open_prefix_stop(block: torch.Tensor, masked: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
-    """Rows whose block holds a revealed stop token with nothing masked before it: they are finished."""
-    is_stop = torch.isin(block, stop_ids) & ~masked
-    masked_before = masked.long().cumsum(-1) - masked.long()
-    return (is_stop & (masked_before == 0)).any(-1)
-
-
 class SBDDecoder(Decoder):
     """Blocks of `block_size` masks, revealed by `policy` (default: entropy-bounded, γ = 0.35).
 
@@ -79,9 +72,9 @@ class SBDDecoder(Decoder):
                 revealed += reveal.sum(-1)
                 session.record_step(revealed.tolist())
                 masked &= ~after_stop(block, masked, session.stop_ids)
-                finished = _open_prefix_stop(block, masked, session.stop_ids)
-                masked &= ~finished[:, None]
-                session.done |= finished  # no more forwards are counted for these rows
+                # a revealed stop token with nothing masked left (before it): no more forwards for the row
+                stopped = (torch.isin(block, session.stop_ids) & ~masked).any(-1)
+                session.done |= stopped & ~masked.any(-1)
                 first = False
                 if commit:
                     pending = None
