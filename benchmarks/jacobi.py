@@ -23,7 +23,7 @@ under `--work` and reused by later runs. Trained models and trajectories live un
 in a directory named after the settings, so a rerun with the same settings reuses (or resumes) them.
 
     python benchmarks/jacobi.py --quick                       # smoke run, 1–2 minutes
-    python benchmarks/jacobi.py                               # the demo's arithmetic model (≤ 20 min)
+    python benchmarks/jacobi.py                               # the demo's arithmetic model (≈ 30 min)
     python benchmarks/jacobi.py --model smollm2-135m --task pycode --no-train \\
         --eval-prompts 8 --timing-prompts 8 --max-new-tokens 128
 
@@ -183,8 +183,8 @@ def trajectory_tpf(path: Path) -> float:
 
 
 # ---- measuring ------------------------------------------------------------------------------------
-def jacobi_decoders(args) -> dict:
-    n = args.decode_block_size
+def jacobi_decoders(args, block_size: int | None = None) -> dict:
+    n = block_size or args.decode_block_size
     return {
         "jacobi": build_decoder("jacobi", block_size=n),
         "jacobi-mr": build_decoder(
@@ -223,14 +223,15 @@ def report_quality(stage: str, model_path: str, task, rows: dict, load: list) ->
     return {"model": model_path, "n": n, "load_average": load, "rows": rows, "mr_over_jacobi_tpf": round(ratio, 4)}
 
 
-def quality(model_path: str, args, task, examples, budget: int, stage: str) -> dict:
-    """Accuracy, TPF and agreement with greedy AR of AR, jacobi and jacobi-mr on the held-out prompts."""
+def quality(model_path: str, args, task, examples, budget: int, stage: str, block_size: int | None = None) -> dict:
+    """Accuracy, TPF and agreement with greedy AR of AR, jacobi and jacobi-mr on the held-out prompts
+    (decoding blocks of `block_size`, default --decode-block-size)."""
     model = load_model(model_path, dtype=args.dtype)
     load = load_average()
     results = compare(
         model,
         task,
-        jacobi_decoders(args),
+        jacobi_decoders(args, block_size),
         examples,
         max_new_tokens=budget,
         chat_template=args.chat_template,
@@ -324,8 +325,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto", help="auto: off for pycode")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the demo's or the task's budget")
     # prompts
-    ap.add_argument("--train-prompts", type=int, default=2000, help="train-split prompts for the trajectories")
-    ap.add_argument("--eval-prompts", type=int, default=100, help="held-out (test split) prompts")
+    ap.add_argument("--train-prompts", type=int, default=8000, help="train-split prompts for the trajectories")
+    ap.add_argument("--eval-prompts", type=int, default=500, help="held-out (test split) prompts")
     ap.add_argument("--timing-prompts", type=int, default=16, help="held-out prompts timed (a prefix of the eval ones)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved timing repeats (median counts)")
     # Jacobi Forcing
@@ -350,7 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="train on the trajectories whose response the task grades correct (default: on, off with --quick)",
     )
-    ap.add_argument("--steps", type=int, default=600, help="optimizer steps per round")
+    ap.add_argument("--steps", type=int, default=2400, help="optimizer steps per round")
     ap.add_argument("--seq-len", type=int, default=320)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -410,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result["untrained"] = quality(model, args, task, examples, budget, "untrained")
         trained, result["jacobi_forcing"] = jacobi_forcing(args, model, task_options, budget)
+        result["earlier_rounds"] = [  # each round's model at its own block size, to see what a round adds
+            quality(str(Path(trained).parent / f"round-{r}"), args, task, examples, budget, f"round {r}", size)
+            for r, size in ((r["round"], r["block_size"]) for r in result["jacobi_forcing"]["rounds"][:-1])
+        ]
         result["trained"] = quality(trained, args, task, examples, budget, "trained")
         before = result["untrained"]["rows"][AR]["accuracy"]
         after = result["trained"]["rows"][AR]["accuracy"]

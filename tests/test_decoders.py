@@ -265,6 +265,14 @@ def test_multiblock_jacobi_equals_greedy_ar(tiny, prompts, block, blocks, verify
     assert _ids(decoder.generate(tiny, prompts, max_new_tokens=40)) == ar
 
 
+@pytest.mark.parametrize("block", [3, 8])
+def test_multiblock_jacobi_with_one_block_is_plain_jacobi(tiny, prompts, block):
+    # no candidates, no pseudo-active block: the same n drafts per forward, so the same forwards
+    plain = JacobiDecoder(block).generate(tiny, prompts, max_new_tokens=40)
+    multi = MultiBlockJacobiDecoder(block, max_blocks=1, verify=0).generate(tiny, prompts, max_new_tokens=40)
+    assert [(g.token_ids, g.stats.nfe) for g in multi] == [(g.token_ids, g.stats.nfe) for g in plain]
+
+
 class _OracleRecycling(MultiBlockJacobiDecoder):
     """Seeds the n-gram pool with the true continuation, so recycled candidates win verification."""
 

@@ -3,7 +3,8 @@
 One forward holds `[last committed token ; draft chain ; candidates]`:
 
 * the draft chain is the real-active block (its remaining drafts) followed by up to K − 1
-  pseudo-active blocks of n drafts that keep refining ahead of it (causal, one chain);
+  pseudo-active blocks of n drafts that keep refining ahead of it (causal, one chain), and never
+  shorter than plain Jacobi's n drafts;
 * candidates are n-grams recycled from earlier rejected drafts that start where the committed
   text ends; each sees only the cache, the last token and itself.
 
@@ -117,7 +118,7 @@ class MultiBlockJacobiDecoder(Decoder):
                 pseudo = max(pseudo - 1, 0)
             if stationary >= self.spawn_at and pseudo + 1 < self.max_blocks:
                 pseudo += 1
-            want = ra_left + n * pseudo
+            want = max(ra_left + n * pseudo, n)  # never fewer drafts than plain Jacobi
             ahead = [preds[i] for i in range(accepted + 1, len(preds))]
             drafts = (ahead + [last] * want)[:want]
 
