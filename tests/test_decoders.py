@@ -265,12 +265,26 @@ def test_multiblock_jacobi_equals_greedy_ar(tiny, prompts, block, blocks, verify
     assert _ids(decoder.generate(tiny, prompts, max_new_tokens=40)) == ar
 
 
+class _ChainLengths(MultiBlockJacobiDecoder):
+    """Records how many drafts each forward carries."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.lengths: list[int] = []
+
+    def _forward(self, session, last, drafts, cands):
+        self.lengths.append(len(drafts))
+        return super()._forward(session, last, drafts, cands)
+
+
 @pytest.mark.parametrize("block", [3, 8])
-def test_multiblock_jacobi_with_one_block_is_plain_jacobi(tiny, prompts, block):
-    # no candidates, no pseudo-active block: the same n drafts per forward, so the same forwards
+def test_multiblock_jacobi_never_drafts_fewer_than_plain_jacobi(tiny, prompts, block):
+    # a real-active block that shrinks as it commits would verify fewer drafts than plain Jacobi
     plain = JacobiDecoder(block).generate(tiny, prompts, max_new_tokens=40)
-    multi = MultiBlockJacobiDecoder(block, max_blocks=1, verify=0).generate(tiny, prompts, max_new_tokens=40)
-    assert [(g.token_ids, g.stats.nfe) for g in multi] == [(g.token_ids, g.stats.nfe) for g in plain]
+    multi = _ChainLengths(block, max_blocks=1, verify=0)
+    out = multi.generate(tiny, prompts, max_new_tokens=40)
+    assert set(multi.lengths) == {block}
+    assert [(g.token_ids, g.stats.nfe) for g in out] == [(g.token_ids, g.stats.nfe) for g in plain]
 
 
 class _OracleRecycling(MultiBlockJacobiDecoder):
