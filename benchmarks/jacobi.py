@@ -411,9 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result["untrained"] = quality(model, args, task, examples, budget, "untrained")
         trained, result["jacobi_forcing"] = jacobi_forcing(args, model, task_options, budget)
+        runs = Path(result["jacobi_forcing"]["dir"])
         result["earlier_rounds"] = [  # each round's model at its own block size, to see what a round adds
-            quality(str(Path(trained).parent / f"round-{r}"), args, task, examples, budget, f"round {r}", size)
-            for r, size in ((r["round"], r["block_size"]) for r in result["jacobi_forcing"]["rounds"][:-1])
+            quality(str(runs / f"round-{i}"), args, task, examples, budget, f"round {i}", r["block_size"])
+            for i, r in enumerate(result["jacobi_forcing"]["rounds"][:-1], start=1)
         ]
         result["trained"] = quality(trained, args, task, examples, budget, "trained")
         before = result["untrained"]["rows"][AR]["accuracy"]
