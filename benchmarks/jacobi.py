@@ -8,7 +8,8 @@ Stages, all on one machine in one run:
 2. **Jacobi Forcing**: progressive rounds (`fastforward jacobi-forcing`, run in-process) on prompts
    of the task's train split: collect the model's Jacobi trajectories, train with the
    jacobi_forcing objective, repeat at the next block size;
-3. **trained**: the same figures for the trained model on the same held-out prompts: accuracy
+3. **trained**: the same figures for each round's model (at its round's block size; the last
+   round's model is the trained one) on the same held-out prompts: accuracy
    before and after (target: within 2 points), `jacobi` and `jacobi-mr` TPF (target ≥ 2.5), and
    that every Jacobi output equals the trained model's own greedy AR output;
 4. **multi-block + recycling vs plain Jacobi** on the same model (target: TPF ≥ 1.10 ×);
