@@ -24,13 +24,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-from sbd_vs_ntp import HERE, machine
+from common import RESULTS, machine_info, set_threads
 
 from fastforward import metrics
 from fastforward.api import build_decoder
 from fastforward.data import derive_seed
-from fastforward.demo import DemoConfig, _packed, auto_threads, finetune, write_json
-from fastforward.evaluate import AR, compare, results_table, sweep_label
+from fastforward.demo import DemoConfig, finetune, pack_records
+from fastforward.evaluate import AR, compare, results_table, sweep_label, write_json
 from fastforward.model import Model, load_model
 from fastforward.objectives import NTP
 from fastforward.plots import plot_curves
@@ -47,7 +47,8 @@ MATCHED_TPF = (2.0, 3.0, 4.0, 5.0)
 def heldout_ntp_loss(model: Model, config: DemoConfig, n: int) -> float:
     """Mean next-token cross entropy on the worked solutions of `n` test problems (token-weighted)."""
     examples = config.task().examples("test", n=n, seed=config.seed)
-    data = _packed(model, [{"prompt": e.prompt, "completion": e.completion or ""} for e in examples], config.seq_len)
+    records = [{"prompt": e.prompt, "completion": e.completion or ""} for e in examples]
+    data = pack_records(model, records, config.seq_len)
     total, count = 0.0, 0
     for i, batch in enumerate(data.in_order(config.batch_size)):
         loss, stats = NTP().loss(model, batch, torch.Generator().manual_seed(derive_seed(0, i)))
@@ -68,7 +69,7 @@ def interpolate(curve: list[tuple[float, float]], x: float) -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/sbd_vs_ntp", help="the run directory of benchmarks/sbd_vs_ntp.py")
-    p.add_argument("--results", default=str(HERE / "results"))
+    p.add_argument("--results", default=str(RESULTS))
     p.add_argument("--n", type=int, default=200, help="test problems per evaluation")
     p.add_argument("--dtype", default="float32", help="weights dtype for evaluation (float32, bfloat16)")
     p.add_argument("--threads", type=int, default=None)
@@ -81,12 +82,11 @@ def main() -> None:
     saved = json.loads(settings.read_text())
     saved.pop("snapshots", None)
     config = replace(DemoConfig(), **saved, eval_examples=args.n, eval_dtype=args.dtype)
-    threads = args.threads or auto_threads()
-    torch.set_num_threads(threads)
+    threads = set_threads(args.threads)
     task = config.task()
     examples = task.examples("test", n=config.eval_examples, seed=config.seed)
     options = dict(max_new_tokens=config.max_new_tokens, batch_size=config.eval_batch_size, chat_template=False)
-    report: dict = {"machine": machine(), "threads": threads, "config": asdict(config)}
+    report: dict = {"machine": machine_info(load=True), "threads": threads, "config": asdict(config)}
     started = time.perf_counter()
 
     if "ntp-term" not in args.skip:

@@ -12,7 +12,6 @@ savings on CPU too.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -20,7 +19,9 @@ import time
 from pathlib import Path
 
 import torch
+from common import RESULTS, load_average
 
+from fastforward.evaluate import write_json
 from fastforward.model import DTYPES, load_model
 from fastforward.roofline import format_block_cost, measure_block_cost
 
@@ -43,11 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the k tokens through the model's mask-free causal path (same work, no dense mask)",
     )
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "block_cost.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "block_cost.json")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()
+    load_before = load_average()
     runs = []
     started = time.perf_counter()
     for dtype in args.dtypes:
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         r["fastest_ratios"] = {k: t / r["fastest"][1] for k, t in r["fastest"].items()}
     print(
         f"time(k)/time(1), {args.model}, {args.threads} threads, {os.cpu_count()}-core {platform.machine()}, "
-        f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after"
+        f"load average {load_before[0]:.2f} before, {load_average()[0]:.2f} after"
     )
     print(f"{'stat':>7} {'dtype':>9} {'cache':>6} {'t(1) ms':>8} |" + "".join(f"{'k=' + str(k):>7}" for k in ks))
     for stat, times, ratios in (("median", "times", "ratios"), ("fastest", "fastest", "fastest_ratios")):
@@ -106,13 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         "read_logits": not args.no_read_logits,
         "dense_mask": not args.causal_path,
         "loadavg_before": load_before,  # other work on the machine inflates and scatters the times
-        "loadavg_after": os.getloadavg(),
+        "loadavg_after": load_average(),
         "seconds": time.perf_counter() - started,
         "target": {"k": TARGET_K, "max_ratio": TARGET_RATIO, "bf16": targets},
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1))
+    write_json(args.out, record)
     print(f"wrote {args.out}")
     return 0
 

@@ -1,5 +1,10 @@
-"""Helpers shared by the benchmark scripts: machine facts, load average, and `transformers`' own
-`generate` wrapped as a fastforward decoder so it runs interleaved with ours in `evaluate.compare`.
+"""Helpers shared by the benchmark scripts: paths, logging, thread choice, machine facts, load
+average, and `transformers`' own `generate` wrapped as a fastforward decoder so it runs interleaved
+with ours in `evaluate.compare`.
+
+Every benchmark runs as `python benchmarks/NAME.py`, which puts this directory first on sys.path, so
+`from common import ...` works with no path setup. Benchmarks import this module and fastforward's
+public names only, never each other.
 
     from common import HFGenerate, machine_info
     compare(model, task, {"hf": HFGenerate(), "hf-pl": HFGenerate(prompt_lookup_num_tokens=10)}, ...)
@@ -10,12 +15,31 @@ from __future__ import annotations
 import os
 import platform
 import time
+from pathlib import Path
 
 import torch
 import transformers
 
 from fastforward.decoders import Decoder, Generation, Stats
 from fastforward.model import Model
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def set_threads(threads: int | None) -> int:
+    """Set torch's intra-op threads to `threads`, or when that is 0 or None to the cores not already
+    busy (`fastforward.demo.auto_threads`); returns the count."""
+    if not threads:
+        from fastforward.demo import auto_threads
+
+        threads = auto_threads()  # on a busy machine extra threads make small models many times slower
+    torch.set_num_threads(threads)
+    return threads
 
 
 def load_average() -> list[float]:
@@ -26,8 +50,9 @@ def load_average() -> list[float]:
         return []
 
 
-def machine_info() -> dict:
-    return {
+def machine_info(load: bool = False) -> dict:
+    """Platform, cores, torch threads and library versions; with `load`, the load average too."""
+    info = {
         "platform": platform.platform(),
         "processor": platform.processor(),
         "cpu_count": os.cpu_count(),
@@ -35,6 +60,9 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+    if load:
+        info["load_average"] = load_average()
+    return info
 
 
 class HFGenerate(Decoder):

@@ -13,17 +13,16 @@ Prints a table and writes benchmarks/results/decode_speed.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import torch
+from common import load_average
 
 from fastforward import ARDecoder, SBDDecoder, load_model, make_policy
+from fastforward.evaluate import write_json
 from fastforward.tasks import get_task
 
 PROMPTS = [
@@ -184,7 +183,7 @@ def main() -> None:
             "platform": platform.platform(),
             "processor": platform.processor(),
             "threads": args.threads,
-            "load_average": os.getloadavg(),
+            "load_average": load_average(),
         },
         "device": str(model.device),
         "args": vars(args),
@@ -192,8 +191,7 @@ def main() -> None:
         "memory": memory,
         "sbd_over_ar_peak_memory": ratio,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

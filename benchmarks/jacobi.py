@@ -45,22 +45,16 @@ import time
 from pathlib import Path
 
 import torch
+from common import HFGenerate, load_average, log, machine_info, set_threads
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import HFGenerate, load_average, machine_info  # noqa: E402
-
-from fastforward.api import build_decoder  # noqa: E402
-from fastforward.evaluate import AR, compare  # noqa: E402
-from fastforward.model import load_model  # noqa: E402
-from fastforward.tasks import get_task, parse_options  # noqa: E402
+from fastforward.api import build_decoder
+from fastforward.evaluate import AR, compare, write_json
+from fastforward.model import load_model
+from fastforward.tasks import get_task, parse_options
 
 DEMO_MODEL = Path("runs/demo/ntp")
 DEMO_SETTINGS = Path("runs/demo/demo.json")
 TASK_KNOBS = ("min_ops", "max_ops", "max_number", "max_factor")
-
-
-def log(message: str) -> None:
-    print(message, flush=True)
 
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -385,11 +379,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not args.threads:
-        from fastforward.demo import auto_threads
-
-        args.threads = auto_threads()  # on a busy machine extra threads make small models many times slower
-    torch.set_num_threads(args.threads)
+    args.threads = set_threads(args.threads)
     started = time.perf_counter()
     log(f"load average at start: {load_average()} ({torch.get_num_threads()} torch threads)")
     model, task_options, budget = resolve_model(args)
@@ -439,13 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     result["load_average_end"] = load_average()
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     everything = json.loads(out.read_text()) if out.exists() else {}
     built = Path(model).parent.name if Path(model).parent.parent == Path(args.work) else None
     label = built or ("demo-ntp" if Path(model) == DEMO_MODEL else Path(model).name)
     key = f"{label}/{args.task}" + ("/quick" if args.quick else "")
     everything[key] = result
-    out.write_text(json.dumps(everything, indent=2) + "\n")
+    write_json(out, everything)
 
     log(f"\n{key}: {result['seconds']:.0f} s in all; load average {result['load_average_end']}")
     if "targets" in result:

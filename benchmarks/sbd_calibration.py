@@ -25,9 +25,10 @@ import sys
 import torch
 
 from fastforward import visibility
-from fastforward.decoders import ARDecoder, Session
+from fastforward.decoders import ARDecoder
 from fastforward.evaluate import format_table, write_json
 from fastforward.model import load_model
+from fastforward.runtime import Session
 from fastforward.tasks import get_task
 
 BINS = ((0.999, "> 0.999"), (0.99, "0.99–0.999"), (0.9, "0.9–0.99"), (0.0, "≤ 0.9"))
@@ -46,7 +47,9 @@ def run_block(model, context: list[int], pending: list[int], block: torch.Tensor
     tokens = torch.cat([torch.tensor([pending], dtype=torch.long), block], dim=1)
     positions = session.next_pos[:, None] + torch.arange(commit + size)[None]
     rule = visibility.sbd_decode(commit, size)
-    return session.run(tokens, positions, rule, read=list(range(commit, commit + size)), keep=commit)[0]
+    logits = session.forward(tokens, positions, rule, read=range(commit, commit + size))
+    session.advance(keep=commit)
+    return logits[0]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,44 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-import torch
+from common import RESULTS, machine_info, set_threads
 
-from fastforward.demo import (
-    VERIFIED,
-    DemoConfig,
-    auto_threads,
-    finetune,
-    format_demo_table,
-    pretrain,
-    sbd_decoders,
-    table_row,
-    write_json,
-)
-from fastforward.evaluate import AR, compare, sweep_label
+from fastforward.demo import VERIFIED, DemoConfig, finetune, format_demo_table, pretrain, sbd_decoders, table_row
+from fastforward.evaluate import AR, compare, sweep_label, write_json
 from fastforward.model import load_model
 from fastforward.plots import plot_curves
-
-HERE = Path(__file__).resolve().parent
-
-
-def machine() -> dict:
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = []
-    return {
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "load_average": load,
-    }
 
 
 def train_all(config: DemoConfig, out: Path, snapshots: list[int], retrain: bool) -> dict[str, float]:
@@ -155,7 +127,7 @@ def main() -> None:
     d = DemoConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/sbd_vs_ntp", help="run directory (models are reused when settings match)")
-    p.add_argument("--results", default=str(HERE / "results"), help="where the JSON and PNG go")
+    p.add_argument("--results", default=str(RESULTS), help="where the JSON and PNG go")
     p.add_argument("--pretrain-steps", type=int, default=2 * d.pretrain_steps)
     p.add_argument("--finetune-steps", type=int, default=4 * d.finetune_steps)
     p.add_argument("--finetune-lr", type=float, default=d.finetune_lr, help="peak LR of both fine-tunes")
@@ -184,8 +156,7 @@ def main() -> None:
         gammas=tuple(float(g) for g in args.gammas.split(",")),
         eval_dtype=args.dtype,
     )
-    threads = args.threads or auto_threads()
-    torch.set_num_threads(threads)
+    threads = set_threads(args.threads)
     out = Path(args.out)
     started = time.perf_counter()
     seconds = train_all(config, out, snapshots, args.retrain)
@@ -227,7 +198,7 @@ def main() -> None:
     results = Path(args.results)
     name = "sbd_vs_ntp"
     report = {
-        "machine": machine(),
+        "machine": machine_info(load=True),
         "threads": threads,
         "config": asdict(config),
         "snapshots": snapshots,

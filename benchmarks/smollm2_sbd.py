@@ -34,27 +34,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import HFGenerate, load_average, log, machine_info, set_threads
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import HFGenerate, load_average, machine_info  # noqa: E402
-
-from fastforward.api import build_decoder  # noqa: E402
-from fastforward.data import PackedData, encode_record  # noqa: E402
-from fastforward.decoders import Decoder  # noqa: E402
-from fastforward.demo import auto_threads  # noqa: E402
-from fastforward.errors import FastForwardError  # noqa: E402
-from fastforward.evaluate import AR, EvalResult, compare, format_table, write_json, write_records  # noqa: E402
-from fastforward.metrics import token_agreement  # noqa: E402
-from fastforward.model import Model, load_model  # noqa: E402
-from fastforward.objectives import SBD  # noqa: E402
-from fastforward.tasks import PyCodeTask, get_task  # noqa: E402
-from fastforward.train import RESUME_NEUTRAL, TrainConfig, latest_checkpoint, train  # noqa: E402
+from fastforward.api import build_decoder
+from fastforward.decoders import Decoder
+from fastforward.demo import pack_records
+from fastforward.errors import FastForwardError
+from fastforward.evaluate import AR, EvalResult, compare, format_table, write_json, write_records
+from fastforward.metrics import token_agreement
+from fastforward.model import Model, load_model
+from fastforward.objectives import SBD
+from fastforward.tasks import PyCodeTask, get_task
+from fastforward.train import RESUME_NEUTRAL, TrainConfig, latest_checkpoint, train
 
 HF = "hf-generate"
-
-
-def log(message: str) -> None:
-    print(message, flush=True)
 
 
 # ---- training ---------------------------------------------------------------------------------------
@@ -89,9 +82,7 @@ def train_sbd(args: argparse.Namespace) -> dict[str, Any]:
     else:
         model = load_model(args.model)
         records = PyCodeTask().text_records(texts, seed=args.seed)
-        data = PackedData(
-            [encode_record(r, model.tokenizer, chat_template=False) for r in records], args.seq_len, model.pad_token_id
-        )
+        data = pack_records(model, records, args.seq_len)
         log(f"SBD fine-tuning {args.model}: {len(records)} stdlib chunks = {len(data)} rows of {args.seq_len} → {run}")
         checkpoint = latest_checkpoint(run)
         before = json.loads((checkpoint / "trainer_state.json").read_text())["step"] if checkpoint else 0
@@ -234,7 +225,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads or auto_threads())
+    set_threads(args.threads)
     started = time.perf_counter()
     load_start = load_average()
     log(f"load average at start: {load_start} ({torch.get_num_threads()} torch threads)")

@@ -8,13 +8,12 @@ from fastforward.decoders import (
     JacobiDecoder,
     MultiBlockJacobiDecoder,
     SBDDecoder,
-    Session,
-    Stats,
     VerifiedSBDDecoder,
 )
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, load_model
 from fastforward.policies import ConfidenceBounded, EntropyBounded, Factor, Threshold, make_policy
+from fastforward.runtime import Prompt, Session, Stats
 from fastforward.sampling import Sampler
 
 __all__ = [
@@ -31,6 +30,7 @@ __all__ = [
     "Layout",
     "Model",
     "MultiBlockJacobiDecoder",
+    "Prompt",
     "SBDDecoder",
     "Sampler",
     "Session",

@@ -18,14 +18,14 @@ def truncate(cache: Cache, length: int) -> None:
         cache.crop(-extra)
 
 
-def keep_entries(cache: Cache, base: int, picks: torch.Tensor) -> None:
-    """Keep entries `base + picks` (ascending) after the first `base`, moved into place; drop the rest.
+def gather_entries(cache: Cache, base: int, order: torch.Tensor) -> None:
+    """Move each row's entries `base + order[r]` (order [B, L]) to slots base..base+L-1 of that row.
 
-    Used when the winning candidate of a forward is not its first tokens: only the picked entries
-    are copied, in place, then the cache is cut.
+    Used when a row keeps new entries that are not a prefix of what a forward appended (a winning
+    candidate further along): only those entries are copied, in place; the caller then cuts the cache.
     """
     for layer in cache.layers:
         for name in ("keys", "values"):
             tensor = getattr(layer, name)
-            tensor[..., base : base + len(picks), :] = tensor[..., base + picks, :]
-    truncate(cache, base + len(picks))
+            index = (base + order)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+            tensor[:, :, base : base + order.shape[1]] = tensor.gather(2, index)

@@ -191,7 +191,8 @@ def _finished(run: Path) -> bool:
     return (run / "config.json").exists()
 
 
-def _packed(model: Model, records: list[dict[str, str]], seq_len: int) -> PackedData:
+def pack_records(model: Model, records: list[dict[str, str]], seq_len: int) -> PackedData:
+    """Records (`text`, or `prompt` + `completion`) encoded without a chat template, packed into rows of `seq_len`."""
     examples = [encode_record(r, model.tokenizer, chat_template=False) for r in records]
     return PackedData(examples, seq_len, model.pad_token_id)
 
@@ -234,7 +235,7 @@ def pretrain(config: DemoConfig, run: Path, log: Callable[[str], None] = print, 
     params = sum(p.numel() for p in model.hf.parameters())
     shape = f"{config.layers} layers, hidden {config.hidden_size}, vocab {len(model.tokenizer)}"
     log(f"model: llama, {shape}, {params / 1e6:.2f}M parameters")
-    data = _packed(model, [{"text": t} for t in texts], config.seq_len)
+    data = pack_records(model, [{"text": t} for t in texts], config.seq_len)
     log(f"pretraining (NTP) on {len(texts)} problems = {len(data)} rows of {config.seq_len} tokens")
     _train(model, NTP(), data, _train_config(config, config.pretrain_steps, config.pretrain_lr), run, log, callback)
     return model
@@ -250,7 +251,7 @@ def finetune(
     records = task.training_records(config.finetune_examples, seed=config.seed + 1)
     model = load_model(str(base))
     model.name = f"demo-{objective}"
-    data = _packed(model, records, config.seq_len)
+    data = pack_records(model, records, config.seq_len)
     loss = NTP() if objective == "ntp" else SBD(config.min_block, config.max_block, config.ntp_weight)
     log(f"fine-tuning a copy with {objective.upper()} on {len(records)} problems = {len(data)} rows")
     hook = None if callback is None else (lambda step, record: callback(model, step, record))

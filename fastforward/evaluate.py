@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from fastforward import metrics
 from fastforward.api import build_decoder
-from fastforward.decoders import ARDecoder, Decoder, Generation
+from fastforward.decoders import ARDecoder, Decoder, Generation, registry
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.tasks import Example, Task
@@ -340,33 +340,15 @@ def sweep(
 
 def parse_sweep(spec: str) -> tuple[str, list[Any]]:
     """ "gamma=0,0.1,0.35" → ("gamma", [0.0, 0.1, 0.35]); knob names may use dashes; values are typed
-    like build_decoder's defaults (int, float, bool, str)."""
-    import inspect
-
+    and checked by the decoder registry's declaration of the knob."""
     name, sep, raw = spec.partition("=")
     name = name.strip().replace("-", "_")
-    params = inspect.signature(build_decoder).parameters
     if not sep or not raw.strip():
         raise FastForwardError(f"--sweep {spec!r} must look like knob=v1,v2,..., e.g. gamma=0,0.1,0.35,1")
-    if name not in params or name == "name":
-        knobs = ", ".join(p for p in params if p != "name")
-        raise FastForwardError(f"cannot sweep {name!r}: not a decoder knob; choose one of {knobs}")
-    default = params[name].default
-    values: list[Any] = []
-    for item in raw.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        try:
-            if isinstance(default, bool):
-                values.append(item.lower() in ("1", "true", "yes", "on"))
-            elif isinstance(default, (int, float)):
-                values.append(type(default)(item))
-            else:
-                values.append(item)
-        except ValueError:
-            raise FastForwardError(f"--sweep {name}: {item!r} is not a {type(default).__name__}") from None
-    return name, values
+    knobs = registry.all_knobs()
+    if name not in knobs:
+        raise FastForwardError(f"cannot sweep {name!r}: not a decoder knob; choose one of {', '.join(knobs)}")
+    return name, [knobs[name].parse(item) for item in raw.split(",") if item.strip()]
 
 
 # ---- writing results ------------------------------------------------------------------------------

@@ -101,3 +101,12 @@ def make_policy(name: str, value: float):
     if math.isnan(value) or value < 0:
         raise FastForwardError(f"the {name} policy needs a value >= 0 (γ, f or τ), got {value}")
     return POLICIES[name](value)
+
+
+def greedy_prefix(drafts: torch.Tensor, predictions: torch.Tensor) -> torch.Tensor:
+    """Per row, how many leading drafts equal the greedy prediction made just before each [..., n] → [...].
+
+    The acceptance rule of every verifying decoder: drafts confirmed this way are exactly what
+    greedy AR decoding would produce.
+    """
+    return (drafts == predictions).long().cumprod(-1).sum(-1)

@@ -1,14 +1,21 @@
 """Boolean attention rules: True where a query may attend to a key.
 
 Rules over the new tokens of a forward are [T, T] matrices shared by the batch; `against_cache`
-adds the cached keys and per-row padding to give the dense [B, T, P + T] mask SDPA takes.
+adds the cached keys and per-row padding to give the dense [B, T, P + T] mask SDPA takes. Decoding
+rules depend only on a few sizes, so they are built once per shape and shared (never mutate one).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from functools import lru_cache
+
 import torch
 
+from fastforward.errors import FastForwardError
 
+
+@lru_cache(maxsize=256)
 def causal(length: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Each token sees itself and everything before it."""
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()
@@ -30,6 +37,7 @@ def sbd_train(length: int, block: int, device: torch.device | str = "cpu") -> to
     return torch.cat([top, bottom], dim=0)
 
 
+@lru_cache(maxsize=256)
 def sbd_decode(commit: int, block: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """SBD decoding rule over `[finished block (commit) ; block being decoded]`.
 
@@ -43,6 +51,60 @@ def sbd_decode(commit: int, block: int, device: torch.device | str = "cpu") -> t
     return rule
 
 
+# Jacobi Forcing packs [prompt, noisy_1, clean_1, noisy_2, clean_2, ...]; what each token is:
+PROMPT, NOISY, CLEAN = 0, 1, 2
+CONTEXTS = ("noisy", "clean")  # what a noisy block sees of earlier blocks
+
+
+def segments(prompt_len: int, block_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per packed token: its kind (PROMPT, NOISY, CLEAN) and block number (-1 in the prompt)."""
+    kinds, numbers = [PROMPT] * prompt_len, [-1] * prompt_len
+    for i, n in enumerate(block_lens):
+        kinds += [NOISY] * n + [CLEAN] * n
+        numbers += [i] * (2 * n)
+    return torch.tensor(kinds), torch.tensor(numbers)
+
+
+def jacobi_forcing_train(
+    prompt_len: int, block_lens: Sequence[int], noisy_context: str = "noisy", device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[T, T] visibility of `[prompt, noisy₁, clean₁, …]` (True = query may attend to key).
+
+    Within a segment (the prompt, one noisy block, one clean block): causal. Every block sees the
+    whole prompt. clean_i sees clean_j for j < i. noisy_i sees noisy_j (noisy_context="noisy",
+    Fig. 2b) or clean_j (noisy_context="clean", Fig. 2a) for j < i. Nothing else.
+    """
+    if noisy_context not in CONTEXTS:
+        raise FastForwardError(f"unknown noisy context {noisy_context!r}; choose one of {', '.join(CONTEXTS)}")
+    kind, number = (t.to(device) for t in segments(prompt_len, block_lens))
+    q_kind, k_kind = kind[:, None], kind[None, :]
+    q_num, k_num = number[:, None], number[None, :]
+    same = (q_kind == k_kind) & (q_num == k_num) & causal(len(kind), device)
+    prompt = (k_kind == PROMPT) & (q_kind != PROMPT)
+    earlier = k_num < q_num
+    clean = (q_kind == CLEAN) & (k_kind == CLEAN) & earlier
+    seen = NOISY if noisy_context == "noisy" else CLEAN
+    noisy = (q_kind == NOISY) & (k_kind == seen) & earlier
+    return same | prompt | clean | noisy
+
+
+def jacobi_candidates(chain: int, candidates: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Multi-block Jacobi rule over `[last token ; draft chain (chain - 1) ; candidate n-grams]`.
+
+    The chain is causal; each candidate is causal within itself and sees the last token (slot 0),
+    not the chain nor the other candidates.
+    """
+    total = chain + sum(candidates)
+    rule = torch.zeros(total, total, dtype=torch.bool, device=device)
+    rule[:chain, :chain] = True
+    start = chain
+    for length in candidates:
+        rule[start : start + length, 0] = True
+        rule[start : start + length, start : start + length] = True
+        start += length
+    return rule.tril()
+
+
 def against_cache(rule: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
     """Dense mask [B, T, P + T] for `rule` over T new tokens after P cached entries.
 
@@ -51,7 +113,12 @@ def against_cache(rule: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
     """
     total, new = key_valid.shape[1], rule.shape[0]
     past = total - new
-    cached = key_valid[:, None, :past].expand(-1, new, -1)
-    fresh = rule[None] & key_valid[:, None, past:]
-    fresh = fresh | torch.eye(new, dtype=torch.bool, device=rule.device)[None]
-    return torch.cat([cached, fresh], dim=2)
+    mask = key_valid[:, None, :].expand(-1, new, -1).clone()
+    mask[:, :, past:] &= rule
+    mask[:, :, past:] |= _identity(new, rule.device)
+    return mask
+
+
+@lru_cache(maxsize=64)
+def _identity(size: int, device: torch.device) -> torch.Tensor:
+    return torch.eye(size, dtype=torch.bool, device=device)

@@ -272,9 +272,9 @@ class _ChainLengths(MultiBlockJacobiDecoder):
         super().__init__(*args, **kw)
         self.lengths: list[int] = []
 
-    def _forward(self, session, last, drafts, cands):
+    def _verify(self, session, last, drafts, cands):
         self.lengths.append(len(drafts))
-        return super()._forward(session, last, drafts, cands)
+        return super()._verify(session, last, drafts, cands)
 
 
 @pytest.mark.parametrize("block", [3, 8])

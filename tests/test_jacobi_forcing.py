@@ -8,14 +8,16 @@ import pytest
 import torch
 
 from fastforward.cli import main
+from fastforward.decoders.jacobi_trajectories import Block, Trajectory
 from fastforward.errors import FastForwardError
 from fastforward.model import load_model
 from fastforward.objectives import JacobiForcing, make_objective
 from fastforward.objectives.base import IGNORE
-from fastforward.objectives.jacobi_forcing import choose_point, cut_after_stop, jacobi_forcing_rule, noise_ratios, pack
+from fastforward.objectives.jacobi_forcing import choose_point, cut_after_stop, noise_ratios, pack
+from fastforward.objectives.trajectory_data import TrajectoryBatch, TrajectoryData, collect, read_trajectories
 from fastforward.tiny import tiny_model
 from fastforward.train import TrainConfig, train
-from fastforward.trajectories import Block, Trajectory, TrajectoryBatch, TrajectoryData, collect, read_trajectories
+from fastforward.visibility import jacobi_forcing_train as jacobi_forcing_rule
 
 
 # ---- schedule and trajectory points -------------------------------------------------------------

@@ -9,18 +9,10 @@ import torch
 
 from fastforward.cli import main
 from fastforward.decoders import ARDecoder
+from fastforward.decoders.jacobi_trajectories import Block, Trajectory, jacobi_trajectories
 from fastforward.errors import FastForwardError
+from fastforward.objectives.trajectory_data import TrajectoryData, collect, fit, only_correct, read_trajectories
 from fastforward.tiny import tiny_model
-from fastforward.trajectories import (
-    Block,
-    Trajectory,
-    TrajectoryData,
-    collect,
-    fit,
-    jacobi_trajectories,
-    only_correct,
-    read_trajectories,
-)
 
 
 def cut(response: list[int], stops: list[int], limit: int) -> list[int]:

@@ -8,8 +8,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from fastforward.api import DECODERS, build_decoder
-from fastforward.cli.generate import add_decoder_flags, decoder_knobs
+from fastforward.api import build_decoder
+from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
+from fastforward.decoders import registry
 from fastforward.evaluate import (
     AR,
     compare,
@@ -37,9 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--split", default="test")
     p.add_argument("--n", type=int, default=100, help="examples to evaluate")
-    p.add_argument("--seed", type=int, default=0, help="which examples (for generated tasks)")
-    p.add_argument("--decoder", choices=sorted(DECODERS), default="sbd")
-    add_decoder_flags(p)
+    p.add_argument("--seed", type=int, default=0, help="which examples (for generated tasks), and the decoder's seed")
+    add_decoder_flags(p, default="sbd", skip=("seed",))
     p.add_argument(
         "--sweep",
         metavar="KNOB=V1,V2,...",
@@ -56,7 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    knobs = {**decoder_knobs(args), "seed": args.seed}
+    knobs = decoder_knobs(args)
+    if registry.spec(args.decoder).knob("seed"):
+        knobs["seed"] = args.seed
     task = get_task(args.task, **parse_options(args.task_option))
     sweep_spec = parse_sweep(args.sweep) if args.sweep else None
     if sweep_spec:
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         decoders = {sweep_label(name, v): build_decoder(args.decoder, **{**knobs, name: v}) for v in values}
     else:
         decoder = build_decoder(args.decoder, **knobs)
-        greedy_ar = args.decoder == "ar" and args.temperature == 0
+        greedy_ar = args.decoder == "ar" and knobs.get("temperature", 0) == 0
         decoders = {} if greedy_ar else {args.decoder: decoder}
     model = load_model(args.model, dtype=args.dtype, device=args.device)
     results = compare(

@@ -23,9 +23,10 @@ from fastforward.cli.trajectories import (
 from fastforward.errors import FastForwardError
 from fastforward.model import load_model
 from fastforward.objectives import JacobiForcing
-from fastforward.objectives.jacobi_forcing import CONTEXTS, SCHEDULES
+from fastforward.objectives.jacobi_forcing import SCHEDULES
+from fastforward.objectives.trajectory_data import TrajectoryData
 from fastforward.train import train
-from fastforward.trajectories import TrajectoryData
+from fastforward.visibility import CONTEXTS
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -8,8 +8,8 @@ from fastforward.data import PackedData, load_examples, split_examples
 from fastforward.errors import FastForwardError
 from fastforward.model import DTYPES, load_model
 from fastforward.objectives import OBJECTIVES, SBD, JacobiForcing, make_objective
+from fastforward.objectives.trajectory_data import trajectory_datasets
 from fastforward.train import TrainConfig, train
-from fastforward.trajectories import trajectory_datasets
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -7,8 +7,7 @@ from pathlib import Path
 
 from fastforward.errors import FastForwardError
 from fastforward.model import DTYPES, Model, load_model
-from fastforward.tasks import parse_options
-from fastforward.trajectories import (
+from fastforward.objectives.trajectory_data import (
     DRAFT_INITS,
     CollectSummary,
     PromptSource,
@@ -16,6 +15,7 @@ from fastforward.trajectories import (
     read_prompts,
     task_prompts,
 )
+from fastforward.tasks import parse_options
 
 
 def add_prompt_flags(p: argparse.ArgumentParser) -> None:

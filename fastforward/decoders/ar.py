@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
-from fastforward.decoders.base import Decoder, Session
+from fastforward.decoders.base import Decoder
+from fastforward.decoders.registry import SAMPLING, register
+from fastforward.runtime import Session
 from fastforward.sampling import Sampler
 
 
@@ -17,14 +17,15 @@ class ARDecoder(Decoder):
         self.sampler = sampler or Sampler()
 
     def decode(self, session: Session) -> None:
-        ones = torch.ones(session.batch, 1, dtype=torch.long, device=session.device)
-        logits = session.next_logits
-        while True:
+        token = self.sampler(session.next_logits)[:, None]
+        session.append(token)
+        while not session.finished:
+            logits = session.forward(token, session.next_pos[:, None] - 1, read=[0])[:, 0]
             token = self.sampler(logits)[:, None]
-            session.finish_rows(token, ones[:, 0])
-            if bool(session.done.all()):
-                return
-            logits = session.run(token, session.next_pos[:, None], None, read=[0], keep=1)[:, 0]
-            session.next_pos += 1
-            session.count_forward()
-            session.record_step([1] * session.batch)
+            session.append(token)
+            session.advance(keep=1)
+
+
+@register("ar", knobs=SAMPLING, summary="next-token decoding, one token per forward (the baseline)", lossless=True)
+def _build(temperature: float, top_p: float, seed: int) -> ARDecoder:
+    return ARDecoder(Sampler(temperature, top_p, seed))

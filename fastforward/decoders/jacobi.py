@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from fastforward.decoders.base import Decoder, Session
+from fastforward.decoders.base import Decoder
+from fastforward.decoders.registry import BLOCK_SIZE, SEED, Knob, register
 from fastforward.errors import FastForwardError
+from fastforward.policies import greedy_prefix
+from fastforward.runtime import Session
 
 DRAFT_INITS = ("repeat", "random")
 
@@ -47,21 +50,31 @@ class JacobiDecoder(Decoder):
     def decode(self, session: Session) -> None:
         n = self.block_size
         last = session.next_logits.argmax(-1)
-        session.finish_rows(last[:, None], torch.ones_like(last))
+        session.append(last[:, None])
         drafts = self._filler(session, last)
         steps = torch.arange(n + 1, device=session.device)
-        while not bool(session.done.all()):
+        while not session.finished:
             tokens = torch.cat([last[:, None], drafts], dim=1)
-            logits = session.run(tokens, session.next_pos[:, None] + steps, None, read=list(range(n + 1)), keep=n + 1)
-            session.count_forward()
+            logits = session.forward(tokens, session.next_pos[:, None] - 1 + steps, read=steps)
             guess = logits.argmax(-1)  # guess[:, i] is the greedy token after tokens[:, i]
-            accepted = (drafts == guess[:, :n]).long().cumprod(-1).sum(-1)  # drafts confirmed
-            session.keep_accepted(n + 1, accepted + 1)  # the last token and its confirmed drafts
-            session.record_step((accepted + 1).tolist())
-            session.finish_rows(guess, accepted + 1)
-            session.next_pos += accepted + 1
+            accepted = greedy_prefix(drafts, guess[:, :n])
+            session.append(guess, accepted + 1)  # the confirmed drafts and the prediction after them
+            session.advance(keep=accepted + 1)  # the last token and its confirmed drafts
             last = guess.gather(1, accepted[:, None])[:, 0]
             # The predictions past the first correction are the next drafts; fresh slots get filler.
             source = accepted[:, None] + 1 + steps[:n]
             carried = guess.gather(1, source.clamp_max(n))
             drafts = torch.where(source <= n, carried, self._filler(session, last))
+
+
+DRAFT_INIT = Knob("draft_init", str, "repeat", "jacobi: how fresh draft slots are filled", DRAFT_INITS)
+
+
+@register(
+    "jacobi",
+    knobs=(BLOCK_SIZE, DRAFT_INIT, SEED),
+    summary="Jacobi decoding: n drafts refined in parallel, greedy-confirmed prefix accepted",
+    lossless=True,
+)
+def _build(block_size: int, draft_init: str, seed: int) -> JacobiDecoder:
+    return JacobiDecoder(block_size, draft_init, seed)

@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict, deque
+from dataclasses import dataclass
 
 import torch
 
-from fastforward.decoders.base import Decoder, Generation, Session
+from fastforward import visibility
+from fastforward.decoders.base import Decoder
+from fastforward.decoders.registry import BLOCK_SIZE, Knob, register
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
+from fastforward.policies import greedy_prefix
+from fastforward.runtime import Generation, Session
 
 
 class NgramPool:
@@ -41,16 +46,6 @@ class NgramPool:
 
     def candidates(self, token: int, limit: int) -> list[list[int]]:
         return [list(g) for g in list(self.grams.get(token, ()))[:limit]]
-
-
-def _confirmed(drafts: list[int], predictions: list[int]) -> int:
-    """Length of the prefix of `drafts` that equals the greedy predictions made before each draft."""
-    count = 0
-    for d, g in zip(drafts, predictions, strict=False):
-        if d != g:
-            break
-        count += 1
-    return count
 
 
 class MultiBlockJacobiDecoder(Decoder):
@@ -85,59 +80,100 @@ class MultiBlockJacobiDecoder(Decoder):
         n = self.n
         pool = self.new_pool()
         last = int(session.next_logits[0].argmax())
-        session.finish_rows(torch.tensor([[last]], device=session.device), torch.ones(1, dtype=torch.long))
+        session.append(torch.tensor([[last]], device=session.device))
         drafts, ra_left, pseudo = [last] * n, n, 0
-        while not bool(session.done[0]):
+        while not session.finished:
             cands = pool.candidates(last, self.verify)
-            guess = self._forward(session, last, drafts, cands)
-            chain = guess[: len(drafts) + 1]  # chain[i]: prediction after the i-th chain token
-            accepted = _confirmed(drafts, chain)
-            preds = dict(enumerate(chain))  # preds[i]: the token predicted i + 1 positions after `last`
-            picks = list(range(accepted + 1))
-            start = len(drafts) + 1
-            for cand in cands:
-                cand_preds = [chain[0], *guess[start : start + len(cand) - 1]]
-                got = _confirmed(cand, cand_preds)
-                if got > accepted:
-                    accepted = got
-                    picks = [0, *range(start, start + got)]
-                    preds.update({i: t for i, t in enumerate([*cand_preds, guess[start + len(cand) - 1]])})
-                start += len(cand)
-            pool.add_rejected(drafts, _confirmed(drafts, chain), self.ngram)
-            committed = [preds[i] for i in range(accepted + 1)]
-            session.count_forward()
-            session.record_step([accepted + 1])
-            session.keep_picked(len(guess), torch.tensor(picks, device=session.device))
-            session.finish_rows(torch.tensor([committed], device=session.device), torch.tensor([accepted + 1]))
-            session.next_pos += accepted + 1
-            last = committed[-1]
-            stationary = _confirmed(drafts[-n:], chain[len(drafts) - n : len(drafts)]) if pseudo else accepted
-            ra_left -= accepted + 1
+            verdict = self._verify(session, last, drafts, cands)
+            pool.add_rejected(drafts, verdict.chain_accepted, self.ngram)
+            last = verdict.committed[-1]
+            stationary = verdict.stationary if pseudo else verdict.accepted
+            ra_left -= verdict.accepted + 1
             while ra_left <= 0:  # the real-active block is done: promote the next block (or start one)
                 ra_left += n
                 pseudo = max(pseudo - 1, 0)
             if stationary >= self.spawn_at and pseudo + 1 < self.max_blocks:
                 pseudo += 1
             want = max(ra_left + n * pseudo, n)  # never fewer drafts than plain Jacobi
-            ahead = [preds[i] for i in range(accepted + 1, len(preds))]
-            drafts = (ahead + [last] * want)[:want]
+            drafts = (verdict.ahead + [last] * want)[:want]
 
-    def _forward(self, session: Session, last: int, drafts: list[int], cands: list[list[int]]) -> list[int]:
-        """Greedy predictions for every token of `[last ; drafts ; candidates]` (all entries kept)."""
+    def _verify(self, session: Session, last: int, drafts: list[int], cands: list[list[int]]) -> _Verdict:
+        """One forward of `[last ; drafts ; candidates]` (see `visibility.jacobi_candidates`); commit
+        the contender (the chain or a candidate) with the longest greedily confirmed prefix, and the
+        prediction after it; keep exactly those entries in the cache."""
+        device = session.device
         chain = 1 + len(drafts)
-        total = chain + sum(len(c) for c in cands)
-        rule = torch.zeros(total, total, dtype=torch.bool, device=session.device)
-        rule[:chain, :chain] = True
-        offsets = list(range(chain))
+        lengths = tuple(len(c) for c in cands)
+        total = chain + sum(lengths)
+        rule = visibility.jacobi_candidates(chain, lengths, device)
+        tokens = torch.tensor([[last, *drafts, *(t for c in cands for t in c)]], device=device)
+        offsets = [*range(chain), *(j for length in lengths for j in range(1, length + 1))]
+        positions = session.next_pos[:, None] - 1 + torch.tensor(offsets, device=device)[None]
+        guess = session.forward(tokens, positions, rule, read=range(total))[0].argmax(-1)
+        # Each contender's token slots, and the slot whose greedy prediction should equal each token.
+        token_slots, pred_slots = [list(range(1, chain))], [list(range(chain - 1))]
         start = chain
-        for cand in cands:
-            end = start + len(cand)
-            rule[start:end, 0] = True
-            rule[start:end, start:end] = True
-            offsets += range(1, len(cand) + 1)
-            start = end
-        rule = rule.tril()  # causal within the chain and within each candidate
-        tokens = torch.tensor([[last, *drafts, *(t for c in cands for t in c)]], device=session.device)
-        positions = session.next_pos[:, None] + torch.tensor(offsets, device=session.device)[None]
-        logits = session.run(tokens, positions, rule, read=list(range(total)), keep=total)
-        return logits[0].argmax(-1).tolist()
+        for length in lengths:
+            token_slots.append(list(range(start, start + length)))
+            pred_slots.append([0, *range(start, start + length - 1)])
+            start += length
+        width = max(len(s) for s in token_slots)
+        pad = [[-1] * (width - len(s)) for s in token_slots]
+        slot_t = torch.tensor([s + p for s, p in zip(token_slots, pad, strict=True)], device=device)
+        pred_t = torch.tensor([s + [0] * len(p) for s, p in zip(pred_slots, pad, strict=True)], device=device)
+        contenders = torch.where(slot_t >= 0, tokens[0, slot_t.clamp_min(0)], -1)
+        counts = greedy_prefix(contenders, guess[pred_t])
+        stationary = greedy_prefix(contenders[0, chain - 1 - self.n : chain - 1], guess[chain - 1 - self.n : chain - 1])
+        best = int(counts.argmax())  # the chain wins ties, then the earliest candidate
+        counts_list = counts.tolist()
+        accepted = counts_list[best]
+        kept = [0, *token_slots[best][:accepted]]
+        guesses = guess.tolist()
+        committed = [guesses[s] for s in kept]
+        keep = torch.zeros(1, total, dtype=torch.bool, device=device)
+        keep[0, kept] = True
+        session.append(torch.tensor([committed], device=device))
+        session.advance(keep=keep)
+        # Predictions past the accepted ones seed the next drafts: the winner's, then the chain's.
+        ahead = guesses[:chain]
+        if best:
+            winner = [guesses[s] for s in pred_slots[best]] + [guesses[token_slots[best][-1]]]
+            ahead[: len(winner)] = winner
+            ahead += winner[len(ahead) :]
+        return _Verdict(accepted, counts_list[0], int(stationary), committed, ahead[accepted + 1 :])
+
+
+@dataclass
+class _Verdict:
+    """What one multi-block Jacobi forward decided."""
+
+    accepted: int  # tokens of the winning contender confirmed
+    chain_accepted: int  # of the draft chain's, confirmed
+    stationary: int  # of the last block of the chain, confirmed against its own predictions
+    committed: list[int]  # the confirmed tokens and the prediction after them
+    ahead: list[int]  # predictions for the positions after those
+
+
+@register(
+    "jacobi-mr",
+    knobs=(
+        BLOCK_SIZE,
+        Knob("max_blocks", int, 2, "jacobi-mr: blocks refined at once (K)", check=lambda v: v >= 1, rule=">= 1"),
+        Knob(
+            "spawn_ratio",
+            float,
+            0.85,
+            "jacobi-mr: spawn a block at ⌈r·n⌉ confirmed",
+            check=lambda v: 0 < v <= 1,
+            rule="in (0, 1]",
+        ),
+        Knob(
+            "verify", int, 2, "jacobi-mr: recycled n-gram candidates per forward", check=lambda v: v >= 0, rule=">= 0"
+        ),
+        Knob("ngram", int, 0, "jacobi-mr: candidate length (0: the block size)", check=lambda v: v >= 0, rule=">= 0"),
+    ),
+    summary="multi-block Jacobi with rejection recycling (Jacobi Forcing, Algorithm 1)",
+    lossless=True,
+)
+def _build(block_size: int, max_blocks: int, spawn_ratio: float, verify: int, ngram: int) -> MultiBlockJacobiDecoder:
+    return MultiBlockJacobiDecoder(block_size, max_blocks, spawn_ratio, verify, ngram)

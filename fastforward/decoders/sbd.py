@@ -12,9 +12,11 @@ from __future__ import annotations
 import torch
 
 from fastforward import visibility
-from fastforward.decoders.base import Decoder, Session
+from fastforward.decoders.base import Decoder
+from fastforward.decoders.registry import BLOCK_SIZE, GAMMA, POLICY, SAMPLING, Knob, register
 from fastforward.errors import FastForwardError
-from fastforward.policies import EntropyBounded
+from fastforward.policies import EntropyBounded, make_policy
+from fastforward.runtime import Session
 from fastforward.sampling import Sampler
 
 
@@ -47,42 +49,36 @@ class SBDDecoder(Decoder):
     def decode(self, session: Session) -> None:
         mask_id = session.model.require_mask_token(self.name)
         pending: torch.Tensor | None = None  # the finished block, not yet in the cache
-        while not bool(session.done.all()):
+        while not session.finished:
+            base = session.frontier.clone()  # the block's first canvas position (alike for running rows)
             size = min(self.block_size, session.max_new_tokens - session.produced)
+            slots = base[:, None] + torch.arange(size, device=session.device)
             block = torch.full((session.batch, size), mask_id, dtype=torch.long, device=session.device)
             masked = torch.ones_like(block, dtype=torch.bool)
             if self.first_token_from_ntp and pending is None:
                 block[:, 0] = self.sampler(session.next_logits)
                 masked[:, 0] = False
-            running = ~session.done
-            first = True
+                session.commit(block, slots, ~masked)
             while bool((masked & ~session.done[:, None]).any()):
-                commit = pending.shape[1] if (first and pending is not None) else 0
-                logits = self._forward(session, block, pending if commit else None)
-                session.count_forward()
-                revealed = torch.zeros(session.batch, dtype=torch.long, device=session.device)
-                if commit and self.first_token_from_ntp:
+                logits = self._forward(session, block, pending, base)
+                first = torch.zeros_like(masked)
+                if pending is not None and self.first_token_from_ntp:
                     block[:, 0] = self.sampler(logits[:, 0])
-                    masked[:, 0] = False
-                    revealed += 1
+                    first[:, 0] = True
+                    masked &= ~first
                     logits = logits[:, 1:]
                 reveal = self.policy(logits, masked)
                 block = torch.where(reveal, self.sampler(logits), block)
+                session.commit(block, slots, reveal | first)
                 masked &= ~reveal
-                revealed += reveal.sum(-1)
-                session.record_step(revealed.tolist())
                 masked &= ~after_stop(block, masked, session.stop_ids)
-                # a revealed stop token with nothing masked left (before it): no more forwards for the row
-                stopped = (torch.isin(block, session.stop_ids) & ~masked).any(-1)
-                session.done |= stopped & ~masked.any(-1)
-                first = False
-                if commit:
-                    pending = None
-            session.finish_rows(block, torch.full((session.batch,), size, device=session.device), running)
-            session.next_pos += size
+                session.advance(keep=0 if pending is None else pending.shape[1])
+                pending = None
             pending = block
 
-    def _forward(self, session: Session, block: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
+    def _forward(
+        self, session: Session, block: torch.Tensor, pending: torch.Tensor | None, base: torch.Tensor
+    ) -> torch.Tensor:
         """One forward of `[pending (kept, causal) ; block (read)]`; logits for the block's positions.
 
         With the first-token option the last pending token is read too (its next-token prediction).
@@ -90,8 +86,24 @@ class SBDDecoder(Decoder):
         size = block.shape[1]
         commit = 0 if pending is None else pending.shape[1]
         tokens = block if pending is None else torch.cat([pending, block], dim=1)
-        offsets = torch.arange(-commit, size, device=session.device)
-        positions = session.next_pos[:, None] + offsets[None]
+        positions = (session.origin + base - commit)[:, None] + torch.arange(commit + size, device=session.device)
         read_from = commit - 1 if (commit and self.first_token_from_ntp) else commit
         rule = visibility.sbd_decode(commit, size, session.device)
-        return session.run(tokens, positions, rule, read=list(range(read_from, commit + size)), keep=commit)
+        return session.forward(tokens, positions, rule, read=range(read_from, commit + size))
+
+
+FIRST_TOKEN_FROM_NTP = Knob(
+    "first_token_from_ntp", bool, False, "take each block's first token from the next-token prediction (sbd)"
+)
+
+
+@register(
+    "sbd",
+    knobs=(BLOCK_SIZE, POLICY, GAMMA, FIRST_TOKEN_FROM_NTP, *SAMPLING),
+    summary="Set Block Decoding: blocks of masks revealed by a policy, exact KV cache",
+    needs_mask=True,
+)
+def _build(
+    block_size: int, policy: str, gamma: float, first_token_from_ntp: bool, temperature: float, top_p: float, seed: int
+) -> SBDDecoder:
+    return SBDDecoder(block_size, make_policy(policy, gamma), Sampler(temperature, top_p, seed), first_token_from_ntp)

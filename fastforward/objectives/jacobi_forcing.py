@@ -1,6 +1,6 @@
 """Jacobi Forcing (Jacobi Forcing paper §3.1, eq. 7-9, Fig. 2 and 6, Appendix C).
 
-Training data are the model's own Jacobi trajectories (`fastforward.trajectories`). For block i of
+Training data are the model's own Jacobi trajectories (`fastforward.objectives.trajectory_data`). For block i of
 an example the noise schedule gives a ratio tᵢ; the block's noisy copy is the trajectory point
 whose unconverged fraction (tokens differing from the fixed point, over n) is nearest tᵢ, the
 earliest such point on a tie. One row packs
@@ -38,14 +38,13 @@ import torch
 import torch.nn.functional as F
 
 from fastforward import visibility
+from fastforward.decoders.jacobi_trajectories import Block
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model
 from fastforward.objectives.base import IGNORE, Objective
-from fastforward.trajectories import Block, TrajectoryBatch
+from fastforward.objectives.trajectory_data import TrajectoryBatch
 
 SCHEDULES = ("progressive", "random", "reverse")
-CONTEXTS = ("noisy", "clean")
-PROMPT, NOISY, CLEAN = 0, 1, 2
 
 
 # ---- schedule and trajectory points -------------------------------------------------------------
@@ -85,39 +84,7 @@ def cut_after_stop(
     return noisy, clean
 
 
-# ---- packing and visibility ---------------------------------------------------------------------
-def segments(prompt_len: int, block_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per packed token: its kind (PROMPT, NOISY, CLEAN) and block number (-1 in the prompt)."""
-    kinds, numbers = [PROMPT] * prompt_len, [-1] * prompt_len
-    for i, n in enumerate(block_lens):
-        kinds += [NOISY] * n + [CLEAN] * n
-        numbers += [i] * (2 * n)
-    return torch.tensor(kinds), torch.tensor(numbers)
-
-
-def jacobi_forcing_rule(
-    prompt_len: int, block_lens: Sequence[int], noisy_context: str = "noisy", device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """[T, T] visibility of `[prompt, noisy₁, clean₁, …]` (True = query may attend to key).
-
-    Within a segment (the prompt, one noisy block, one clean block): causal. Every block sees the
-    whole prompt. clean_i sees clean_j for j < i. noisy_i sees noisy_j (noisy_context="noisy",
-    Fig. 2b) or clean_j (noisy_context="clean", Fig. 2a) for j < i. Nothing else.
-    """
-    if noisy_context not in CONTEXTS:
-        raise FastForwardError(f"unknown noisy context {noisy_context!r}; choose one of {', '.join(CONTEXTS)}")
-    kind, number = (t.to(device) for t in segments(prompt_len, block_lens))
-    q_kind, k_kind = kind[:, None], kind[None, :]
-    q_num, k_num = number[:, None], number[None, :]
-    same = (q_kind == k_kind) & (q_num == k_num) & visibility.causal(len(kind), device)
-    prompt = (k_kind == PROMPT) & (q_kind != PROMPT)
-    earlier = k_num < q_num
-    clean = (q_kind == CLEAN) & (k_kind == CLEAN) & earlier
-    seen = NOISY if noisy_context == "noisy" else CLEAN
-    noisy = (q_kind == NOISY) & (k_kind == seen) & earlier
-    return same | prompt | clean | noisy
-
-
+# ---- packing ----------------------------------------------------------------------------------
 @dataclass
 class Packed:
     """A packed batch: the layout, the slots each loss reads, and the AR labels.
@@ -176,7 +143,9 @@ def pack(
         tokens[r, : len(seq)] = torch.tensor(seq)
         positions[r, : len(pos)] = torch.tensor(pos)
         rule = torch.zeros(width, width, dtype=torch.bool)
-        rule[: len(seq), : len(seq)] = jacobi_forcing_rule(len(prompt), [len(b) for b in clean], noisy_context)
+        rule[: len(seq), : len(seq)] = visibility.jacobi_forcing_train(
+            len(prompt), [len(b) for b in clean], noisy_context
+        )
         masks.append(visibility.against_cache(rule, (torch.arange(width) < len(seq))[None]))
     noisy_t = torch.tensor(noisy_slots, dtype=torch.long, device=device).view(-1, 2)
     read_t = torch.tensor(read, dtype=torch.long, device=device).view(-1, 2)
@@ -213,8 +182,10 @@ class JacobiForcing(Objective):
             )
         if self.noise_window < 1:
             raise FastForwardError(f"the noise window must be at least 1, got {self.noise_window}")
-        if self.noisy_context not in CONTEXTS:
-            raise FastForwardError(f"unknown noisy context {self.noisy_context!r}; choose one of {', '.join(CONTEXTS)}")
+        if self.noisy_context not in visibility.CONTEXTS:
+            raise FastForwardError(
+                f"unknown noisy context {self.noisy_context!r}; choose one of {', '.join(visibility.CONTEXTS)}"
+            )
         if self.ar_weight < 0:
             raise FastForwardError(f"ar_weight must be >= 0, got {self.ar_weight}")
 
@@ -260,4 +231,4 @@ class JacobiForcing(Objective):
         }
 
 
-__all__ = ["JacobiForcing", "choose_point", "cut_after_stop", "jacobi_forcing_rule", "noise_ratios", "pack"]
+__all__ = ["JacobiForcing", "choose_point", "cut_after_stop", "noise_ratios", "pack"]
