@@ -118,24 +118,22 @@ class Session:
         self.device = device = model.device
         self.batch = len(rows)
         # Each row's budget of canvas positions: the gap when infilling, else max_new_tokens (and the context).
-        limits = [
-            p.gap if p.suffix else min(max_new_tokens, context - len(p.prefix) if context else max_new_tokens)
-            for p in rows
-        ]
-        self.max_new_tokens = max(limits)
+        limits = [p.gap if p.suffix else min(max_new_tokens, (context or 10**9) - len(p.prefix)) for p in rows]
+        self.max_new_tokens = width = max(limits)
         self.limit = torch.tensor(limits, device=device)
         self.origin = torch.tensor([len(p.prefix) for p in rows], device=device)
         self.stop_ids = torch.tensor(model.stop_token_ids or [-1], device=device)
-        width = self.max_new_tokens
-        # One spare column takes writes past a row's budget, so a scatter never collides.
+        # One spare column takes the writes a commit masks out, so a scatter needs no read-back.
         self.canvas = torch.full((self.batch, width + 1), model.pad_token_id, dtype=torch.long, device=device)
         self.filled = torch.zeros(self.batch, width + 1, dtype=torch.bool, device=device)
         self.frontier = torch.zeros(self.batch, dtype=torch.long, device=device)
+        self.first_stop = torch.full((self.batch,), width, dtype=torch.long, device=device)
         self.length = torch.zeros(self.batch, dtype=torch.long, device=device)
         self.done = torch.zeros(self.batch, dtype=torch.bool, device=device)
         self.nfe = torch.zeros(self.batch, dtype=torch.long, device=device)
-        self.histogram = torch.zeros(self.batch, width + 2, dtype=torch.long, device=device)
-        self._columns = torch.arange(width + 1, device=device)
+        self._offsets = torch.arange(width + 1, device=device)
+        self._reads: dict[tuple[int, int], torch.Tensor] = {}
+        self._log: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step: rows taking part, tokens committed
         self._step: _Step | None = None
         self.cache = model.new_cache()
         self.start = time.perf_counter()
@@ -147,7 +145,7 @@ class Session:
         """Left-padded causal prefill of each row's segments; returns the logits after each prefix [B, V]."""
         tokens = [[*p.prefix, *p.suffix] for p in rows]
         positions = [
-            [*range(len(p.prefix)), *range(len(p.prefix) + p.gap, p.gap + len(t))]
+            [*range(len(p.prefix)), *range(len(p.prefix) + p.gap, len(t) + p.gap)]
             for p, t in zip(rows, tokens, strict=True)
         ]
         width = max(len(t) for t in tokens)
@@ -155,14 +153,14 @@ class Session:
         pad_id = self.model.pad_token_id
         ids = torch.tensor([[pad_id] * n + t for n, t in zip(pads, tokens, strict=True)], device=self.device)
         pos = torch.tensor([[0] * n + q for n, q in zip(pads, positions, strict=True)], device=self.device)
-        self.key_valid = (
-            torch.arange(width, device=self.device)[None] >= torch.tensor(pads, device=self.device)[:, None]
-        )
-        self.padded = any(pads)
+        # key_valid [B, P] marks real cache entries; None while every entry is real (no padding, no holes).
+        self.key_valid: torch.Tensor | None = None
+        if any(pads):
+            self.key_valid = torch.arange(width, device=self.device)[None] >= torch.tensor(pads, device=self.device)[:, None]
         # Read where each prefix ends; rows with suffixes of different lengths read different slots.
         ends = [width - len(p.suffix) - 1 for p in rows]
         read = sorted(set(ends))
-        logits = self._run(ids, pos, None, read)
+        logits = self._run(ids, pos, None, torch.tensor(read, device=self.device))
         pick = torch.tensor([read.index(e) for e in ends], device=self.device)
         return logits[torch.arange(self.batch, device=self.device), pick]
 
@@ -172,48 +170,51 @@ class Session:
         tokens: torch.Tensor,
         positions: torch.Tensor,
         rule: torch.Tensor | None = None,
-        read: Sequence[int] | torch.Tensor | None = None,
+        read: range | torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
-        new_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run new tokens [B, T] at `positions` under `rule` ([T, T], None = causal); every new token
         also sees the row's valid cache. All T entries enter the cache until `advance` says which stay.
 
-        rows: the rows taking part (default: those still running); each gets one forward in NFE.
-        new_valid [B, T] marks padding among the new tokens. Returns float32 logits [B, len(read), V].
+        read: the new tokens whose logits are returned (a range or an index tensor), float32
+        [B, len(read), V]. rows: the rows taking part (default: those still running); each of them
+        gets one forward in its NFE.
         """
         if self._step is not None:
             raise RuntimeError("the previous step is still open: call session.advance(keep) after each forward")
         rows = ~self.done if rows is None else rows
-        self.nfe += rows.long()
+        self.nfe += rows
         length = tokens.shape[1]
-        self._step = _Step(
-            base=self.cache.get_seq_length(), new=length, rows=rows, committed=torch.zeros_like(self.nfe)
-        )
-        if new_valid is None:
-            new_valid = torch.ones(self.batch, length, dtype=torch.bool, device=self.device)
-        self.key_valid = torch.cat([self.key_valid, new_valid], dim=1)
+        self._step = _Step(self.cache.get_seq_length(), length, rows, torch.zeros_like(self.nfe))
+        if self.key_valid is not None:
+            fresh = torch.ones(self.batch, length, dtype=torch.bool, device=self.device)
+            self.key_valid = torch.cat([self.key_valid, fresh], dim=1)
+        if isinstance(read, range):
+            read = self._read_index(read)
         return self._run(tokens, positions, rule, read)
 
+    def _read_index(self, read: range) -> torch.Tensor:
+        key = (read.start, read.stop)
+        if key not in self._reads:
+            self._reads[key] = torch.arange(read.start, read.stop, device=self.device)
+        return self._reads[key]
+
     def _run(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        rule: torch.Tensor | None,
-        read: Sequence[int] | torch.Tensor | None,
+        self, tokens: torch.Tensor, positions: torch.Tensor, rule: torch.Tensor | None, read: torch.Tensor | None
     ) -> torch.Tensor:
-        """Run new tokens against the cache; `self.key_valid` already covers them."""
-        if rule is None and not self.padded:
-            mask = None  # the model's own causal path: no dense mask to build or read
-        else:
-            rule = visibility.causal(tokens.shape[1], self.device) if rule is None else rule
+        """Run new tokens against the cache; `self.key_valid` (when set) already covers them."""
+        length = tokens.shape[1]
+        if self.key_valid is not None:
+            rule = visibility.causal(length, self.device) if rule is None else rule
             mask = visibility.against_cache(rule, self.key_valid)
-        if read is not None and not isinstance(read, torch.Tensor):
-            read = torch.tensor(read, dtype=torch.long, device=self.device)
-        return self.model.run(Layout(tokens, positions, mask, read, keep=tokens.shape[1]), self.cache)
+        elif rule is not None:
+            mask = visibility.after_full_cache(rule, self.cache.get_seq_length())[None].expand(self.batch, -1, -1)
+        else:
+            mask = None  # the model's own causal path: no dense mask to build or read
+        return self.model.run(Layout(tokens, positions, mask, read, keep=length), self.cache)
 
     def advance(self, keep: KeepChoice) -> None:
-        """Close the step: keep the chosen new entries in the cache and record what the step committed.
+        """Close the step: keep the chosen new entries in the cache and log what the step committed.
 
         keep: an int (the first `keep` new entries, every row alike), a long tensor [B] (a per-row
         prefix count) or a bool tensor [B, T] (a per-row choice of new entries, kept in order).
@@ -221,16 +222,17 @@ class Session:
         step = self._step
         if step is None:
             raise RuntimeError("no step is open: session.advance follows session.forward")
-        self._keep(step, keep)
-        counts = step.committed.clamp_max(self.histogram.shape[1] - 1)
-        self.histogram[torch.arange(self.batch, device=self.device), counts] += step.rows.long()
+        if not (isinstance(keep, int) and keep == step.new):
+            self._keep(step, keep)
+        self._log.append((step.rows, step.committed))
         self._step = None
 
     def _keep(self, step: _Step, keep: KeepChoice) -> None:
         base, new = step.base, step.new
         if isinstance(keep, int):
             truncate(self.cache, base + keep)
-            self.key_valid = self.key_valid[:, : base + keep]
+            if self.key_valid is not None:
+                self.key_valid = self.key_valid[:, : base + keep]
             return
         if keep.dtype == torch.bool:
             counts = keep.sum(-1)
@@ -244,42 +246,38 @@ class Session:
             counts = keep
             low, high = torch.stack([counts.min(), counts.max()]).tolist()
         truncate(self.cache, base + high)
+        if low == high and self.key_valid is None:
+            return
+        if self.key_valid is None:  # the first hole: from now on validity is tracked per entry
+            self.key_valid = torch.ones(self.batch, base + new, dtype=torch.bool, device=self.device)
         kept = torch.arange(high, device=self.device)[None] < counts[:, None]
         self.key_valid = torch.cat([self.key_valid[:, :base], kept & self.key_valid[:, base : base + high]], dim=1)
-        if low < high:
-            self.padded = True  # rows differ: the shorter ones hold holes from now on
 
     # ---- the canvas ---------------------------------------------------------------------------
     def commit(self, tokens: torch.Tensor, at: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Write tokens [B, k] at canvas positions `at` [B, k] where `mask` (default: all) holds.
 
         Finished rows and positions past a row's budget are left alone. Updates each row's
-        frontier (leading committed positions), output length and `done`.
+        frontier (leading committed positions), first committed stop, output length and `done`.
         """
-        allowed = ~self.done[:, None] & (at < self.limit[:, None])
+        allowed = (at < self.limit[:, None]) & ~self.done[:, None]
         mask = allowed if mask is None else mask & allowed
-        spare = self.canvas.shape[1] - 1
-        at = torch.where(mask, at, spare)
-        self.canvas.scatter_(1, at, torch.where(mask, tokens, self.canvas.gather(1, at)))
-        self.filled.scatter_(1, at, mask | self.filled.gather(1, at))
+        at = torch.where(mask, at, self.max_new_tokens)  # masked-out writes land in the spare column
+        self.canvas.scatter_(1, at, tokens)
+        self.filled.scatter_(1, at, True)
+        stops = (tokens[..., None] == self.stop_ids).any(-1) & mask
+        self.first_stop = torch.minimum(self.first_stop, torch.where(stops, at, self.max_new_tokens).amin(-1))
         if self._step is not None:
             self._step.committed += mask.sum(-1)
-        self._settle()
+        self.frontier = self.filled[:, :-1].long().cumprod(-1).sum(-1)
+        self.length = torch.minimum(self.frontier, self.first_stop + 1)
+        self.done |= self.frontier >= torch.minimum(self.limit, self.first_stop + 1)
 
     def append(self, tokens: torch.Tensor, count: torch.Tensor | None = None) -> None:
         """Commit the first `count[r]` (default: all) of tokens [B, k] at each row's frontier."""
-        offsets = torch.arange(tokens.shape[1], device=self.device)[None]
-        mask = None if count is None else offsets < count[:, None]
-        self.commit(tokens, self.frontier[:, None] + offsets, mask)
-
-    def _settle(self) -> None:
-        """Frontier, output length and `done` from the canvas (tensor ops, no host sync)."""
-        filled = self.filled[:, :-1]
-        self.frontier = filled.long().cumprod(-1).sum(-1)
-        stop = torch.isin(self.canvas[:, :-1], self.stop_ids) & filled
-        first_stop = torch.where(stop.any(-1), stop.long().argmax(-1), self.max_new_tokens)
-        self.length = torch.minimum(self.frontier, first_stop + 1)
-        self.done |= (first_stop < self.frontier) | (self.frontier >= self.limit)
+        tokens = tokens[:, : self._offsets.shape[0]]  # nothing past the budget is ever committed
+        offsets = self._offsets[None, : tokens.shape[1]]
+        self.commit(tokens, self.frontier[:, None] + offsets, None if count is None else offsets < count[:, None])
 
     @property
     def next_pos(self) -> torch.Tensor:
@@ -301,12 +299,23 @@ class Session:
         canvas, lengths = self.canvas.tolist(), self.length.tolist()
         return [row[:n] for row, n in zip(canvas, lengths, strict=True)]
 
+    def histograms(self) -> list[dict[int, int]]:
+        """Per row: how many of its steps committed k tokens, for each k (steps it took part in)."""
+        counts: list[dict[int, int]] = [{} for _ in range(self.batch)]
+        if self._log:
+            rows = torch.stack([r for r, _ in self._log]).T.tolist()
+            committed = torch.stack([c for _, c in self._log]).T.tolist()
+            for row in range(self.batch):
+                for took_part, k in zip(rows[row], committed[row], strict=True):
+                    if took_part:
+                        counts[row][k] = counts[row].get(k, 0) + 1
+        return counts
+
     def results(self) -> list[Generation]:
         seconds = time.perf_counter() - self.start
-        nfe, histogram = self.nfe.tolist(), self.histogram.tolist()
+        nfe = self.nfe.tolist()
         out = []
-        for row, ids in enumerate(self.outputs):
-            steps = {k: v for k, v in enumerate(histogram[row]) if v}
+        for row, (ids, steps) in enumerate(zip(self.outputs, self.histograms(), strict=True)):
             stats = Stats(nfe[row], len(ids), seconds, self.prefill_seconds, steps)
             out.append(Generation(ids, self.model.decode(ids), stats))
         return out

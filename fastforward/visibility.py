@@ -119,6 +119,11 @@ def against_cache(rule: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def after_full_cache(rule: torch.Tensor, past: int) -> torch.Tensor:
+    """[T, P + T]: `rule` over the new tokens, every one of the P cached entries visible to all."""
+    return torch.cat([rule.new_ones(rule.shape[0], past), rule], dim=1)
+
+
 @lru_cache(maxsize=64)
 def _identity(size: int, device: torch.device) -> torch.Tensor:
     return torch.eye(size, dtype=torch.bool, device=device)
