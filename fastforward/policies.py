@@ -38,11 +38,9 @@ def _reveal(
     its count, at least 1 where the row still has masked positions.
     """
     key = (-score if descending else score).masked_fill(~masked, math.inf)
-    order = key.argsort(dim=-1, stable=True)
-    n_masked = masked.sum(dim=-1)
-    in_range = torch.arange(masked.shape[-1], device=masked.device) < n_masked[:, None]
-    count = (within_bound(stat.gather(-1, order)) & in_range).sum(-1)
-    count = torch.minimum(count.clamp_min(1), n_masked)
+    order = key.argsort(dim=-1, stable=True)  # masked positions first, best first
+    # The bound holds on a prefix of the order; past the masked positions nothing counts.
+    count = (within_bound(stat.gather(-1, order)) & masked.gather(-1, order)).sum(-1).clamp_min(1)
     return (order.argsort(dim=-1) < count[:, None]) & masked
 
 

@@ -156,7 +156,8 @@ class Session:
         # key_valid [B, P] marks real cache entries; None while every entry is real (no padding, no holes).
         self.key_valid: torch.Tensor | None = None
         if any(pads):
-            self.key_valid = torch.arange(width, device=self.device)[None] >= torch.tensor(pads, device=self.device)[:, None]
+            pad_counts = torch.tensor(pads, device=self.device)[:, None]
+            self.key_valid = torch.arange(width, device=self.device)[None] >= pad_counts
         # Read where each prefix ends; rows with suffixes of different lengths read different slots.
         ends = [width - len(p.suffix) - 1 for p in rows]
         read = sorted(set(ends))
@@ -239,12 +240,14 @@ class Session:
             order = (~keep).to(torch.uint8).argsort(dim=-1, stable=True)  # kept entries first, in order
             slots = torch.arange(new, device=self.device)[None]
             in_place = (order == slots) | (slots >= counts[:, None])
-            low, high, prefix = torch.stack([counts.min(), counts.max(), in_place.all().long()]).tolist()
+            *values, prefix = torch.cat([counts, in_place.all()[None]]).tolist()
+            low, high = min(values), max(values)
             if not prefix:
                 gather_entries(self.cache, base, order[:, :high])
         else:
             counts = keep
-            low, high = torch.stack([counts.min(), counts.max()]).tolist()
+            values = counts.tolist()
+            low, high = min(values), max(values)
         truncate(self.cache, base + high)
         if low == high and self.key_valid is None:
             return

@@ -162,6 +162,21 @@ def test_verified_sbd_equals_greedy_ar(tiny, prompts, block, gamma):
     assert [decoder.generate(tiny, [p], max_new_tokens=33)[0].token_ids for p in prompts] == ar
 
 
+@pytest.mark.parametrize(("block", "gamma"), [(8, 0.0), (16, 0.0), (16, 0.1)])
+def test_verified_sbd_never_falls_below_one_token_per_forward(tiny, prompts, block, gamma):
+    """The tiny model's masked path is untrained, so drafts keep failing verification; forwards
+    that only reveal must not push TPF below 1 (the output stays greedy AR's)."""
+    ar = _ids(ARDecoder().generate(tiny, prompts, max_new_tokens=40))
+    decoder = VerifiedSBDDecoder(block, EntropyBounded(gamma))
+    for gens in (
+        decoder.generate(tiny, prompts, max_new_tokens=40),
+        [decoder.generate(tiny, [p], 40)[0] for p in prompts],
+    ):
+        assert _ids(gens) == ar
+        assert all(g.stats.tokens >= g.stats.nfe for g in gens), [(g.stats.tokens, g.stats.nfe) for g in gens]
+    assert any(0 in g.stats.tokens_per_step for g in gens)  # drafting forwards did happen
+
+
 def _decode_and_check_cache(tiny, decoder, prompt: list[int], max_new_tokens: int) -> Session:
     """Decode one prompt; its cache must begin with a fresh causal prefill of prompt + output (the
     last output token is not cached yet; verified tokens past max_new_tokens may follow)."""

@@ -23,8 +23,8 @@ from fastforward.sampling import Sampler
 def after_stop(block: torch.Tensor, masked: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
     """Positions after each row's first revealed stop token: the output is cut there, so no
     forward is worth spending on them."""
-    is_stop = (torch.isin(block, stop_ids) & ~masked).long()
-    return (is_stop.cumsum(-1) - is_stop) > 0
+    is_stop = torch.isin(block, stop_ids) & ~masked
+    return is_stop.cumsum(-1) > is_stop
 
 
 class SBDDecoder(Decoder):
@@ -50,26 +50,30 @@ class SBDDecoder(Decoder):
         mask_id = session.model.require_mask_token(self.name)
         pending: torch.Tensor | None = None  # the finished block, not yet in the cache
         while not session.finished:
-            base = session.frontier.clone()  # the block's first canvas position (alike for running rows)
+            base = session.frontier[:, None]  # the block's first canvas position (alike for running rows)
             size = min(self.block_size, session.max_new_tokens - session.produced)
-            slots = base[:, None] + torch.arange(size, device=session.device)
+            slots = base + torch.arange(size, device=session.device)
+            positions = session.origin[:, None] + slots
             block = torch.full((session.batch, size), mask_id, dtype=torch.long, device=session.device)
             masked = torch.ones_like(block, dtype=torch.bool)
             if self.first_token_from_ntp and pending is None:
                 block[:, 0] = self.sampler(session.next_logits)
                 masked[:, 0] = False
-                session.commit(block, slots, ~masked)
+                session.commit(block[:, :1], slots[:, :1])
             while bool((masked & ~session.done[:, None]).any()):
-                logits = self._forward(session, block, pending, base)
-                first = torch.zeros_like(masked)
+                logits = self._forward(session, block, pending, positions)
+                first = None
                 if pending is not None and self.first_token_from_ntp:
-                    block[:, 0] = self.sampler(logits[:, 0])
-                    first[:, 0] = True
+                    block[:, 0] = self.sampler(logits[:, 0])  # the NTP prediction after the pending block
+                    first = torch.zeros_like(masked)
+                    first[:, 0] = masked[:, 0]
                     masked &= ~first
                     logits = logits[:, 1:]
                 reveal = self.policy(logits, masked)
                 block = torch.where(reveal, self.sampler(logits), block)
-                session.commit(block, slots, reveal | first)
+                if first is not None:
+                    reveal |= first
+                session.commit(block, slots, reveal)
                 masked &= ~reveal
                 masked &= ~after_stop(block, masked, session.stop_ids)
                 session.advance(keep=0 if pending is None else pending.shape[1])
@@ -77,17 +81,20 @@ class SBDDecoder(Decoder):
             pending = block
 
     def _forward(
-        self, session: Session, block: torch.Tensor, pending: torch.Tensor | None, base: torch.Tensor
+        self, session: Session, block: torch.Tensor, pending: torch.Tensor | None, positions: torch.Tensor
     ) -> torch.Tensor:
         """One forward of `[pending (kept, causal) ; block (read)]`; logits for the block's positions.
 
         With the first-token option the last pending token is read too (its next-token prediction).
         """
         size = block.shape[1]
-        commit = 0 if pending is None else pending.shape[1]
-        tokens = block if pending is None else torch.cat([pending, block], dim=1)
-        positions = (session.origin + base - commit)[:, None] + torch.arange(commit + size, device=session.device)
-        read_from = commit - 1 if (commit and self.first_token_from_ntp) else commit
+        if pending is None:
+            rule = visibility.sbd_decode(0, size, session.device)
+            return session.forward(block, positions, rule, read=range(size))
+        commit = pending.shape[1]
+        tokens = torch.cat([pending, block], dim=1)
+        positions = positions[:, :1] + torch.arange(-commit, size, device=session.device)
+        read_from = commit - 1 if self.first_token_from_ntp else commit
         rule = visibility.sbd_decode(commit, size, session.device)
         return session.forward(tokens, positions, rule, read=range(read_from, commit + size))
 

@@ -54,10 +54,10 @@ class VerifiedSBDDecoder(Decoder):
         block, masked = self._open(session, first[:, None], self._size(session, 0), mask_id)
         while not session.finished:
             start = session.next_pos - 1  # block[:, 0], the last committed token, sits here
+            size = block.shape[1]
+            positions = start[:, None] + torch.arange(size, device=session.device)
+            rule = visibility.sbd_decode(0, size, session.device)
             while bool((masked & ~session.done[:, None]).any()):
-                size = block.shape[1]
-                positions = start[:, None] + torch.arange(size, device=session.device)
-                rule = visibility.sbd_decode(0, size, session.device)
                 drafting = masked.any(-1) & ~session.done
                 logits = session.forward(block, positions, rule, read=range(size), rows=drafting)
                 session.advance(keep=0)  # drafts only: nothing is committed yet
@@ -96,6 +96,8 @@ class VerifiedSBDDecoder(Decoder):
         """Rows that have spent as many forwards as they committed tokens draft the rest of their
         block from `predicted` at once, so their next forward verifies (and commits)."""
         broke = (session.length - session.nfe < 1)[:, None] & masked
+        if not bool(broke.any()):
+            return block, masked
         block = torch.where(broke, predicted, block)
         masked = masked & ~broke
         return block, masked & ~after_stop(block, masked, session.stop_ids)

@@ -1,0 +1,62 @@
+"""The decoder registry: one declaration per decoder feeds the CLI, the API, sweeps and the README."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from fastforward.api import build_decoder
+from fastforward.cli import build_parser, main
+from fastforward.decoders import registry
+from fastforward.errors import FastForwardError
+from fastforward.evaluate import parse_sweep
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_every_decoder_builds_with_its_defaults():
+    for name, spec in registry.specs().items():
+        decoder = build_decoder(name)
+        assert decoder.name == name
+        assert spec.knobs == tuple(spec.knob(k.name) for k in spec.knobs)
+
+
+def test_readme_table_is_the_registry_table():
+    text = README.read_text()
+    block = re.search(r"<!-- decoders:start -->\n(.*?)\n<!-- decoders:end -->", text, re.S)
+    assert block is not None and block.group(1) == registry.knob_table()
+
+
+def test_cli_has_a_flag_for_every_knob():
+    defaults = build_parser().parse_args(["generate", "x"])  # every flag left out
+    assert defaults.decoder == "ar" and not set(vars(defaults)) & set(registry.all_knobs())
+    for knob in registry.all_knobs().values():
+        args = ["generate", "--decoder", next(s for s in registry.specs() if registry.spec(s).knob(knob.name))]
+        value = "true" if knob.type is bool else str(knob.default)
+        args += [knob.flag] if knob.type is bool else [knob.flag, value]
+        parsed = build_parser().parse_args([*args, "x"])
+        assert knob.name in vars(parsed)
+
+
+def test_options_that_do_not_apply_are_errors_unless_neutral(capsys):
+    build_decoder("ar", block_size=16, gamma=0.35)  # defaults of other decoders' knobs: accepted
+    with pytest.raises(FastForwardError, match="does not apply to the 'ar' decoder"):
+        build_decoder("ar", gamma=-1)
+    with pytest.raises(FastForwardError, match="unknown decoder option"):
+        build_decoder("sbd", bogus=1)
+    with pytest.raises(FastForwardError, match="unknown value 'bogus'"):
+        build_decoder("sbd", policy="bogus")
+    assert main(["generate", "--decoder", "jacobi", "--policy", "confidence", "hi"]) == 2
+    assert "does not apply to the 'jacobi' decoder" in capsys.readouterr().err
+
+
+def test_sweep_values_are_typed_and_checked_by_the_registry():
+    assert parse_sweep("draft-init=repeat,random") == ("draft_init", ["repeat", "random"])
+    assert parse_sweep("gamma=inf") == ("gamma", [float("inf")])
+    with pytest.raises(FastForwardError, match="block size must be > 0"):
+        parse_sweep("block-size=4,0")
+
+
+def test_decoders_command_prints_the_table(capsys):
+    assert main(["decoders"]) == 0
+    assert capsys.readouterr().out.strip() == registry.knob_table()

@@ -1,0 +1,184 @@
+"""The decoding runtime: canvas commits in any order, stop rules, segment prefill, per-row keep, the step protocol."""
+
+import pytest
+import torch
+
+from fastforward import visibility
+from fastforward.decoders import ARDecoder
+from fastforward.errors import FastForwardError
+from fastforward.model import Layout
+from fastforward.runtime import Prompt, Session
+
+
+@pytest.fixture(autouse=True)
+def _inference():
+    """Decoding runs under inference mode; so do these tests (sessions hold inference tensors)."""
+    with torch.inference_mode():
+        yield
+
+
+def _session(tiny, prompts, max_new_tokens=8) -> Session:
+    return Session(tiny, prompts, max_new_tokens)
+
+
+def _commit(session: Session, tokens: list[int], at: list[int]) -> None:
+    session.commit(torch.tensor([tokens]), torch.tensor([at]))
+
+
+def _free_tokens(tiny) -> list[int]:
+    """Four ids that are not stop tokens."""
+    stops = set(tiny.stop_token_ids)
+    return [t for t in range(10, 40) if t not in stops][:4]
+
+
+# ---- canvas -------------------------------------------------------------------------------------
+def test_out_of_order_commits_fill_the_canvas_by_position(tiny, prompts):
+    session = _session(tiny, [prompts[0]])
+    a, b, c, d = _free_tokens(tiny)
+    _commit(session, [d, b], [3, 1])
+    assert session.outputs == [[]] and session.frontier.tolist() == [0]  # position 0 is still open
+    _commit(session, [a], [0])
+    assert session.outputs == [[a, b]] and session.next_pos.tolist() == [len(prompts[0]) + 2]
+    _commit(session, [c], [2])
+    assert session.outputs == [[a, b, c, d]] and not session.finished
+
+
+def test_a_stop_token_ends_a_row_only_once_everything_before_it_is_committed(tiny, prompts):
+    session = _session(tiny, [prompts[0]])
+    a, b, c, _ = _free_tokens(tiny)
+    stop = tiny.stop_token_ids[0]
+    _commit(session, [stop, c], [2, 4])  # a stop at 2 and a token after it
+    assert not session.finished
+    _commit(session, [a], [0])
+    assert not session.finished
+    _commit(session, [b], [1])
+    assert session.finished and session.outputs == [[a, b, stop]]  # cut at the stop token
+    _commit(session, [c], [3])  # a finished row takes no more tokens
+    assert session.outputs == [[a, b, stop]] and not bool(session.filled[0, 3])
+
+
+def test_the_budget_ends_a_row_and_nothing_is_written_past_it(tiny, prompts):
+    session = _session(tiny, [prompts[1]], max_new_tokens=3)
+    tokens = _free_tokens(tiny)
+    session.append(torch.tensor([tokens]))  # four tokens, room for three
+    assert session.finished and session.outputs == [tokens[:3]]
+
+
+def test_batched_rows_finish_independently(tiny, prompts):
+    session = _session(tiny, prompts[:2], max_new_tokens=4)
+    a, b, c, d = _free_tokens(tiny)
+    session.append(torch.tensor([[a, b, c, d], [a, b, c, d]]), count=torch.tensor([4, 2]))
+    assert session.done.tolist() == [True, False]
+    session.append(torch.tensor([[a, a], [c, d]]))
+    assert session.outputs == [[a, b, c, d], [a, b, c, d]] and session.finished
+
+
+# ---- prefill of segments ------------------------------------------------------------------------
+def _causal_cache(tiny, tokens: list[int], positions: list[int]):
+    cache = tiny.new_cache()
+    n = len(tokens)
+    with torch.inference_mode():
+        logits = tiny.run(
+            Layout(torch.tensor([tokens]), torch.tensor([positions]), visibility.causal(n)[None], torch.arange(n), n),
+            cache,
+        )
+    return cache, logits
+
+
+def test_infilling_prefill_equals_a_causal_prefill_of_prefix_and_suffix(tiny, prompts):
+    prefix, suffix, gap = prompts[0], prompts[1], 5
+    rows = [Prompt(prefix, suffix, gap), Prompt(prompts[3], prompts[2][:3], 2)]  # different lengths: padded
+    session = _session(tiny, rows)
+    assert session.max_new_tokens == gap and session.limit.tolist() == [gap, 2]
+    for r, row in enumerate(rows):
+        tokens = [*row.prefix, *row.suffix]
+        p = len(row.prefix)
+        positions = [*range(p), *range(p + row.gap, p + row.gap + len(row.suffix))]
+        fresh, logits = _causal_cache(tiny, tokens, positions)
+        n = len(tokens)
+        real = session.key_valid[r].nonzero()[:, 0]
+        assert len(real) == n
+        for a, b in zip(fresh.layers, session.cache.layers, strict=True):
+            torch.testing.assert_close(b.keys[r : r + 1, :, real], a.keys, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(b.values[r : r + 1, :, real], a.values, rtol=1e-4, atol=1e-4)
+        # next_logits: what follows the prefix (the suffix comes later in causal order, unseen)
+        torch.testing.assert_close(session.next_logits[r], logits[0, p - 1], rtol=1e-4, atol=1e-4)
+
+
+def test_ar_fills_exactly_the_gap_of_an_infilling_prompt(tiny, prompts):
+    gens = ARDecoder().generate(tiny, [Prompt(prompts[0], prompts[1], 6)], max_new_tokens=50)
+    assert len(gens[0].token_ids) <= 6 and gens[0].stats.tokens == len(gens[0].token_ids)
+
+
+def test_an_infilling_prompt_needs_a_gap():
+    with pytest.raises(FastForwardError, match="gap"):
+        Prompt([1, 2], [3], 0)
+
+
+# ---- what to keep -------------------------------------------------------------------------------
+def _step(session: Session, tokens: torch.Tensor, keep) -> torch.Tensor:
+    positions = session.next_pos[:, None] + torch.arange(tokens.shape[1])
+    logits = session.forward(tokens, positions, read=range(tokens.shape[1]))
+    session.advance(keep)
+    return logits
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [
+        torch.tensor([[True, False, True], [False, True, False]]),  # not prefixes: entries are moved
+        torch.tensor([[True, True, False], [True, False, False]]),  # prefixes of different lengths: holes
+    ],
+)
+def test_rows_that_keep_different_entries_decode_as_they_would_alone(tiny, prompts, keep):
+    rows = [prompts[0], prompts[2]]
+    new = torch.tensor([[11, 12, 13], [21, 22, 23]])
+    follow = torch.tensor([[31, 32], [41, 42]])
+    batched = _session(tiny, rows)
+    _step(batched, new, keep)
+    together = _step(batched, follow, 2)
+    for r, prompt in enumerate(rows):
+        alone = _session(tiny, [prompt])
+        _step(alone, new[r : r + 1], keep[r : r + 1])
+        torch.testing.assert_close(together[r : r + 1], _step(alone, follow[r : r + 1], 2), rtol=1e-4, atol=1e-4)
+
+
+def test_kept_entries_equal_a_causal_prefill_of_the_kept_tokens(tiny, prompts):
+    """Keeping entries 0 and 2 of [a, b, c] when b is invisible to c (a candidate layout) leaves
+    the cache of a causal prefill of prompt + [a, c]."""
+    prompt = prompts[1]
+    session = _session(tiny, [prompt])
+    rule = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    with torch.inference_mode():
+        n = len(prompt)
+        positions = torch.tensor([[n, n + 1, n + 1]])
+        session.forward(torch.tensor([[50, 51, 52]]), positions, rule, read=range(3))
+        session.advance(torch.tensor([[True, False, True]]))
+    fresh, _ = _causal_cache(tiny, [*prompt, 50, 52], [*range(n), n, n + 1])
+    for a, b in zip(fresh.layers, session.cache.layers, strict=True):
+        torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-4)
+
+
+# ---- the step protocol --------------------------------------------------------------------------
+def test_a_step_must_be_closed_before_the_next_forward(tiny, prompts):
+    session = _session(tiny, [prompts[0]])
+    token = torch.tensor([[5]])
+    with torch.inference_mode():
+        session.forward(token, session.next_pos[:, None], read=range(1))
+        with pytest.raises(RuntimeError, match="advance"):
+            session.forward(token, session.next_pos[:, None], read=range(1))
+        session.advance(1)
+        with pytest.raises(RuntimeError, match="no step is open"):
+            session.advance(1)
+
+
+def test_stats_count_forwards_per_row_and_tokens_per_step(tiny, prompts):
+    session = _session(tiny, prompts[:2], max_new_tokens=6)
+    a, b, c, _ = _free_tokens(tiny)
+    with torch.inference_mode():
+        positions = session.next_pos[:, None] + torch.arange(2)
+        session.forward(torch.tensor([[a, b], [a, b]]), positions, read=range(2), rows=torch.tensor([True, False]))
+        session.append(torch.tensor([[a, b, c], [a, b, c]]), count=torch.tensor([3, 1]))
+        session.advance(0)
+    assert session.nfe.tolist() == [1, 0]
+    assert session.histograms() == [{3: 1}, {}]  # the second row took no part in that forward
