@@ -128,8 +128,8 @@ class Session:
         self.filled = torch.zeros(self.batch, width + 1, dtype=torch.bool, device=device)
         self.frontier = torch.zeros(self.batch, dtype=torch.long, device=device)
         self.first_stop = torch.full((self.batch,), width, dtype=torch.long, device=device)
-        self.length = torch.zeros(self.batch, dtype=torch.long, device=device)
         self.done = torch.zeros(self.batch, dtype=torch.bool, device=device)
+        self._room = self.limit[:, None]  # positions a row may still write below: 0 once it is done
         self.nfe = torch.zeros(self.batch, dtype=torch.long, device=device)
         self._offsets = torch.arange(width + 1, device=device)
         self._reads: dict[tuple[int, int], torch.Tensor] = {}
@@ -261,26 +261,37 @@ class Session:
         """Write tokens [B, k] at canvas positions `at` [B, k] where `mask` (default: all) holds.
 
         Finished rows and positions past a row's budget are left alone. Updates each row's
-        frontier (leading committed positions), first committed stop, output length and `done`.
+        frontier (leading committed positions), first committed stop and `done`.
         """
-        allowed = (at < self.limit[:, None]) & ~self.done[:, None]
+        allowed = at < self._room
         mask = allowed if mask is None else mask & allowed
         at = torch.where(mask, at, self.max_new_tokens)  # masked-out writes land in the spare column
         self.canvas.scatter_(1, at, tokens)
         self.filled.scatter_(1, at, True)
-        stops = (tokens[..., None] == self.stop_ids).any(-1) & mask
+        stops = self._is_stop(tokens) & mask
         self.first_stop = torch.minimum(self.first_stop, torch.where(stops, at, self.max_new_tokens).amin(-1))
         if self._step is not None:
             self._step.committed += mask.sum(-1)
         self.frontier = self.filled[:, :-1].long().cumprod(-1).sum(-1)
-        self.length = torch.minimum(self.frontier, self.first_stop + 1)
-        self.done |= self.frontier >= torch.minimum(self.limit, self.first_stop + 1)
+        # Both only ever move one way (the frontier grows, the first stop moves earlier): done stays done.
+        self.done = self.frontier >= torch.minimum(self.limit, self.first_stop + 1)
+        self._room = torch.where(self.done, 0, self.limit)[:, None]
+
+    def _is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.stop_ids.numel() == 1:
+            return tokens == self.stop_ids
+        return (tokens[..., None] == self.stop_ids).any(-1)
 
     def append(self, tokens: torch.Tensor, count: torch.Tensor | None = None) -> None:
         """Commit the first `count[r]` (default: all) of tokens [B, k] at each row's frontier."""
         tokens = tokens[:, : self._offsets.shape[0]]  # nothing past the budget is ever committed
         offsets = self._offsets[None, : tokens.shape[1]]
         self.commit(tokens, self.frontier[:, None] + offsets, None if count is None else offsets < count[:, None])
+
+    @property
+    def length(self) -> torch.Tensor:
+        """Each row's output length so far [B]: its leading committed positions, up to its stop token."""
+        return torch.minimum(self.frontier, self.first_stop + 1)
 
     @property
     def next_pos(self) -> torch.Tensor:

@@ -53,16 +53,18 @@ class JacobiDecoder(Decoder):
         session.append(last[:, None])
         drafts = self._filler(session, last)
         steps = torch.arange(n + 1, device=session.device)
+        behind = steps - 1  # the last committed token sits one position before the frontier
+        ahead = steps[1:]
         while not session.finished:
             tokens = torch.cat([last[:, None], drafts], dim=1)
-            logits = session.forward(tokens, session.next_pos[:, None] - 1 + steps, read=steps)
+            logits = session.forward(tokens, session.next_pos[:, None] + behind, read=steps)
             guess = logits.argmax(-1)  # guess[:, i] is the greedy token after tokens[:, i]
             accepted = greedy_prefix(drafts, guess[:, :n])
             session.append(guess, accepted + 1)  # the confirmed drafts and the prediction after them
             session.advance(keep=accepted + 1)  # the last token and its confirmed drafts
             last = guess.gather(1, accepted[:, None])[:, 0]
             # The predictions past the first correction are the next drafts; fresh slots get filler.
-            source = accepted[:, None] + 1 + steps[:n]
+            source = accepted[:, None] + ahead
             carried = guess.gather(1, source.clamp_max(n))
             drafts = torch.where(source <= n, carried, self._filler(session, last))
 
