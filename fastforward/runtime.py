@@ -100,9 +100,16 @@ KeepChoice = int | torch.Tensor
 
 
 class Session:
-    """A batch being decoded: cache, key validity, canvas, counters. See the module docstring."""
+    """A batch being decoded: cache, key validity, canvas, counters. See the module docstring.
+
+    The canvas and the counters live on the host (Python lists): a commit reads its tokens back
+    in one transfer, which the step's `finished` check needs anyway, and then every update is a
+    handful of Python operations instead of a dozen small tensor kernels. `frontier` and `done`
+    are mirrored as device tensors for decoders that build layouts from them.
+    """
 
     def __init__(self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int):
+        self.start = time.perf_counter()
         if not prompts:
             raise FastForwardError("no prompts given")
         if max_new_tokens <= 0:
@@ -118,25 +125,24 @@ class Session:
         self.device = device = model.device
         self.batch = len(rows)
         # Each row's budget of canvas positions: the gap when infilling, else max_new_tokens (and the context).
-        limits = [p.gap if p.suffix else min(max_new_tokens, (context or 10**9) - len(p.prefix)) for p in rows]
-        self.max_new_tokens = width = max(limits)
-        self.limit = torch.tensor(limits, device=device)
+        self.limits = [p.gap if p.suffix else min(max_new_tokens, (context or 10**9) - len(p.prefix)) for p in rows]
+        self.max_new_tokens = max(self.limits)
         self.origin = torch.tensor([len(p.prefix) for p in rows], device=device)
         self.stop_ids = torch.tensor(model.stop_token_ids or [-1], device=device)
-        # One spare column takes the writes a commit masks out, so a scatter needs no read-back.
-        self.canvas = torch.full((self.batch, width + 1), model.pad_token_id, dtype=torch.long, device=device)
-        self.filled = torch.zeros(self.batch, width + 1, dtype=torch.bool, device=device)
-        self.frontier = torch.zeros(self.batch, dtype=torch.long, device=device)
-        self.first_stop = torch.full((self.batch,), width, dtype=torch.long, device=device)
-        self.done = torch.zeros(self.batch, dtype=torch.bool, device=device)
-        self._room = self.limit[:, None]  # positions a row may still write below: 0 once it is done
-        self.nfe = torch.zeros(self.batch, dtype=torch.long, device=device)
-        self._offsets = torch.arange(width + 1, device=device)
+        self._stops = set(model.stop_token_ids)
+        # Host state per row: the canvas (None = not committed), leading committed positions, the
+        # position of the first committed stop token (the budget if none), done, forwards taken part in.
+        self.canvas: list[list[int | None]] = [[None] * n for n in self.limits]
+        self.frontiers = [0] * self.batch
+        self.first_stops = list(self.limits)
+        self.finished_rows = [False] * self.batch
+        self.forwards = [0] * self.batch
+        self._offsets = torch.arange(self.max_new_tokens + 1, device=device)
         self._reads: dict[tuple[int, int], torch.Tensor] = {}
-        self._log: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step: rows taking part, tokens committed
+        self._log: list[tuple[list[bool], list[int]]] = []  # per step: rows taking part, tokens committed
         self._step: _Step | None = None
+        self._mirror(done=True)
         self.cache = model.new_cache()
-        self.start = time.perf_counter()
         self.next_logits = self._prefill(rows)
         self.prefill_seconds = time.perf_counter() - self.start
 
@@ -178,15 +184,16 @@ class Session:
         also sees the row's valid cache. All T entries enter the cache until `advance` says which stay.
 
         read: the new tokens whose logits are returned (a range or an index tensor), float32
-        [B, len(read), V]. rows: the rows taking part (default: those still running); each of them
-        gets one forward in its NFE.
+        [B, len(read), V]. rows: the rows taking part (a bool tensor [B]; default: those still
+        running); each of them gets one forward in its NFE.
         """
         if self._step is not None:
             raise RuntimeError("the previous step is still open: call session.advance(keep) after each forward")
-        rows = ~self.done if rows is None else rows
-        self.nfe += rows
+        taking_part = [not d for d in self.finished_rows] if rows is None else rows.tolist()
+        for row, part in enumerate(taking_part):
+            self.forwards[row] += part
         length = tokens.shape[1]
-        self._step = _Step(self.cache.get_seq_length(), length, rows, torch.zeros_like(self.nfe))
+        self._step = _Step(self.cache.get_seq_length(), length, taking_part, [0] * self.batch)
         if self.key_valid is not None:
             fresh = torch.ones(self.batch, length, dtype=torch.bool, device=self.device)
             self.key_valid = torch.cat([self.key_valid, fresh], dim=1)
@@ -260,38 +267,62 @@ class Session:
     def commit(self, tokens: torch.Tensor, at: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Write tokens [B, k] at canvas positions `at` [B, k] where `mask` (default: all) holds.
 
-        Finished rows and positions past a row's budget are left alone. Updates each row's
-        frontier (leading committed positions), first committed stop and `done`.
+        Finished rows and positions past a row's budget are left alone. One read-back of the
+        tokens, then host updates of each row's canvas, frontier, first stop and done.
         """
-        allowed = at < self._room
-        mask = allowed if mask is None else mask & allowed
-        at = torch.where(mask, at, self.max_new_tokens)  # masked-out writes land in the spare column
-        self.canvas.scatter_(1, at, tokens)
-        self.filled.scatter_(1, at, True)
-        stops = self._is_stop(tokens) & mask
-        self.first_stop = torch.minimum(self.first_stop, torch.where(stops, at, self.max_new_tokens).amin(-1))
-        if self._step is not None:
-            self._step.committed += mask.sum(-1)
-        self.frontier = self.filled[:, :-1].long().cumprod(-1).sum(-1)
-        # Both only ever move one way (the frontier grows, the first stop moves earlier): done stays done.
-        self.done = self.frontier >= torch.minimum(self.limit, self.first_stop + 1)
-        self._room = torch.where(self.done, 0, self.limit)[:, None]
-
-    def _is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.stop_ids.numel() == 1:
-            return tokens == self.stop_ids
-        return (tokens[..., None] == self.stop_ids).any(-1)
+        k = tokens.shape[1]
+        parts = [tokens, at] if mask is None else [tokens, at, mask.long()]
+        for row, values in enumerate(torch.cat(parts, dim=1).tolist()):
+            chosen = values[2 * k :] if mask is not None else [1] * k
+            self._write(row, [(a, t) for t, a, m in zip(values[:k], values[k : 2 * k], chosen, strict=True) if m])
+        self._mirror()
 
     def append(self, tokens: torch.Tensor, count: torch.Tensor | None = None) -> None:
         """Commit the first `count[r]` (default: all) of tokens [B, k] at each row's frontier."""
-        tokens = tokens[:, : self._offsets.shape[0]]  # nothing past the budget is ever committed
-        offsets = self._offsets[None, : tokens.shape[1]]
-        self.commit(tokens, self.frontier[:, None] + offsets, None if count is None else offsets < count[:, None])
+        k = tokens.shape[1]
+        values = (tokens if count is None else torch.cat([tokens, count[:, None]], dim=1)).tolist()
+        for row, line in enumerate(values):
+            start, n = self.frontiers[row], (k if count is None else line[k])
+            self._write(row, list(enumerate(line[:n], start)))
+        self._mirror()
+
+    def _write(self, row: int, writes: list[tuple[int, int]]) -> None:
+        """Put (position, token) pairs on one row's canvas; then its frontier, first stop and done."""
+        if self.finished_rows[row]:
+            return
+        canvas, limit, stops = self.canvas[row], self.limits[row], self._stops
+        written = 0
+        for position, token in writes:
+            if position < limit:
+                canvas[position] = token
+                written += 1
+                if token in stops and position < self.first_stops[row]:
+                    self.first_stops[row] = position
+        if self._step is not None:
+            self._step.committed[row] += written
+        frontier = self.frontiers[row]
+        while frontier < limit and canvas[frontier] is not None:
+            frontier += 1
+        self.frontiers[row] = frontier
+        if frontier >= min(limit, self.first_stops[row] + 1):
+            self.finished_rows[row] = True
+
+    def _mirror(self, done: bool = False) -> None:
+        """Device copies of the frontiers (and of `done`, when a row may have finished)."""
+        self.frontier = torch.tensor(self.frontiers, device=self.device)
+        if done or self.finished_rows != self._done_mirrored:
+            self._done_mirrored = list(self.finished_rows)
+            self.done = torch.tensor(self.finished_rows, device=self.device)
 
     @property
-    def length(self) -> torch.Tensor:
-        """Each row's output length so far [B]: its leading committed positions, up to its stop token."""
-        return torch.minimum(self.frontier, self.first_stop + 1)
+    def lengths(self) -> list[int]:
+        """Each row's output length so far: its leading committed positions, up to its stop token."""
+        return [min(f, s + 1) for f, s in zip(self.frontiers, self.first_stops, strict=True)]
+
+    @property
+    def nfe(self) -> torch.Tensor:
+        """Decoding forwards each row took part in [B]."""
+        return torch.tensor(self.forwards)
 
     @property
     def next_pos(self) -> torch.Tensor:
@@ -301,36 +332,31 @@ class Session:
     @property
     def produced(self) -> int:
         """The most leading positions committed by a row still running (0 when none runs)."""
-        return int(torch.where(self.done, 0, self.frontier).max())
+        return max((f for f, d in zip(self.frontiers, self.finished_rows, strict=True) if not d), default=0)
 
     @property
     def finished(self) -> bool:
-        return bool(self.done.all())
+        return all(self.finished_rows)
 
     @property
     def outputs(self) -> list[list[int]]:
         """Each row's output so far: committed tokens in position order, up to its stop token."""
-        canvas, lengths = self.canvas.tolist(), self.length.tolist()
-        return [row[:n] for row, n in zip(canvas, lengths, strict=True)]
+        return [row[:n] for row, n in zip(self.canvas, self.lengths, strict=True)]  # type: ignore[misc]
 
     def histograms(self) -> list[dict[int, int]]:
         """Per row: how many of its steps committed k tokens, for each k (steps it took part in)."""
         counts: list[dict[int, int]] = [{} for _ in range(self.batch)]
-        if self._log:
-            rows = torch.stack([r for r, _ in self._log]).T.tolist()
-            committed = torch.stack([c for _, c in self._log]).T.tolist()
-            for row in range(self.batch):
-                for took_part, k in zip(rows[row], committed[row], strict=True):
-                    if took_part:
-                        counts[row][k] = counts[row].get(k, 0) + 1
+        for rows, committed in self._log:
+            for row, (took_part, k) in enumerate(zip(rows, committed, strict=True)):
+                if took_part:
+                    counts[row][k] = counts[row].get(k, 0) + 1
         return counts
 
     def results(self) -> list[Generation]:
         seconds = time.perf_counter() - self.start
-        nfe = self.nfe.tolist()
         out = []
         for row, (ids, steps) in enumerate(zip(self.outputs, self.histograms(), strict=True)):
-            stats = Stats(nfe[row], len(ids), seconds, self.prefill_seconds, steps)
+            stats = Stats(self.forwards[row], len(ids), seconds, self.prefill_seconds, steps)
             out.append(Generation(ids, self.model.decode(ids), stats))
         return out
 
@@ -341,5 +367,5 @@ class _Step:
 
     base: int
     new: int
-    rows: torch.Tensor
-    committed: torch.Tensor
+    rows: list[bool]
+    committed: list[int]

@@ -54,7 +54,7 @@ def test_a_stop_token_ends_a_row_only_once_everything_before_it_is_committed(tin
     _commit(session, [b], [1])
     assert session.finished and session.outputs == [[a, b, stop]]  # cut at the stop token
     _commit(session, [c], [3])  # a finished row takes no more tokens
-    assert session.outputs == [[a, b, stop]] and not bool(session.filled[0, 3])
+    assert session.outputs == [[a, b, stop]] and session.canvas[0][3] is None
 
 
 def test_the_budget_ends_a_row_and_nothing_is_written_past_it(tiny, prompts):
@@ -89,7 +89,7 @@ def test_infilling_prefill_equals_a_causal_prefill_of_prefix_and_suffix(tiny, pr
     prefix, suffix, gap = prompts[0], prompts[1], 5
     rows = [Prompt(prefix, suffix, gap), Prompt(prompts[3], prompts[2][:3], 2)]  # different lengths: padded
     session = _session(tiny, rows)
-    assert session.max_new_tokens == gap and session.limit.tolist() == [gap, 2]
+    assert session.max_new_tokens == gap and session.limits == [gap, 2]
     for r, row in enumerate(rows):
         tokens = [*row.prefix, *row.suffix]
         p = len(row.prefix)

@@ -95,9 +95,10 @@ class VerifiedSBDDecoder(Decoder):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows that have spent as many forwards as they committed tokens draft the rest of their
         block from `predicted` at once, so their next forward verifies (and commits)."""
-        broke = (session.length - session.nfe < 1)[:, None] & masked
-        if not bool(broke.any()):
+        credit = [n - f for n, f in zip(session.lengths, session.forwards, strict=True)]
+        if min(credit) >= 1:
             return block, masked
+        broke = torch.tensor([c < 1 for c in credit], device=session.device)[:, None] & masked
         block = torch.where(broke, predicted, block)
         masked = masked & ~broke
         return block, masked & ~after_stop(block, masked, session.stop_ids)
