@@ -18,6 +18,7 @@ from fastforward.policies import (
     entropy_and_confidence,
     make_policy,
 )
+from fastforward.sampling import greedy
 
 NEG = -1e4  # a probability of exp(-1e4) is 0 in float32
 
@@ -86,3 +87,12 @@ def test_make_policy_rejects_bad_input():
         make_policy("greedy", 0.1)
     with pytest.raises(FastForwardError, match=">= 0"):
         make_policy("entropy", -0.1)
+
+
+def test_greedy_breaks_ties_like_argmax():
+    """Every decoder's greedy choice goes through sampling.greedy (max(...).indices, faster than
+    argmax on CPU): on ties it must pick the first maximum, as argmax does."""
+    generator = torch.Generator().manual_seed(0)
+    for vocab in (2, 5, 17, 513, 4099):
+        logits = torch.randint(0, 3, (64, 16, vocab), generator=generator).float()  # ties everywhere
+        assert torch.equal(greedy(logits), logits.argmax(-1))

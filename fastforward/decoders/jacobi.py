@@ -16,6 +16,7 @@ from fastforward.decoders.registry import BLOCK_SIZE, SEED, Knob, register
 from fastforward.errors import FastForwardError
 from fastforward.policies import greedy_prefix
 from fastforward.runtime import Session
+from fastforward.sampling import greedy
 
 DRAFT_INITS = ("repeat", "random")
 
@@ -49,7 +50,7 @@ class JacobiDecoder(Decoder):
 
     def decode(self, session: Session) -> None:
         n = self.block_size
-        last = session.next_logits.argmax(-1)
+        last = greedy(session.next_logits)
         session.append(last[:, None])
         drafts = self._filler(session, last)
         steps = torch.arange(n + 1, device=session.device)
@@ -58,7 +59,7 @@ class JacobiDecoder(Decoder):
         while not session.finished:
             tokens = torch.cat([last[:, None], drafts], dim=1)
             logits = session.forward(tokens, session.next_pos[:, None] + behind, read=steps)
-            guess = logits.argmax(-1)  # guess[:, i] is the greedy token after tokens[:, i]
+            guess = greedy(logits)  # guess[:, i] is the greedy token after tokens[:, i]
             accepted = greedy_prefix(drafts, guess[:, :n])
             session.append(guess, accepted + 1)  # the confirmed drafts and the prediction after them
             session.advance(keep=accepted + 1)  # the last token and its confirmed drafts

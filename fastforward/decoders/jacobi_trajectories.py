@@ -26,6 +26,7 @@ from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.policies import greedy_prefix
 from fastforward.runtime import Session
+from fastforward.sampling import greedy
 
 DRAFT_INITS = ("repeat", "random", "pad")
 
@@ -172,7 +173,7 @@ def jacobi_trajectories(
     session = Session(model, [list(p) for p in prompts], wanted * n)
     device = session.device
     batch = session.batch
-    following = session.next_logits.argmax(-1)  # greedy token after each row's committed context
+    following = greedy(session.next_logits)  # greedy token after each row's committed context
     before = torch.tensor([p[-1] for p in prompts], device=device)
     blocks: list[list[Block]] = [[] for _ in range(batch)]
     pending: list[list[list[int]]] = [[] for _ in range(batch)]
@@ -191,7 +192,7 @@ def jacobi_trajectories(
     while not session.finished:
         running = ~session.done
         logits = session.forward(state, session.next_pos[:, None] + steps, read=steps)
-        guess = logits.argmax(-1)
+        guess = greedy(logits)
         update = torch.cat([following[:, None], guess[:, :-1]], dim=1)
         converged = (greedy_prefix(state, update) == n) & running
         session.append(state, converged.long() * n)  # a fixed point is greedy AR's output

@@ -29,6 +29,7 @@ from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.policies import greedy_prefix
 from fastforward.runtime import Generation, Session
+from fastforward.sampling import greedy
 
 
 class NgramPool:
@@ -79,7 +80,7 @@ class MultiBlockJacobiDecoder(Decoder):
     def decode(self, session: Session) -> None:
         n = self.n
         pool = self.new_pool()
-        last = int(session.next_logits[0].argmax())
+        last = int(greedy(session.next_logits[0]))
         session.append(torch.tensor([[last]], device=session.device))
         drafts, ra_left, pseudo = [last] * n, n, 0
         while not session.finished:
@@ -109,7 +110,7 @@ class MultiBlockJacobiDecoder(Decoder):
         tokens = torch.tensor([[last, *drafts, *(t for c in cands for t in c)]], device=device)
         offsets = [*range(chain), *(j for length in lengths for j in range(1, length + 1))]
         positions = session.next_pos[:, None] - 1 + torch.tensor(offsets, device=device)[None]
-        guess = session.forward(tokens, positions, rule, read=range(total))[0].argmax(-1)
+        guess = greedy(session.forward(tokens, positions, rule, read=range(total))[0])
         # Each contender's token slots, and the slot whose greedy prediction should equal each token.
         token_slots, pred_slots = [list(range(1, chain))], [list(range(chain - 1))]
         start = chain

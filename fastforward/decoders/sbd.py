@@ -23,7 +23,7 @@ from fastforward.sampling import Sampler
 def after_stop(block: torch.Tensor, masked: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
     """Positions after each row's first revealed stop token: the output is cut there, so no
     forward is worth spending on them."""
-    is_stop = torch.isin(block, stop_ids) & ~masked
+    is_stop = (block[..., None] == stop_ids).any(-1) & ~masked
     return is_stop.cumsum(-1) > is_stop
 
 

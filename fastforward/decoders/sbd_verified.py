@@ -25,6 +25,9 @@ verification. Every verification commits at least one token, so TPF never falls 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 
 from fastforward import visibility
@@ -34,6 +37,7 @@ from fastforward.decoders.sbd import after_stop
 from fastforward.errors import FastForwardError
 from fastforward.policies import EntropyBounded, greedy_prefix, make_policy
 from fastforward.runtime import Session
+from fastforward.sampling import greedy
 
 
 class VerifiedSBDDecoder(Decoder):
@@ -49,7 +53,7 @@ class VerifiedSBDDecoder(Decoder):
 
     def decode(self, session: Session) -> None:
         mask_id = session.model.require_mask_token(self.name)
-        first = session.next_logits.argmax(-1)
+        first = greedy(session.next_logits)
         session.append(first[:, None])
         block, masked = self._open(session, first[:, None], self._size(session, 0), mask_id)
         while not session.finished:
@@ -62,7 +66,7 @@ class VerifiedSBDDecoder(Decoder):
                 logits = session.forward(block, positions, rule, read=range(size), rows=drafting)
                 session.advance(keep=0)  # drafts only: nothing is committed yet
                 block, masked = self._reveal(session, logits, block, masked)
-                block, masked = self._fill_if_broke(session, block, masked, logits.argmax(-1))
+                block, masked = self._fill_if_broke(session, block, masked, partial(greedy, logits))
             block, masked = self._verify(session, block, start, mask_id)
 
     def _size(self, session: Session, drafted: int) -> int:
@@ -86,20 +90,20 @@ class VerifiedSBDDecoder(Decoder):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill the positions the policy picks with their greedy tokens; nothing after a stop token."""
         reveal = self.policy(logits, masked)
-        block = torch.where(reveal, logits.argmax(-1), block)
+        block = torch.where(reveal, greedy(logits), block)
         masked = masked & ~reveal
         return block, masked & ~after_stop(block, masked, session.stop_ids)
 
     def _fill_if_broke(
-        self, session: Session, block: torch.Tensor, masked: torch.Tensor, predicted: torch.Tensor
+        self, session: Session, block: torch.Tensor, masked: torch.Tensor, predicted: Callable[[], torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows that have spent as many forwards as they committed tokens draft the rest of their
-        block from `predicted` at once, so their next forward verifies (and commits)."""
+        block from `predicted()` (the best tokens at hand) at once, so their next forward verifies."""
         credit = [n - f for n, f in zip(session.lengths, session.forwards, strict=True)]
         if min(credit) >= 1:
             return block, masked
         broke = torch.tensor([c < 1 for c in credit], device=session.device)[:, None] & masked
-        block = torch.where(broke, predicted, block)
+        block = torch.where(broke, predicted(), block)
         masked = masked & ~broke
         return block, masked & ~after_stop(block, masked, session.stop_ids)
 
@@ -115,12 +119,12 @@ class VerifiedSBDDecoder(Decoder):
         positions = start[:, None] + torch.arange(total, device=session.device)
         rule = visibility.sbd_decode(size, following, session.device)
         logits = session.forward(tokens, positions, rule, read=range(total))
-        guess = logits[:, :size].argmax(-1)  # guess[:, i]: the greedy token after draft[:, i]
+        guess = greedy(logits[:, :size])  # guess[:, i]: the greedy token after draft[:, i]
         accepted = greedy_prefix(draft[:, 1:], guess[:, : size - 1])
         session.append(guess, accepted + 1)  # the confirmed drafts and the exact token after them
         session.advance(keep=accepted + 1)  # the exact first token and its confirmed drafts
         # predicted[:, i]: the best guess at position start + i + 1 (greedy after the draft, then masks)
-        predicted = torch.cat([guess, logits[:, size + 1 :].argmax(-1)], dim=1)
+        predicted = torch.cat([guess, greedy(logits[:, size + 1 :])], dim=1)
         following_slots = accepted[:, None] + torch.arange(following, device=session.device)
         carried = predicted.gather(1, following_slots)
         block, masked = self._open(session, carried, following, mask_id)
@@ -128,7 +132,7 @@ class VerifiedSBDDecoder(Decoder):
         whole = (accepted == size - 1)[:, None]
         revealed, still = self._reveal(session, logits[:, size:], block, masked & whole)
         block, masked = torch.where(whole, revealed, block), torch.where(whole, still, masked)
-        return self._fill_if_broke(session, block, masked, carried)
+        return self._fill_if_broke(session, block, masked, lambda: carried)
 
 
 @register(
