@@ -101,10 +101,18 @@ def make_policy(name: str, value: float):
     return POLICIES[name](value)
 
 
-def greedy_prefix(drafts: torch.Tensor, predictions: torch.Tensor) -> torch.Tensor:
-    """Per row, how many leading drafts equal the greedy prediction made just before each [..., n] → [...].
+def greedy_prefix(drafts, predictions):
+    """How many leading drafts equal the greedy prediction made just before each.
 
     The acceptance rule of every verifying decoder: drafts confirmed this way are exactly what
-    greedy AR decoding would produce.
+    greedy AR decoding would produce. Tensors [..., n] give a count per row (tensor ops, no
+    sync); token lists give an int (for decoders that decide on the host after one read-back).
     """
-    return (drafts == predictions).long().cumprod(-1).sum(-1)
+    if isinstance(drafts, torch.Tensor):
+        return (drafts == predictions).long().cumprod(-1).sum(-1)
+    count = 0
+    for draft, prediction in zip(drafts, predictions, strict=False):  # predictions may run on
+        if draft != prediction:
+            break
+        count += 1
+    return count

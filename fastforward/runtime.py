@@ -96,7 +96,7 @@ class Prompt:
             raise FastForwardError(f"an infilling prompt needs a gap of at least 1 position, got {self.gap}")
 
 
-KeepChoice = int | torch.Tensor
+KeepChoice = int | Sequence[int] | Sequence[Sequence[int]] | torch.Tensor
 
 
 class Session:
@@ -224,8 +224,9 @@ class Session:
     def advance(self, keep: KeepChoice) -> None:
         """Close the step: keep the chosen new entries in the cache and log what the step committed.
 
-        keep: an int (the first `keep` new entries, every row alike), a long tensor [B] (a per-row
-        prefix count) or a bool tensor [B, T] (a per-row choice of new entries, kept in order).
+        keep: an int (the first `keep` new entries, every row alike); per row, a count of leading
+        entries (a list of ints or a long tensor [B]); or per row, the entries to keep (a list of
+        ascending slot lists, or a bool tensor [B, T]), kept in order.
         """
         step = self._step
         if step is None:
@@ -242,25 +243,25 @@ class Session:
             if self.key_valid is not None:
                 self.key_valid = self.key_valid[:, : base + keep]
             return
-        if keep.dtype == torch.bool:
-            counts = keep.sum(-1)
-            order = (~keep).to(torch.uint8).argsort(dim=-1, stable=True)  # kept entries first, in order
-            slots = torch.arange(new, device=self.device)[None]
-            in_place = (order == slots) | (slots >= counts[:, None])
-            *values, prefix = torch.cat([counts, in_place.all()[None]]).tolist()
-            low, high = min(values), max(values)
-            if not prefix:
-                gather_entries(self.cache, base, order[:, :high])
+        if isinstance(keep, torch.Tensor):
+            keep = keep.tolist()
+            if keep and isinstance(keep[0], list) and keep[0] and isinstance(keep[0][0], bool):
+                keep = [[slot for slot, kept in enumerate(row) if kept] for row in keep]
+        if keep and isinstance(keep[0], list):  # slot lists: move the kept entries into place
+            counts = [len(slots) for slots in keep]
+            high = max(counts)
+            if any(slots != list(range(len(slots))) for slots in keep):
+                order = [slots + [0] * (high - len(slots)) for slots in keep]
+                gather_entries(self.cache, base, torch.tensor(order, device=self.device))
         else:
-            counts = keep
-            values = counts.tolist()
-            low, high = min(values), max(values)
+            counts = list(keep)
+            high = max(counts)
         truncate(self.cache, base + high)
-        if low == high and self.key_valid is None:
+        if min(counts) == high and self.key_valid is None:
             return
         if self.key_valid is None:  # the first hole: from now on validity is tracked per entry
             self.key_valid = torch.ones(self.batch, base + new, dtype=torch.bool, device=self.device)
-        kept = torch.arange(high, device=self.device)[None] < counts[:, None]
+        kept = torch.arange(high, device=self.device)[None] < torch.tensor(counts, device=self.device)[:, None]
         self.key_valid = torch.cat([self.key_valid[:, :base], kept & self.key_valid[:, base : base + high]], dim=1)
 
     # ---- the canvas ---------------------------------------------------------------------------
@@ -277,13 +278,22 @@ class Session:
             self._write(row, [(a, t) for t, a, m in zip(values[:k], values[k : 2 * k], chosen, strict=True) if m])
         self._mirror()
 
-    def append(self, tokens: torch.Tensor, count: torch.Tensor | None = None) -> None:
-        """Commit the first `count[r]` (default: all) of tokens [B, k] at each row's frontier."""
-        k = tokens.shape[1]
-        values = (tokens if count is None else torch.cat([tokens, count[:, None]], dim=1)).tolist()
-        for row, line in enumerate(values):
-            start, n = self.frontiers[row], (k if count is None else line[k])
-            self._write(row, list(enumerate(line[:n], start)))
+    def append(
+        self, tokens: torch.Tensor | Sequence[Sequence[int]], count: torch.Tensor | Sequence[int] | None = None
+    ) -> None:
+        """Commit the first `count[r]` (default: all) of tokens [B, k] at each row's frontier.
+
+        Tokens and counts may be device tensors (read back here, once) or host lists.
+        """
+        if isinstance(tokens, torch.Tensor):
+            if isinstance(count, torch.Tensor):
+                values = torch.cat([tokens, count[:, None]], dim=1).tolist()
+                tokens, count = [v[:-1] for v in values], [v[-1] for v in values]
+            else:
+                tokens = tokens.tolist()
+        for row, line in enumerate(tokens):
+            n = len(line) if count is None else count[row]
+            self._write(row, list(enumerate(line[:n], self.frontiers[row])))
         self._mirror()
 
     def _write(self, row: int, writes: list[tuple[int, int]]) -> None:
