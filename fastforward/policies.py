@@ -17,30 +17,40 @@ import torch
 from fastforward.errors import FastForwardError
 
 
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of softmax(logits) over the last axis."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return (-(logp.exp() * logp).sum(dim=-1)).clamp_min(0.0)
+
+
 def entropy_and_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Entropy (nats) and max probability of softmax(logits) over the last axis."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     p = logp.exp()
-    entropy = (-(p * logp).sum(dim=-1)).clamp_min(0.0)
-    return entropy, p.amax(dim=-1)
+    return (-(p * logp).sum(dim=-1)).clamp_min(0.0), p.amax(dim=-1)
 
 
 def _reveal(
     score: torch.Tensor,
     masked: torch.Tensor,
     descending: bool,
-    stat: torch.Tensor,
     within_bound: Callable[[torch.Tensor], torch.Tensor],
+    stat: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reveal, per row, the first n masked positions in `score` order (best first).
 
-    `within_bound` maps `stat` laid out in that order to a monotone mask (True, then False); n is
-    its count, at least 1 where the row still has masked positions.
+    `within_bound` maps `stat` (default: the score itself) laid out in that order to a monotone
+    mask (True, then False); n is its count, at least 1 where the row still has masked positions.
+    Each step runs right after a forward, when every small tensor op is slow: keep them few.
     """
     key = (-score if descending else score).masked_fill(~masked, math.inf)
-    order = key.argsort(dim=-1, stable=True)  # masked positions first, best first
-    # The bound holds on a prefix of the order; past the masked positions nothing counts.
-    count = (within_bound(stat.gather(-1, order)) & masked.gather(-1, order)).sum(-1).clamp_min(1)
+    ordered, order = key.sort(dim=-1, stable=True)  # masked positions first, best first
+    if stat is None:
+        # The score's own values, in order; positions not masked carry ±inf, which fails every bound.
+        within = within_bound(-ordered if descending else ordered)
+    else:
+        within = within_bound(stat.gather(-1, order)) & masked.gather(-1, order)
+    count = within.sum(-1).clamp_min(1)
     return (order.argsort(dim=-1) < count[:, None]) & masked
 
 
@@ -51,8 +61,8 @@ class EntropyBounded:
     gamma: float
 
     def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-        entropy, _ = entropy_and_confidence(logits)
-        return _reveal(entropy, masked, False, entropy, lambda h: h.cumsum(-1) - h <= self.gamma)
+        # Past the masked positions the entropies are inf: inf - inf is nan, outside the bound.
+        return _reveal(entropy(logits), masked, False, lambda h: h.cumsum(-1) - h <= self.gamma)
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,9 @@ class ConfidenceBounded:
 
     def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         entropy, confidence = entropy_and_confidence(logits)
-        return _reveal(confidence, masked, True, entropy, lambda h: h.cumsum(-1) - h.cummax(-1).values <= self.gamma)
+        return _reveal(
+            confidence, masked, True, lambda h: h.cumsum(-1) - h.cummax(-1).values <= self.gamma, stat=entropy
+        )
 
 
 @dataclass(frozen=True)
@@ -75,7 +87,7 @@ class Factor:
     def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         _, confidence = entropy_and_confidence(logits)
         n = torch.arange(1, confidence.shape[-1] + 1, device=confidence.device)
-        return _reveal(confidence, masked, True, confidence, lambda c: (n + 1) * (1 - c) < self.factor)
+        return _reveal(confidence, masked, True, lambda c: (n + 1) * (1 - c) < self.factor)
 
 
 @dataclass(frozen=True)
@@ -86,7 +98,7 @@ class Threshold:
 
     def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         _, confidence = entropy_and_confidence(logits)
-        return _reveal(confidence, masked, True, confidence, lambda c: c >= self.threshold)
+        return _reveal(confidence, masked, True, lambda c: c >= self.threshold)
 
 
 POLICIES = {"entropy": EntropyBounded, "confidence": ConfidenceBounded, "factor": Factor, "threshold": Threshold}

@@ -127,7 +127,8 @@ class Session:
         # Each row's budget of canvas positions: the gap when infilling, else max_new_tokens (and the context).
         self.limits = [p.gap if p.suffix else min(max_new_tokens, (context or 10**9) - len(p.prefix)) for p in rows]
         self.max_new_tokens = max(self.limits)
-        self.origin = torch.tensor([len(p.prefix) for p in rows], device=device)
+        self.origins = [len(p.prefix) for p in rows]  # the RoPE position of each row's canvas position 0
+        self.origin = torch.tensor(self.origins, device=device)
         self.stop_ids = torch.tensor(model.stop_token_ids or [-1], device=device)
         self._stops = set(model.stop_token_ids)
         # Host state per row: the canvas (None = not committed), leading committed positions, the

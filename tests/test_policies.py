@@ -96,3 +96,53 @@ def test_greedy_breaks_ties_like_argmax():
     for vocab in (2, 5, 17, 513, 4099):
         logits = torch.randint(0, 3, (64, 16, vocab), generator=generator).float()  # ties everywhere
         assert torch.equal(greedy(logits), logits.argmax(-1))
+
+
+def _reference(policy, logits, masked):
+    """Each policy's rule written out per row, position by position."""
+    entropy, confidence = entropy_and_confidence(logits)
+    reveal = torch.zeros_like(masked)
+    for r in range(masked.shape[0]):
+        open_ = [i for i in range(masked.shape[1]) if masked[r, i]]
+        if isinstance(policy, EntropyBounded):
+            order = sorted(open_, key=lambda i: float(entropy[r, i]))
+        else:
+            order = sorted(open_, key=lambda i: -float(confidence[r, i]))
+        h = [float(entropy[r, i]) for i in order]
+        c = [float(confidence[r, i]) for i in order]
+        n = 0
+        for s in range(len(order)):
+            if isinstance(policy, EntropyBounded):
+                ok = sum(h[:s]) <= policy.gamma
+            elif isinstance(policy, ConfidenceBounded):
+                ok = sum(h[: s + 1]) - max(h[: s + 1]) <= policy.gamma
+            elif isinstance(policy, Factor):
+                ok = (s + 2) * (1 - c[s]) < policy.factor
+            else:
+                ok = c[s] >= policy.threshold
+            if not ok:
+                break
+            n = s + 1
+        for i in order[: max(n, 1)]:
+            reveal[r, i] = True
+    return reveal
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        EntropyBounded(0.0),
+        EntropyBounded(0.8),
+        EntropyBounded(math.inf),
+        ConfidenceBounded(0.5),
+        Factor(2.0),
+        Threshold(0.3),
+    ],
+)
+def test_policies_match_their_rule_written_out(policy):
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        logits = torch.randn(3, 8, 11, generator=generator) * 3
+        masked = torch.rand(3, 8, generator=generator) < 0.6
+        masked[0] = True
+        assert torch.equal(policy(logits, masked), _reference(policy, logits, masked))

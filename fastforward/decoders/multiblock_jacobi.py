@@ -81,7 +81,7 @@ class MultiBlockJacobiDecoder(Decoder):
         n = self.n
         pool = self.new_pool()
         last = int(greedy(session.next_logits[0]))
-        session.append(torch.tensor([[last]], device=session.device))
+        session.append([[last]])
         drafts, ra_left, pseudo = [last] * n, n, 0
         while not session.finished:
             cands = pool.candidates(last, self.verify)
@@ -101,47 +101,42 @@ class MultiBlockJacobiDecoder(Decoder):
     def _verify(self, session: Session, last: int, drafts: list[int], cands: list[list[int]]) -> _Verdict:
         """One forward of `[last ; drafts ; candidates]` (see `visibility.jacobi_candidates`); commit
         the contender (the chain or a candidate) with the longest greedily confirmed prefix, and the
-        prediction after it; keep exactly those entries in the cache."""
-        device = session.device
+        prediction after it; keep exactly those entries in the cache. Decided on the host after one
+        read-back of the forward's greedy tokens."""
         chain = 1 + len(drafts)
         lengths = tuple(len(c) for c in cands)
         total = chain + sum(lengths)
-        rule = visibility.jacobi_candidates(chain, lengths, device)
-        tokens = torch.tensor([[last, *drafts, *(t for c in cands for t in c)]], device=device)
+        rule = visibility.jacobi_candidates(chain, lengths, session.device)
+        ids = [last, *drafts, *(t for c in cands for t in c)]
         offsets = [*range(chain), *(j for length in lengths for j in range(1, length + 1))]
-        positions = session.next_pos[:, None] - 1 + torch.tensor(offsets, device=device)[None]
-        guess = greedy(session.forward(tokens, positions, rule, read=range(total))[0])
+        start = session.origins[0] + session.frontiers[0] - 1  # where `last` sits
+        tokens = torch.tensor([ids, [start + o for o in offsets]], device=session.device)
+        guesses = greedy(session.forward(tokens[:1], tokens[1:], rule, read=range(total))[0]).tolist()
         # Each contender's token slots, and the slot whose greedy prediction should equal each token.
         token_slots, pred_slots = [list(range(1, chain))], [list(range(chain - 1))]
-        start = chain
+        begin = chain
         for length in lengths:
-            token_slots.append(list(range(start, start + length)))
-            pred_slots.append([0, *range(start, start + length - 1)])
-            start += length
-        width = max(len(s) for s in token_slots)
-        pad = [[-1] * (width - len(s)) for s in token_slots]
-        slot_t = torch.tensor([s + p for s, p in zip(token_slots, pad, strict=True)], device=device)
-        pred_t = torch.tensor([s + [0] * len(p) for s, p in zip(pred_slots, pad, strict=True)], device=device)
-        contenders = torch.where(slot_t >= 0, tokens[0, slot_t.clamp_min(0)], -1)
-        counts = greedy_prefix(contenders, guess[pred_t])
-        stationary = greedy_prefix(contenders[0, chain - 1 - self.n : chain - 1], guess[chain - 1 - self.n : chain - 1])
-        best = int(counts.argmax())  # the chain wins ties, then the earliest candidate
-        counts_list = counts.tolist()
-        accepted = counts_list[best]
+            token_slots.append(list(range(begin, begin + length)))
+            pred_slots.append([0, *range(begin, begin + length - 1)])
+            begin += length
+        counts = [
+            greedy_prefix([ids[s] for s in slots], [guesses[s] for s in preds])
+            for slots, preds in zip(token_slots, pred_slots, strict=True)
+        ]
+        best = max(range(len(counts)), key=counts.__getitem__)  # the chain wins ties, then the earliest
+        accepted = counts[best]
         kept = [0, *token_slots[best][:accepted]]
-        guesses = guess.tolist()
-        committed = [guesses[s] for s in kept]
-        keep = torch.zeros(1, total, dtype=torch.bool, device=device)
-        keep[0, kept] = True
-        session.append(torch.tensor([committed], device=device))
-        session.advance(keep=keep)
+        committed = [guesses[s] for s in kept]  # the prediction after each kept token
+        session.append([committed])
+        session.advance(keep=[kept])
+        stationary = greedy_prefix(drafts[-self.n :], guesses[chain - 1 - self.n : chain - 1])
         # Predictions past the accepted ones seed the next drafts: the winner's, then the chain's.
         ahead = guesses[:chain]
         if best:
             winner = [guesses[s] for s in pred_slots[best]] + [guesses[token_slots[best][-1]]]
             ahead[: len(winner)] = winner
             ahead += winner[len(ahead) :]
-        return _Verdict(accepted, counts_list[0], int(stationary), committed, ahead[accepted + 1 :])
+        return _Verdict(accepted, counts[0], stationary, committed, ahead[accepted + 1 :])
 
 
 @dataclass

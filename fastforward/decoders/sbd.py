@@ -27,6 +27,13 @@ def after_stop(block: torch.Tensor, masked: torch.Tensor, stop_ids: torch.Tensor
     return is_stop.cumsum(-1) > is_stop
 
 
+def still_masked(session: Session, masked: torch.Tensor) -> bool:
+    """Whether a running row of the batch still has masked positions in its block."""
+    if not any(session.finished_rows):
+        return bool(masked.any())
+    return bool((masked & ~session.done[:, None]).any())
+
+
 class SBDDecoder(Decoder):
     """Blocks of `block_size` masks, revealed by `policy` (default: entropy-bounded, γ = 0.35).
 
@@ -52,6 +59,7 @@ class SBDDecoder(Decoder):
         while not session.finished:
             base = session.frontier[:, None]  # the block's first canvas position (alike for running rows)
             size = min(self.block_size, session.max_new_tokens - session.produced)
+            end = session.produced + size
             slots = base + torch.arange(size, device=session.device)
             positions = session.origin[:, None] + slots
             block = torch.full((session.batch, size), mask_id, dtype=torch.long, device=session.device)
@@ -60,7 +68,7 @@ class SBDDecoder(Decoder):
                 block[:, 0] = self.sampler(session.next_logits)
                 masked[:, 0] = False
                 session.commit(block[:, :1], slots[:, :1])
-            while bool((masked & ~session.done[:, None]).any()):
+            while still_masked(session, masked):
                 logits = self._forward(session, block, pending, positions)
                 first = None
                 if pending is not None and self.first_token_from_ntp:
@@ -75,7 +83,8 @@ class SBDDecoder(Decoder):
                     reveal |= first
                 session.commit(block, slots, reveal)
                 masked &= ~reveal
-                masked &= ~after_stop(block, masked, session.stop_ids)
+                if any(stop < end for stop in session.first_stops):  # a stop token was revealed here
+                    masked &= ~after_stop(block, masked, session.stop_ids)
                 session.advance(keep=0 if pending is None else pending.shape[1])
                 pending = None
             pending = block

@@ -33,7 +33,7 @@ import torch
 from fastforward import visibility
 from fastforward.decoders.base import Decoder
 from fastforward.decoders.registry import BLOCK_SIZE, GAMMA, POLICY, register
-from fastforward.decoders.sbd import after_stop
+from fastforward.decoders.sbd import after_stop, still_masked
 from fastforward.errors import FastForwardError
 from fastforward.policies import EntropyBounded, greedy_prefix, make_policy
 from fastforward.runtime import Session
@@ -61,7 +61,7 @@ class VerifiedSBDDecoder(Decoder):
             size = block.shape[1]
             positions = start[:, None] + torch.arange(size, device=session.device)
             rule = visibility.sbd_decode(0, size, session.device)
-            while bool((masked & ~session.done[:, None]).any()):
+            while still_masked(session, masked):
                 drafting = masked.any(-1) & ~session.done
                 logits = session.forward(block, positions, rule, read=range(size), rows=drafting)
                 session.advance(keep=0)  # drafts only: nothing is committed yet
