@@ -18,9 +18,14 @@ when its budget of positions is full.
 **Prefill** takes segments with their own positions: a prompt, or for infilling a prefix and a
 suffix with a gap between them. The cache afterwards equals a causal prefill of the same tokens in
 the same order. **Keep** is a per-row choice over a forward's new entries: a count shared by every
-row, a per-row count (a prefix), or a per-row boolean mask. The cache is rectangular; entries a row
-does not keep are moved out of the way (a per-row gather, only when some row keeps a non-prefix)
-or left as holes that no later query sees.
+row, a per-row count (a prefix), or per row the entries to keep (slot lists or a bool mask). The
+cache is rectangular; entries a row does not keep are moved out of the way (a per-row gather, only
+when some row keeps a non-prefix) or left as holes that no later query sees.
+
+**Cost.** Right after a forward every small tensor op is slow on a CPU (cold caches: about twice
+its cost in a tight loop), so a step is built from few of them. The canvas and counters live on
+the host and a commit reads its tokens back once; that read-back is the step's one device sync,
+which the loop's `finished` check needs anyway.
 """
 
 from __future__ import annotations
