@@ -110,7 +110,7 @@ class Session:
     The canvas and the counters live on the host (Python lists): a commit reads its tokens back
     in one transfer, which the step's `finished` check needs anyway, and then every update is a
     handful of Python operations instead of a dozen small tensor kernels. `frontier` and `done`
-    are mirrored as device tensors for decoders that build layouts from them.
+    are device copies, built when a decoder asks for them.
     """
 
     def __init__(self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int):
@@ -147,7 +147,7 @@ class Session:
         self._reads: dict[tuple[int, int], torch.Tensor] = {}
         self._log: list[tuple[list[bool], list[int]]] = []  # per step: rows taking part, tokens committed
         self._step: _Step | None = None
-        self._mirror(done=True)
+        self._mirrors: dict[str, torch.Tensor] = {}
         self.cache = model.new_cache()
         self.next_logits = self._prefill(rows)
         self.prefill_seconds = time.perf_counter() - self.start
@@ -282,7 +282,7 @@ class Session:
         for row, values in enumerate(torch.cat(parts, dim=1).tolist()):
             chosen = values[2 * k :] if mask is not None else [1] * k
             self._write(row, [(a, t) for t, a, m in zip(values[:k], values[k : 2 * k], chosen, strict=True) if m])
-        self._mirror()
+        self._mirrors.clear()
 
     def append(
         self, tokens: torch.Tensor | Sequence[Sequence[int]], count: torch.Tensor | Sequence[int] | None = None
@@ -300,7 +300,7 @@ class Session:
         for row, line in enumerate(tokens):
             n = len(line) if count is None else count[row]
             self._write(row, list(enumerate(line[:n], self.frontiers[row])))
-        self._mirror()
+        self._mirrors.clear()
 
     def _write(self, row: int, writes: list[tuple[int, int]]) -> None:
         """Put (position, token) pairs on one row's canvas; then its frontier, first stop and done."""
@@ -323,12 +323,19 @@ class Session:
         if frontier >= min(limit, self.first_stops[row] + 1):
             self.finished_rows[row] = True
 
-    def _mirror(self, done: bool = False) -> None:
-        """Device copies of the frontiers (and of `done`, when a row may have finished)."""
-        self.frontier = torch.tensor(self.frontiers, device=self.device)
-        if done or self.finished_rows != self._done_mirrored:
-            self._done_mirrored = list(self.finished_rows)
-            self.done = torch.tensor(self.finished_rows, device=self.device)
+    @property
+    def frontier(self) -> torch.Tensor:
+        """Each row's leading committed positions [B], on the device (built when asked for)."""
+        if "frontier" not in self._mirrors:
+            self._mirrors["frontier"] = torch.tensor(self.frontiers, device=self.device)
+        return self._mirrors["frontier"]
+
+    @property
+    def done(self) -> torch.Tensor:
+        """Which rows have finished [B], on the device (built when asked for)."""
+        if "done" not in self._mirrors:
+            self._mirrors["done"] = torch.tensor(self.finished_rows, device=self.device)
+        return self._mirrors["done"]
 
     @property
     def lengths(self) -> list[int]:
@@ -339,6 +346,12 @@ class Session:
     def nfe(self) -> torch.Tensor:
         """Decoding forwards each row took part in [B]."""
         return torch.tensor(self.forwards)
+
+    def span(self, start: int, length: int) -> torch.Tensor:
+        """RoPE positions [B, length] from `start` positions past each row's frontier (start -1: the
+        last committed token), built on the host in one transfer."""
+        firsts = [o + f + start for o, f in zip(self.origins, self.frontiers, strict=True)]
+        return torch.tensor([list(range(p, p + length)) for p in firsts], device=self.device)
 
     @property
     def next_pos(self) -> torch.Tensor:

@@ -20,7 +20,7 @@ class ARDecoder(Decoder):
         token = self.sampler(session.next_logits)[:, None]
         session.append(token)
         while not session.finished:
-            logits = session.forward(token, session.next_pos[:, None] - 1, read=[0])[:, 0]
+            logits = session.forward(token, session.span(-1, 1), read=range(1))[:, 0]
             token = self.sampler(logits)[:, None]
             session.append(token)
             session.advance(keep=1)

@@ -54,11 +54,10 @@ class JacobiDecoder(Decoder):
         last = greedy(session.next_logits).tolist()
         session.append([[t] for t in last])
         drafts = [self._filler(session, row, t) for row, t in enumerate(last)]
-        steps = torch.arange(n + 1, device=session.device)
-        behind = steps - 1  # the last committed token sits one position before the frontier
         while not session.finished:
             tokens = torch.tensor([[t, *d] for t, d in zip(last, drafts, strict=True)], device=session.device)
-            logits = session.forward(tokens, session.next_pos[:, None] + behind, read=steps)
+            # the last committed token, one position before the frontier, then the n drafts
+            logits = session.forward(tokens, session.span(-1, n + 1), read=range(n + 1))
             guesses = greedy(logits).tolist()  # guesses[r][i]: the greedy token after tokens[r][i]
             accepted = [greedy_prefix(d, g) for d, g in zip(drafts, guesses, strict=True)]
             session.append([g[: a + 1] for g, a in zip(guesses, accepted, strict=True)])  # confirmed + next

@@ -110,8 +110,8 @@ class MultiBlockJacobiDecoder(Decoder):
         ids = [last, *drafts, *(t for c in cands for t in c)]
         offsets = [*range(chain), *(j for length in lengths for j in range(1, length + 1))]
         start = session.origins[0] + session.frontiers[0] - 1  # where `last` sits
-        tokens = torch.tensor([ids, [start + o for o in offsets]], device=session.device)
-        guesses = greedy(session.forward(tokens[:1], tokens[1:], rule, read=range(total))[0]).tolist()
+        layout = torch.tensor([ids, [start + o for o in offsets]], device=session.device)  # tokens, positions
+        guesses = greedy(session.forward(layout[:1], layout[1:], rule, read=range(total))[0]).tolist()
         # Each contender's token slots, and the slot whose greedy prediction should equal each token.
         token_slots, pred_slots = [list(range(1, chain))], [list(range(chain - 1))]
         begin = chain
