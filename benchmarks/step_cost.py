@@ -73,12 +73,13 @@ def measure(args: argparse.Namespace) -> dict:
     texts = [e.prompt for e in examples]
     model = demo_shaped(texts) if args.model == "demo-shaped" else load_model(args.model, dtype=args.dtype)
     if model.mask_token_id is None:
+        torch.manual_seed(0)  # the new embedding is drawn at random (mean resizing): the same in every run
         model.add_mask_token()  # untrained: SBD's tokens are meaningless here, its step cost is not
     prompts = [model.encode_prompt(t, chat_template=args.model != "demo-shaped") for t in texts]
     timer = ForwardTimer(model)
     out = {}
-    for name, knobs in DECODERS.items():
-        decoder = build_decoder(name, **knobs)
+    for name in args.decoders.split(","):
+        decoder = build_decoder(name, **DECODERS[name])
         decoder.generate(model, prompts[:1], args.max_new_tokens)  # warm-up
         totals = {"tokens": 0, "nfe": 0, "decode_s": 0.0, "forward_s": 0.0}
         for prompt in prompts:
@@ -124,6 +125,7 @@ def run_child(args: argparse.Namespace, pythonpath: str | None) -> dict:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, str(HERE / "step_cost.py"), "--child", "--model", args.model, "--dtype", args.dtype]
     cmd += ["--threads", str(args.threads), "--n", str(args.n), "--max-new-tokens", str(args.max_new_tokens)]
+    cmd += ["--decoders", args.decoders]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n", type=int, default=24, help="arithmetic test prompts")
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--decoders", default=",".join(DECODERS), help=f"comma-separated, from {', '.join(DECODERS)}")
     ap.add_argument("--repeats", type=int, default=3, help="runs per tree; the median decode speed counts")
     ap.add_argument("--against", default=None, help="a checkout of another commit to compare with (A B A B)")
     ap.add_argument("--out", default=str(RESULTS / "step_cost.json"))
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "load_average_before": load_before,
         "load_average_after": load_average(),
-        "decoders": DECODERS,
+        "decoders": {name: DECODERS[name] for name in args.decoders.split(",")},
         "this_tree": rows,
         "against": other,
     }
