@@ -268,6 +268,7 @@ def _result(
                 "reference": example.reference,
                 "output": gen.text,
                 "token_ids": gen.token_ids,
+                "finish_reason": gen.finish_reason,
                 "correct": grade.correct,
                 "score": grade.score,
                 "detail": grade.detail,

@@ -74,11 +74,14 @@ class Stats:
 
 @dataclass
 class Generation:
-    """One prompt's output: generated ids (prompt excluded, stop token included), text, stats."""
+    """One prompt's output: generated ids (prompt excluded, stop token included), text, stats, and
+    why it ended: "stop" (a stop token), "length" (max_new_tokens, or an infilling gap filled) or
+    "context" (the model's context had no room for max_new_tokens after this prompt)."""
 
     token_ids: list[int]
     text: str
     stats: Stats
+    finish_reason: str = "length"
 
 
 @dataclass(frozen=True)
@@ -129,8 +132,12 @@ class Session:
         self.model = model
         self.device = device = model.device
         self.batch = len(rows)
-        # Each row's budget of canvas positions: the gap when infilling, else max_new_tokens (and the context).
+        # Each row's own budget of canvas positions: the gap when infilling, else max_new_tokens, or
+        # less where the model's context has no room for that many after this row's prompt.
         self.limits = [p.gap if p.suffix else min(max_new_tokens, (context or 10**9) - len(p.prefix)) for p in rows]
+        self.context_bound = [
+            not p.suffix and limit < max_new_tokens for p, limit in zip(rows, self.limits, strict=True)
+        ]
         self.max_new_tokens = max(self.limits)
         self.origins = [len(p.prefix) for p in rows]  # the RoPE position of each row's canvas position 0
         self.origin = torch.tensor(self.origins, device=device)
@@ -386,8 +393,14 @@ class Session:
         out = []
         for row, (ids, steps) in enumerate(zip(self.outputs, self.histograms(), strict=True)):
             stats = Stats(self.forwards[row], len(ids), seconds, self.prefill_seconds, steps)
-            out.append(Generation(ids, self.model.decode(ids), stats))
+            out.append(Generation(ids, self.model.decode(ids), stats, self.finish_reason(row)))
         return out
+
+    def finish_reason(self, row: int) -> str:
+        """Why a row ended (see `Generation`)."""
+        if self.first_stops[row] < self.frontiers[row]:
+            return "stop"
+        return "context" if self.context_bound[row] else "length"
 
 
 @dataclass

@@ -182,3 +182,43 @@ def test_stats_count_forwards_per_row_and_tokens_per_step(tiny, prompts):
         session.advance(0)
     assert session.nfe.tolist() == [1, 0]
     assert session.histograms() == [{3: 1}, {}]  # the second row took no part in that forward
+
+
+# ---- per-row limits and why a row stopped -------------------------------------------------------
+def test_each_row_has_its_own_limit_and_says_why_it_stopped(tiny, prompts):
+    long_prompt = (prompts[2] * 60)[: tiny.max_context - 5]  # room for 5 new tokens
+    gens = ARDecoder().generate(tiny, [prompts[1], long_prompt], max_new_tokens=12)
+    assert gens[1].finish_reason == "context" and len(gens[1].token_ids) == 5
+    alone = ARDecoder().generate(tiny, [prompts[1]], max_new_tokens=12)[0]
+    assert gens[0].token_ids == alone.token_ids  # the long prompt does not cap the short one
+    assert gens[0].finish_reason == alone.finish_reason
+    assert alone.finish_reason == ("stop" if alone.token_ids[-1] in tiny.stop_token_ids else "length")
+
+
+def test_finish_reason_stop(tiny, prompts):
+    free = ARDecoder().generate(tiny, [prompts[0]], max_new_tokens=10)[0]
+    original = tiny.hf.generation_config.eos_token_id
+    tiny.hf.generation_config.eos_token_id = [original, free.token_ids[3]]
+    try:
+        gen = ARDecoder().generate(tiny, [prompts[0]], max_new_tokens=10)[0]
+    finally:
+        tiny.hf.generation_config.eos_token_id = original
+    assert gen.finish_reason == "stop" and len(gen.token_ids) <= 4
+    assert ARDecoder().generate(tiny, [prompts[0]], max_new_tokens=2)[0].finish_reason == "length"
+
+
+def test_generate_json_reports_finish_reason_and_warns_on_context_cuts(tmp_path, capsys):
+    import json
+
+    from fastforward.cli import main
+    from fastforward.tiny import tiny_model
+
+    path = tmp_path / "tiny"
+    tiny_model(seed=0, init_std=0.5, max_positions=24).save(path)
+    args = ["generate", "--model", str(path), "--dtype", "float32", "--no-chat-template", "--json"]
+    assert main([*args, "--max-new-tokens", "40", "def add(a, b): return a + b"]) == 0
+    out, err = capsys.readouterr()
+    record = json.loads(out.splitlines()[0])
+    # a 24-position model after an 18-token prompt: 6 new tokens, then the context is full
+    assert record["finish_reason"] == "context" and len(record["token_ids"]) == 6
+    assert "context cut" in err
