@@ -13,7 +13,6 @@ step number.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from fastforward import jsonl
 from fastforward.errors import FastForwardError
 
 RECORD_KINDS = ({"prompt", "completion"}, {"text"})
@@ -59,29 +59,14 @@ class Batch:
 # ---- reading ------------------------------------------------------------------------------------
 def read_jsonl(path: str | Path) -> list[dict[str, str]]:
     """Validated records of a JSONL file; any bad line raises with the file, line number and reason."""
-    path = Path(path)
-    if not path.is_file():
-        raise FastForwardError(f"data file {path} does not exist; give a JSONL file of prompt/completion or text lines")
-    records = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            records.append(_parse_line(line, f"{path}:{number}"))
-    if not records:
-        raise FastForwardError(f"data file {path} has no records")
-    return records
+    lines = jsonl.read_jsonl(path, "data file", "give a JSONL file of prompt/completion or text lines")
+    return [_check_record(record, f"{path}:{number}") for number, record in lines]
 
 
-def _parse_line(line: str, where: str) -> dict[str, str]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise FastForwardError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
-    if not isinstance(record, dict) or set(record) not in RECORD_KINDS:
-        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+def _check_record(record: dict, where: str) -> dict[str, str]:
+    if set(record) not in RECORD_KINDS:
         raise FastForwardError(
-            f"{where}: expected an object with keys 'prompt' and 'completion', or only 'text'; got {keys}"
+            f"{where}: expected an object with keys 'prompt' and 'completion', or only 'text'; got {sorted(record)}"
         )
     for key, value in record.items():
         if not isinstance(value, str):

@@ -112,7 +112,7 @@ class Trajectory:
             )
             if traj.correct is not None and not isinstance(traj.correct, bool):
                 raise ValueError(f"correct must be true or false, got {traj.correct!r}")
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise FastForwardError(f"{where}: not a trajectory record ({type(exc).__name__}: {exc})") from exc
         if any(len(s) != n for b in blocks for s in b.trajectory):
             raise FastForwardError(f"{where}: a block state does not have block_size={n} tokens")

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from fastforward.data import derive_seed, split_examples
 from fastforward.decoders.jacobi_trajectories import DRAFT_INITS, Trajectory, jacobi_trajectories
 from fastforward.errors import FastForwardError
+from fastforward.jsonl import open_jsonl, parse_line, read_jsonl
 from fastforward.model import Model
 
 
@@ -40,15 +41,12 @@ def _scan(path: Path) -> tuple[list[Trajectory], int]:
     """The complete records of a trajectory file and the byte length they span (a torn tail is excluded)."""
     records: list[Trajectory] = []
     good = 0
-    with path.open("rb") as f:
+    with open_jsonl(path, "trajectory file", "write one with `fastforward trajectories`") as f:
         for number, raw in enumerate(f, start=1):
             if not raw.endswith(b"\n"):
                 break  # a line cut short by a killed run: ignored, and overwritten on resume
-            if raw.strip():
-                try:
-                    record = json.loads(raw)
-                except json.JSONDecodeError as exc:
-                    raise FastForwardError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
+            record = parse_line(raw, path, number)
+            if record is not None:
                 records.append(Trajectory.from_record(record, f"{path}:{number}"))
             good += len(raw)
     return records, good
@@ -57,8 +55,6 @@ def _scan(path: Path) -> tuple[list[Trajectory], int]:
 def read_trajectories(path: str | Path) -> list[Trajectory]:
     """Every complete record of a trajectory file, in prompt order."""
     path = Path(path)
-    if not path.is_file():
-        raise FastForwardError(f"trajectory file {path} does not exist; write one with `fastforward trajectories`")
     records, _ = _scan(path)
     if not records:
         raise FastForwardError(f"trajectory file {path} has no records")
@@ -295,24 +291,12 @@ def trajectory_datasets(
 # ---- prompts ------------------------------------------------------------------------------------
 def read_prompts(path: str | Path) -> tuple[list[str], list[str]]:
     """Prompts and ids of a JSONL file of {"prompt": ..., ...} records (other keys are ignored; "id" is kept)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FastForwardError(f'prompt file {path} does not exist; give a JSONL file of {{"prompt": ...}} lines')
     prompts, ids = [], []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise FastForwardError(f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
-                raise FastForwardError(f'{path}:{number}: expected an object with a non-empty string "prompt"')
-            prompts.append(record["prompt"])
-            ids.append(str(record.get("id", len(ids))))
-    if not prompts:
-        raise FastForwardError(f"prompt file {path} has no records")
+    for number, record in read_jsonl(path, "prompt file", 'give a JSONL file of {"prompt": ...} lines'):
+        if not isinstance(record.get("prompt"), str) or not record["prompt"]:
+            raise FastForwardError(f'{path}:{number}: expected an object with a non-empty string "prompt"')
+        prompts.append(record["prompt"])
+        ids.append(str(record.get("id", len(ids))))
     return prompts, ids
 
 

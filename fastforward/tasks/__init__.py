@@ -68,7 +68,7 @@ def get_task(name_or_path: str, **options: Any) -> Task:
         cls: type[Task] = TASKS[name_or_path]
         label = name_or_path
         args: list[Any] = []
-    elif name_or_path.endswith((".jsonl", ".json")) or Path(name_or_path).is_file():
+    elif name_or_path.endswith((".jsonl", ".json", ".gz")) or Path(name_or_path).exists():
         cls, label, args = JsonlTask, "jsonl", [name_or_path]
     else:
         raise FastForwardError(

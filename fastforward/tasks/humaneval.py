@@ -27,9 +27,7 @@ model's code runs with your user's rights.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import importlib.util
-import json
 import os
 import re
 import signal
@@ -41,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastforward.errors import FastForwardError
+from fastforward.jsonl import read_jsonl
 from fastforward.tasks.base import Example, Grade, Task
 
 FIELDS = ("task_id", "prompt", "entry_point", "canonical_solution", "test")
@@ -69,25 +68,12 @@ def default_path() -> Path:
 
 
 def load_problems(path: str | Path) -> list[dict[str, str]]:
-    path = Path(path)
-    if not path.is_file():
-        raise FastForwardError(f"HumanEval file {path} does not exist")
-    opener = gzip.open if path.suffix == ".gz" else open
     problems = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise FastForwardError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
-            missing = [k for k in FIELDS if not isinstance(row, dict) or not isinstance(row.get(k), str)]
-            if missing:
-                raise FastForwardError(f"{path}:{number}: missing or non-string field(s) {missing}")
-            problems.append(row)
-    if not problems:
-        raise FastForwardError(f"HumanEval file {path} has no problems")
+    for number, row in read_jsonl(path, "HumanEval file", "give path= a HumanEval JSONL(.gz) file"):
+        missing = [k for k in FIELDS if not isinstance(row.get(k), str)]
+        if missing:
+            raise FastForwardError(f"{path}:{number}: missing or non-string field(s) {missing}")
+        problems.append(row)
     return problems
 
 

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from fastforward.errors import FastForwardError
+from fastforward.jsonl import read_jsonl
 from fastforward.tasks.base import Example, Grade, Task
 
 MATCHES = ("exact", "contains", "regex")
@@ -42,25 +43,12 @@ class JsonlTask(Task):
         return {"name": "jsonl", "path": str(self.path), "match": self.match}
 
     def _read(self) -> list[Example]:
-        if not self.path.is_file():
-            raise FastForwardError(f"task file {self.path} does not exist; give a JSONL file of prompt/answer lines")
-        out: list[Example] = []
-        with self.path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if line.strip():
-                    out.append(self._parse(line, f"{self.path}:{number}", number))
-        if not out:
-            raise FastForwardError(f"task file {self.path} has no records")
-        return out
+        lines = read_jsonl(self.path, "task file", "give a JSONL file of prompt/answer lines")
+        return [self._parse(record, f"{self.path}:{number}", number) for number, record in lines]
 
-    def _parse(self, line: str, where: str, number: int) -> Example:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise FastForwardError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
-        if not isinstance(record, dict) or "prompt" not in record or "answer" not in record:
-            got = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise FastForwardError(f'{where}: expected an object with keys "prompt" and "answer", got {got}')
+    def _parse(self, record: dict, where: str, number: int) -> Example:
+        if "prompt" not in record or "answer" not in record:
+            raise FastForwardError(f'{where}: expected an object with keys "prompt" and "answer", got {sorted(record)}')
         prompt, answer = record["prompt"], record["answer"]
         if not isinstance(prompt, str) or not prompt:
             raise FastForwardError(f'{where}: "prompt" must be a non-empty string')
@@ -72,7 +60,7 @@ class JsonlTask(Task):
         if self.match == "regex":
             try:
                 re.compile(answer)
-            except re.error as exc:
+            except (re.error, OverflowError, RecursionError) as exc:  # e.g. a{9999999999}, 1000 nested groups
                 raise FastForwardError(f'{where}: "answer" is not a valid regular expression ({exc})') from exc
         ident = record.get("id", number)
         return Example(str(ident), prompt, answer, None, {"line": number})
