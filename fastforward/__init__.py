@@ -1,25 +1,42 @@
-"""fastforward: parallel decoding for Hugging Face causal LMs, with an exact KV cache."""
+"""fastforward: parallel decoding for Hugging Face causal LMs, with an exact KV cache.
 
-from fastforward.api import build_decoder, generate
-from fastforward.decoders import (
-    ARDecoder,
-    Decoder,
-    Generation,
-    JacobiDecoder,
-    MultiBlockJacobiDecoder,
-    SBDDecoder,
-    VerifiedSBDDecoder,
-)
-from fastforward.errors import FastForwardError
-from fastforward.model import Layout, Model, load_model
-from fastforward.policies import ConfidenceBounded, EntropyBounded, Factor, Threshold, make_policy
-from fastforward.runtime import Prompt, Session, Stats
-from fastforward.sampling import Sampler
+The public names below are imported on first use (PEP 562), not when the package is: the
+`fastforward` command then starts inside its own error handling, so a Ctrl-C while torch and
+transformers load is an interrupt, not a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "build_decoder": "fastforward.api",
+    "generate": "fastforward.api",
+    "ARDecoder": "fastforward.decoders",
+    "Decoder": "fastforward.decoders",
+    "JacobiDecoder": "fastforward.decoders",
+    "MultiBlockJacobiDecoder": "fastforward.decoders",
+    "SBDDecoder": "fastforward.decoders",
+    "VerifiedSBDDecoder": "fastforward.decoders",
+    "FastForwardError": "fastforward.errors",
+    "Layout": "fastforward.model",
+    "Model": "fastforward.model",
+    "load_model": "fastforward.model",
+    "ConfidenceBounded": "fastforward.policies",
+    "EntropyBounded": "fastforward.policies",
+    "Factor": "fastforward.policies",
+    "Threshold": "fastforward.policies",
+    "make_policy": "fastforward.policies",
+    "Generation": "fastforward.runtime",
+    "Prompt": "fastforward.runtime",
+    "Session": "fastforward.runtime",
+    "Stats": "fastforward.runtime",
+    "Sampler": "fastforward.sampling",
+}
 
 __all__ = [
     "ARDecoder",
-    "build_decoder",
-    "generate",
     "ConfidenceBounded",
     "Decoder",
     "EntropyBounded",
@@ -37,6 +54,36 @@ __all__ = [
     "Stats",
     "Threshold",
     "VerifiedSBDDecoder",
+    "build_decoder",
+    "generate",
     "load_model",
     "make_policy",
 ]
+
+if TYPE_CHECKING:
+    from fastforward.api import build_decoder, generate
+    from fastforward.decoders import (
+        ARDecoder,
+        Decoder,
+        JacobiDecoder,
+        MultiBlockJacobiDecoder,
+        SBDDecoder,
+        VerifiedSBDDecoder,
+    )
+    from fastforward.errors import FastForwardError
+    from fastforward.model import Layout, Model, load_model
+    from fastforward.policies import ConfidenceBounded, EntropyBounded, Factor, Threshold, make_policy
+    from fastforward.runtime import Generation, Prompt, Session, Stats
+    from fastforward.sampling import Sampler
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'fastforward' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -217,7 +217,10 @@ def compare(
     seconds = dict.fromkeys(runs, 0.0)
     prefill = dict.fromkeys(runs, 0.0)
     batches = _batches(prompts, batch_size)
-    bar = tqdm(total=len(prompts) * len(runs), desc=desc, disable=not progress, dynamic_ncols=True, leave=False)
+    # disable=None: a bar on a terminal (or notebook), none where stderr is a log (redraws would fill it)
+    bar = tqdm(
+        total=len(prompts) * len(runs), desc=desc, disable=None if progress else True, dynamic_ncols=True, leave=False
+    )
     for batch in batches:
         for label, decoder in runs.items():
             generations, wall = _timed_generate(decoder, model, list(batch), max_new_tokens)

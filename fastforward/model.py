@@ -8,15 +8,22 @@ cache. Every method in fastforward, training and decoding, is a way of building 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 import os
 import shutil
+import struct
+import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from fastforward.cache import truncate
 from fastforward.errors import FastForwardError
@@ -101,15 +108,26 @@ class Model:
 
     # ---- mask token ---------------------------------------------------------------------------
     def add_mask_token(self) -> int:
-        """Give the model a `<|mask|>` token (embedding = mean of the others) and record it in the config."""
+        """Give the model a `<|mask|>` token and record it in the config.
+
+        Added rows are exactly the mean of the old ones (input and, if untied, output embeddings), not
+        transformers' `mean_resizing` draw from the unseeded global RNG: the same model gets the same
+        weights in every process.
+        """
         if self.mask_token_id is not None:
             return self.mask_token_id
         existing = self.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
         if existing is None or existing == self.tokenizer.unk_token_id:
             self.tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
             existing = self.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
-        if existing >= self.hf.get_input_embeddings().num_embeddings:
-            self.hf.resize_token_embeddings(len(self.tokenizer), mean_resizing=True)
+        old = self.hf.get_input_embeddings().num_embeddings
+        if existing >= old:
+            self.hf.resize_token_embeddings(len(self.tokenizer), mean_resizing=False)
+            inputs, outputs = self.hf.get_input_embeddings(), self.hf.get_output_embeddings()
+            tied = outputs is None or outputs.weight is inputs.weight
+            with torch.no_grad():
+                for weight in [inputs.weight] if tied else [inputs.weight, outputs.weight]:
+                    weight[old:] = weight[:old].mean(dim=0)
         self.mask_token_id = int(existing)
         setattr(self.hf.config, MASK_CONFIG_KEY, self.mask_token_id)
         return self.mask_token_id
@@ -189,7 +207,8 @@ def save_atomically(hf: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dir
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
-        hf.save_pretrained(tmp, safe_serialization=True)
+        with quiet_progress():
+            hf.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if directory.exists():
             old = directory.with_name(f".{directory.name}.old")
@@ -202,6 +221,39 @@ def save_atomically(hf: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dir
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def quiet_progress() -> Iterator[None]:
+    """Hide transformers' progress bars ("Loading weights", "Writing model shards") for a block: for a
+    local model they flash by in under a second, and where stderr is a log they fill it with redraws."""
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def check_device(device: str | None) -> None:
+    """Fail before loading anything on a device this machine lacks (torch would fail only after the load,
+    with an AssertionError or a RuntimeError about device strings)."""
+    if device is None:
+        return
+    try:
+        kind = torch.device(device)
+    except RuntimeError:
+        raise FastForwardError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps") from None
+    if kind.type == "cuda":
+        if not torch.cuda.is_available():
+            built = torch.version.cuda is not None
+            why = "no CUDA GPU is visible" if built else f"this torch ({torch.__version__}) is built without CUDA"
+            raise FastForwardError(f"device {device!r} is not available: {why}; use cpu")
+        if kind.index is not None and kind.index >= torch.cuda.device_count():
+            raise FastForwardError(f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA GPU(s) visible")
+    elif kind.type == "mps" and not torch.backends.mps.is_available():
+        raise FastForwardError(f"device {device!r} is not available: MPS needs Apple silicon and a torch built for it")
 
 
 def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -224,10 +276,13 @@ def _preset_gguf(name: str) -> Path:
 
 
 def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    hf = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
-    )
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, struct.error) as exc:  # truncated files, unsupported architectures
+        raise FastForwardError(f"could not load a causal LM from the GGUF file {path}: {exc}") from exc
     # A GGUF-loaded model carries a quantizer stub that refuses save_pretrained; the weights are dequantized.
     hf.hf_quantizer = None
     if hasattr(hf.config, "quantization_config"):
@@ -240,13 +295,22 @@ def resolve_model_path(name_or_path: str) -> Path:
     if name_or_path in PRESETS:
         target = fastforward_home() / "models" / name_or_path
         if not (target / "config.json").exists():
-            hf, tokenizer = _load_gguf(_preset_gguf(name_or_path))
+            gguf = _preset_gguf(name_or_path)
+            shown = f"~/{target.relative_to(Path.home())}" if target.is_relative_to(Path.home()) else target
+            print(f"fastforward: converting {gguf.name} to safetensors in {shown} (once, ~30 s)", file=sys.stderr)
+            with quiet_progress():
+                hf, tokenizer = _load_gguf(gguf)
             save_atomically(hf, tokenizer, target)
         return target
     path = Path(name_or_path).expanduser()
-    if path.is_dir() and (path / "config.json").exists():
+    if path.is_dir():
+        _check_config(path / "config.json")
         return path
     if path.is_file() and path.suffix == ".gguf":
+        with path.open("rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise FastForwardError(f"{path} is not a GGUF file (it starts with {magic!r}, not the magic bytes b'GGUF')")
         return path
     raise FastForwardError(
         f"unknown model {name_or_path!r}: give a preset ({', '.join(PRESETS)}), a directory with config.json "
@@ -254,17 +318,34 @@ def resolve_model_path(name_or_path: str) -> Path:
     )
 
 
+def _check_config(path: Path) -> None:
+    """A model directory's config.json exists and is a JSON object (transformers' own errors are vaguer)."""
+    if not path.exists():
+        raise FastForwardError(
+            f"{path.parent} has no config.json, so it is not a model directory "
+            "(a `fastforward train` run writes it when the run finishes)"
+        )
+    try:
+        config = json.loads(path.read_bytes())
+    except ValueError as exc:
+        raise FastForwardError(f"{path} is corrupt: not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise FastForwardError(f"{path} is corrupt: a JSON {type(config).__name__}, not an object of model settings")
+
+
 def load_model(name_or_path: str, dtype: str | torch.dtype = "float32", device: str | None = None) -> Model:
     """Load a preset, a Hugging Face model directory or a GGUF file, ready to run layouts."""
     torch_dtype = _resolve_dtype(dtype)
+    check_device(device)
     path = resolve_model_path(name_or_path)
     if path.suffix == ".gguf":
         hf, tokenizer = _load_gguf(path)
     else:
         try:
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+            with quiet_progress():
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
             tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, SafetensorError) as exc:
             raise FastForwardError(f"could not load a causal LM from {path}: {exc}") from exc
     hf.to(dtype=torch_dtype)
     hf.config._attn_implementation = "sdpa"

@@ -18,15 +18,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def positive_int(text: str) -> int:
+    """argparse type for counts that must be at least 1 (0 or less used to run silently as 1)."""
     try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    command = "fastforward"
+    try:
+        # Building the parser imports torch and transformers (seconds): Ctrl-C there is an interrupt too.
+        args = build_parser().parse_args(argv)
+        command = f"fastforward {args.command}"
         return args.run(args) or 0
     except FastForwardError as exc:
-        print(f"fastforward {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"fastforward {args.command}: interrupted", file=sys.stderr)
+        print(f"{command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()

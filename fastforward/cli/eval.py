@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from fastforward.api import build_decoder
+from fastforward.cli import positive_int
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
 from fastforward.decoders import registry
 from fastforward.evaluate import (
@@ -20,7 +21,7 @@ from fastforward.evaluate import (
     write_json,
     write_records,
 )
-from fastforward.model import DTYPES, load_model
+from fastforward.model import DTYPES, check_device, load_model
 from fastforward.tasks import get_task, parse_options
 
 
@@ -46,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="evaluate the decoder at each value of one knob, e.g. gamma=0,0.1,0.35,1 (curve, AUP, plot)",
     )
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's own budget")
-    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together; timings are per batch")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together; timings are per batch")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     p.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
@@ -56,6 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_device(args.device)
     knobs = decoder_knobs(args)
     if registry.spec(args.decoder).knob("seed"):
         knobs["seed"] = args.seed

@@ -7,8 +7,11 @@ import json
 import sys
 
 from fastforward.api import build_decoder
+from fastforward.cli import positive_int
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
-from fastforward.model import DTYPES, load_model
+from fastforward.decoders import Decoder, Generation
+from fastforward.errors import FastForwardError
+from fastforward.model import DTYPES, Model, check_device, load_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,22 +22,56 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
-    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (left padding)")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together (left padding)")
     p.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(run=run)
 
 
+def read_prompts() -> list[str]:
+    """The non-blank lines of stdin, read as bytes so that text which is not UTF-8 is named, not garbled."""
+    if sys.stdin.isatty():
+        print("fastforward generate: reading prompts from stdin, one per line (Ctrl-D to end)", file=sys.stderr)
+    prompts = []
+    for number, raw in enumerate(sys.stdin.buffer, 1):
+        try:
+            line = raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as exc:
+            raise FastForwardError(
+                f"stdin line {number} is not UTF-8 text (byte {raw[exc.start]:#04x} at byte offset {exc.start}); "
+                "convert it, e.g. with `iconv -f latin1 -t utf-8`"
+            ) from None
+        if line.strip():
+            prompts.append(line)
+    return prompts
+
+
 def run(args: argparse.Namespace) -> int:
-    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    check_device(args.device)
+    prompts = args.prompts or read_prompts()
+    if not prompts:
+        raise FastForwardError("no prompts: give them as arguments or one per line on stdin")
     decoder = build_decoder(args.decoder, **decoder_knobs(args))
     model = load_model(args.model, dtype=args.dtype, device=args.device)
     encoded = [model.encode_prompt(p, chat_template=not args.no_chat_template) for p in prompts]
-    for start in range(0, len(encoded), max(args.batch_size, 1)):
-        batch = encoded[start : start + max(args.batch_size, 1)]
-        for prompt, gen in zip(prompts[start:], decoder.generate(model, batch, args.max_new_tokens), strict=False):
+    for start in range(0, len(encoded), args.batch_size):
+        batch = encoded[start : start + args.batch_size]
+        gens = generate_batch(decoder, model, batch, args.max_new_tokens, done=start, total=len(prompts))
+        for prompt, gen in zip(prompts[start:], gens, strict=False):
+            if gen.finish_reason == "context":
+                print(
+                    f"fastforward generate: warning: the model's context cut a prompt's output at {len(gen.token_ids)} "
+                    f"tokens (asked for {args.max_new_tokens}); shorten the prompt for more",
+                    file=sys.stderr,
+                )
             if args.json:
-                record = {"prompt": prompt, "text": gen.text, "token_ids": gen.token_ids, "stats": gen.stats.as_dict()}
+                record = {
+                    "prompt": prompt,
+                    "text": gen.text,
+                    "token_ids": gen.token_ids,
+                    "finish_reason": gen.finish_reason,
+                    "stats": gen.stats.as_dict(),
+                }
                 print(json.dumps(record), flush=True)
             else:
                 print(gen.text, flush=True)
@@ -45,3 +82,16 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
     return 0
+
+
+def generate_batch(
+    decoder: Decoder, model: Model, batch: list[list[int]], max_new_tokens: int, done: int, total: int
+) -> list[Generation]:
+    """One batch's generations; on Ctrl-C, say how many prompts were printed before it.
+
+    Decoders return a whole batch at once, so the batch in flight has no partial text to show."""
+    try:
+        return decoder.generate(model, batch, max_new_tokens)
+    except KeyboardInterrupt:
+        print(f"fastforward generate: {done} of {total} prompts completed before the interrupt", file=sys.stderr)
+        raise
