@@ -84,6 +84,15 @@ class Generation:
     finish_reason: str = "length"
 
 
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during decoding, carrying what each row had committed by then (finish_reason
+    "interrupted" for the rows still running)."""
+
+    def __init__(self, generations: list[Generation]):
+        super().__init__()
+        self.generations = generations
+
+
 @dataclass(frozen=True)
 class Prompt:
     """What one row is decoded from: a prefix, and for infilling a suffix `gap` positions after it.
@@ -397,7 +406,9 @@ class Session:
         return out
 
     def finish_reason(self, row: int) -> str:
-        """Why a row ended (see `Generation`)."""
+        """Why a row ended (see `Generation`); "interrupted" while it has not."""
+        if not self.finished_rows[row]:
+            return "interrupted"
         if self.first_stops[row] < self.frontiers[row]:
             return "stop"
         return "context" if self.context_bound[row] else "length"

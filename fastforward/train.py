@@ -225,7 +225,9 @@ def _differences(previous: dict, current: dict) -> list[str]:
 
 
 def _refuse_foreign(out: Path) -> None:
-    """Refuse a non-empty directory that no run created, before the lock file is put into it."""
+    """Refuse a file, or a non-empty directory that no run created, before the lock file is put into it."""
+    if out.exists() and not out.is_dir():
+        raise FastForwardError(f"--out {out} is a file, not a directory; choose a directory for the run")
     if out.exists() and any(p.name != LOCK for p in out.iterdir()) and not (out / RUN_CONFIG).exists():
         raise FastForwardError(
             f"{out} exists and is not a fastforward run directory (no {RUN_CONFIG}); choose another --out"

@@ -144,6 +144,28 @@ def test_interrupt_while_decoding(saved, monkeypatch, capsys):
     assert captured.err.endswith("fastforward generate: interrupted\n")
 
 
+def test_interrupt_mid_decoding_prints_what_was_generated(saved, monkeypatch, capsys):
+    from fastforward.runtime import Session
+
+    steps = []
+    real = Session.advance
+
+    def fourth_step_interrupted(self, keep):
+        steps.append(1)
+        if len(steps) == 4:
+            raise KeyboardInterrupt
+        return real(self, keep)
+
+    monkeypatch.setattr(Session, "advance", fourth_step_interrupted)
+    argv = ["generate", "--model", str(saved), "--dtype", "float32", "--max-new-tokens", "20", "--json", "one"]
+    assert main(argv) == 130
+    captured = capsys.readouterr()
+    record = json.loads(captured.out.splitlines()[0])
+    # the prefill's token and one per step: the fourth step committed its token before it was interrupted
+    assert record["finish_reason"] == "interrupted" and len(record["token_ids"]) == 5
+    assert "0 of 1 prompts completed before the interrupt" in captured.err
+
+
 # ---- noise --------------------------------------------------------------------------------------
 def test_local_load_and_save_draw_no_bars(saved, tmp_path, capsys):
     model = load_model(str(saved))
@@ -170,3 +192,13 @@ def test_eval_progress_bar_only_on_terminals(saved, capsys):
     model = load_model(str(saved))
     compare(model, get_task("arithmetic"), {}, n=1, max_new_tokens=2, warmup=False, progress=True, desc="bar")
     assert "bar" not in capsys.readouterr().err  # stderr is not a terminal here
+
+
+def test_train_out_that_is_a_file(saved, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello world"}\n')
+    out = tmp_path / "existing_file.txt"
+    out.write_text("keep me\n")
+    assert main(["train", "--model", str(saved), "--data", str(data), "--out", str(out), "--steps", "1"]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+    assert out.read_text() == "keep me\n"

@@ -9,9 +9,10 @@ import sys
 from fastforward.api import build_decoder
 from fastforward.cli import positive_int
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
-from fastforward.decoders import Decoder, Generation
+from fastforward.decoders import Generation
 from fastforward.errors import FastForwardError
-from fastforward.model import DTYPES, Model, check_device, load_model
+from fastforward.model import DTYPES, check_device, load_model
+from fastforward.runtime import GenerationInterrupted
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,42 +57,45 @@ def run(args: argparse.Namespace) -> int:
     encoded = [model.encode_prompt(p, chat_template=not args.no_chat_template) for p in prompts]
     for start in range(0, len(encoded), args.batch_size):
         batch = encoded[start : start + args.batch_size]
-        gens = generate_batch(decoder, model, batch, args.max_new_tokens, done=start, total=len(prompts))
+        try:
+            gens = decoder.generate(model, batch, args.max_new_tokens)
+        except KeyboardInterrupt as interrupt:  # print what the batch in flight had so far, then stop
+            partial = interrupt.generations if isinstance(interrupt, GenerationInterrupted) else []
+            for prompt, gen in zip(prompts[start:], partial, strict=False):
+                report(args, prompt, gen)
+            print(
+                f"fastforward generate: {start} of {len(prompts)} prompts completed before the interrupt",
+                file=sys.stderr,
+            )
+            raise
         for prompt, gen in zip(prompts[start:], gens, strict=False):
-            if gen.finish_reason == "context":
-                print(
-                    f"fastforward generate: warning: the model's context cut a prompt's output at {len(gen.token_ids)} "
-                    f"tokens (asked for {args.max_new_tokens}); shorten the prompt for more",
-                    file=sys.stderr,
-                )
-            if args.json:
-                record = {
-                    "prompt": prompt,
-                    "text": gen.text,
-                    "token_ids": gen.token_ids,
-                    "finish_reason": gen.finish_reason,
-                    "stats": gen.stats.as_dict(),
-                }
-                print(json.dumps(record), flush=True)
-            else:
-                print(gen.text, flush=True)
-                s = gen.stats
-                print(
-                    f"[{args.decoder}: {s.tokens} tokens, {s.nfe} forwards, {s.tpf:.2f} tokens/forward, "
-                    f"{s.tps:.1f} tokens/s]",
-                    file=sys.stderr,
-                )
+            report(args, prompt, gen)
     return 0
 
 
-def generate_batch(
-    decoder: Decoder, model: Model, batch: list[list[int]], max_new_tokens: int, done: int, total: int
-) -> list[Generation]:
-    """One batch's generations; on Ctrl-C, say how many prompts were printed before it.
-
-    Decoders return a whole batch at once, so the batch in flight has no partial text to show."""
-    try:
-        return decoder.generate(model, batch, max_new_tokens)
-    except KeyboardInterrupt:
-        print(f"fastforward generate: {done} of {total} prompts completed before the interrupt", file=sys.stderr)
-        raise
+def report(args: argparse.Namespace, prompt: str, gen: Generation) -> None:
+    """Print one prompt's generation (text, or a JSON record) and its figures or warnings on stderr."""
+    if gen.finish_reason == "context":
+        print(
+            f"fastforward generate: warning: the model's context cut a prompt's output at {len(gen.token_ids)} "
+            f"tokens (asked for {args.max_new_tokens}); shorten the prompt for more",
+            file=sys.stderr,
+        )
+    if args.json:
+        record = {
+            "prompt": prompt,
+            "text": gen.text,
+            "token_ids": gen.token_ids,
+            "finish_reason": gen.finish_reason,
+            "stats": gen.stats.as_dict(),
+        }
+        print(json.dumps(record), flush=True)
+        return
+    print(gen.text, flush=True)
+    s = gen.stats
+    ended = "" if gen.finish_reason != "interrupted" else ", interrupted"
+    print(
+        f"[{args.decoder}: {s.tokens} tokens, {s.nfe} forwards, {s.tpf:.2f} tokens/forward, "
+        f"{s.tps:.1f} tokens/s{ended}]",
+        file=sys.stderr,
+    )

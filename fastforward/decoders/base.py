@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from fastforward.model import Model
-from fastforward.runtime import Generation, Prompt, Session
+from fastforward.runtime import Generation, GenerationInterrupted, Prompt, Session
 
 
 class Decoder(ABC):
@@ -25,5 +25,8 @@ class Decoder(ABC):
     ) -> list[Generation]:
         with torch.inference_mode():
             session = Session(model, prompts, max_new_tokens)
-            self.decode(session)
+            try:
+                self.decode(session)
+            except KeyboardInterrupt as interrupt:
+                raise GenerationInterrupted(session.results()) from interrupt
             return session.results()

@@ -28,7 +28,7 @@ from fastforward.decoders.registry import BLOCK_SIZE, Knob, register
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.policies import greedy_prefix
-from fastforward.runtime import Generation, Session
+from fastforward.runtime import Generation, GenerationInterrupted, Session
 from fastforward.sampling import greedy
 
 
@@ -70,8 +70,13 @@ class MultiBlockJacobiDecoder(Decoder):
         self.ngram = ngram or block_size
 
     def generate(self, model: Model, prompts: list[list[int]], max_new_tokens: int = 256) -> list[Generation]:
-        one_row = super().generate
-        return [one_row(model, [prompt], max_new_tokens)[0] for prompt in prompts]
+        done: list[Generation] = []
+        for prompt in prompts:
+            try:
+                done += super().generate(model, [prompt], max_new_tokens)
+            except GenerationInterrupted as interrupt:  # the rows before it are complete
+                raise GenerationInterrupted([*done, *interrupt.generations]) from interrupt
+        return done
 
     def new_pool(self) -> NgramPool:
         """The candidate pool for one prompt (empty; a subclass may seed it, e.g. from the prompt)."""
