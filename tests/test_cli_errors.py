@@ -6,12 +6,15 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers.utils import logging as hf_logging
 
 from fastforward import model as model_module
 from fastforward.cli import generate as generate_cli
 from fastforward.cli import main
 from fastforward.decoders import ARDecoder
+from fastforward.errors import FastForwardError
 from fastforward.evaluate import compare
 from fastforward.model import load_model, resolve_model_path
 from fastforward.tasks import get_task
@@ -202,3 +205,15 @@ def test_train_out_that_is_a_file(saved, tmp_path, capsys):
     assert main(["train", "--model", str(saved), "--data", str(data), "--out", str(out), "--steps", "1"]) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
     assert out.read_text() == "keep me\n"
+
+
+@settings(max_examples=75, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=300) | st.text(max_size=200).map(lambda t: t.encode("utf-8", "surrogatepass")))
+def test_any_stdin_gives_prompts_or_a_clear_error(monkeypatch, data):
+    set_stdin(monkeypatch, data)
+    try:
+        prompts = generate_cli.read_prompts()
+    except FastForwardError as exc:
+        assert "stdin line" in str(exc)
+    else:
+        assert all(isinstance(p, str) and p.strip() for p in prompts)
