@@ -325,7 +325,7 @@ class Session:
         canvas, limit, stops = self.canvas[row], self.limits[row], self._stops
         written = 0
         for position, token in writes:
-            if position < limit:
+            if 0 <= position < limit:
                 canvas[position] = token
                 written += 1
                 if token in stops and position < self.first_stops[row]:
