@@ -51,6 +51,24 @@ def sbd_decode(commit: int, block: int, device: torch.device | str = "cpu") -> t
     return rule
 
 
+@lru_cache(maxsize=256)
+def block_causal_decode(commit: int, blocks: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Multi-block decoding rule over `[finished blocks (commit) ; running blocks of these sizes]`.
+
+    The committed tokens are causal among themselves (their cache entries equal a causal
+    prefill's); a token of running block j sees every committed token, the running blocks before
+    j, and its whole own block. With one running block this is `sbd_decode`.
+    """
+    n = commit + sum(blocks)
+    rule = torch.zeros(n, n, dtype=torch.bool, device=device)
+    rule[:commit, :commit] = causal(commit, device)
+    end = commit
+    for size in blocks:
+        end += size
+        rule[end - size : end, :end] = True
+    return rule
+
+
 # Jacobi Forcing packs [prompt, noisy_1, clean_1, noisy_2, clean_2, ...]; what each token is:
 PROMPT, NOISY, CLEAN = 0, 1, 2
 CONTEXTS = ("noisy", "clean")  # what a noisy block sees of earlier blocks

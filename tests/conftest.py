@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from fastforward import visibility
+from fastforward.model import Layout
 from fastforward.tiny import tiny_model
 
 
@@ -25,3 +27,21 @@ def tiny():
 def prompts(tiny):
     texts = ["def add(a, b):", "Tom has 3 apples", "The quick brown fox jumps over", "0"]
     return [tiny.encode_prompt(t) for t in texts]
+
+
+@pytest.fixture
+def cache_is_prefill(tiny):
+    """check(cache, ids): the cache's first len(ids) entries equal a fresh causal prefill of `ids`
+    (what an exact decoder's cache must hold); entries past them are not checked."""
+
+    def check(cache, ids: list[int]) -> None:
+        n = len(ids)
+        fresh = tiny.new_cache()
+        with torch.inference_mode():
+            tiny.run(Layout(torch.tensor([ids]), torch.arange(n)[None], visibility.causal(n)[None], keep=n), fresh)
+        assert cache.get_seq_length() >= n
+        for a, b in zip(fresh.layers, cache.layers, strict=True):
+            torch.testing.assert_close(b.keys[..., :n, :], a.keys, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(b.values[..., :n, :], a.values, rtol=1e-4, atol=1e-4)
+
+    return check

@@ -15,6 +15,7 @@ class Decoder(ABC):
     """A decoding method. Its `decode` drives the session's step protocol until `session.finished`."""
 
     name: str
+    rows_apart: bool = False  # decode a batch one prompt at a time (for layouts that differ per row)
 
     @abstractmethod
     def decode(self, session: Session) -> None:
@@ -23,6 +24,14 @@ class Decoder(ABC):
     def generate(
         self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int = 256
     ) -> list[Generation]:
+        if self.rows_apart and len(prompts) > 1:
+            done: list[Generation] = []
+            for prompt in prompts:
+                try:
+                    done += self.generate(model, [prompt], max_new_tokens)
+                except GenerationInterrupted as interrupt:  # the rows before it are complete
+                    raise GenerationInterrupted([*done, *interrupt.generations]) from interrupt
+            return done
         with torch.inference_mode():
             session = Session(model, prompts, max_new_tokens)
             try:

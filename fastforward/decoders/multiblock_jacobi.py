@@ -26,9 +26,8 @@ from fastforward import visibility
 from fastforward.decoders.base import Decoder
 from fastforward.decoders.registry import BLOCK_SIZE, Knob, register
 from fastforward.errors import FastForwardError
-from fastforward.model import Model
 from fastforward.policies import greedy_prefix
-from fastforward.runtime import Generation, GenerationInterrupted, Session
+from fastforward.runtime import Session
 from fastforward.sampling import greedy
 
 
@@ -57,6 +56,7 @@ class MultiBlockJacobiDecoder(Decoder):
     """
 
     name = "jacobi-mr"
+    rows_apart = True
 
     def __init__(
         self, block_size: int = 16, max_blocks: int = 2, spawn_ratio: float = 0.85, verify: int = 2, ngram: int = 0
@@ -68,15 +68,6 @@ class MultiBlockJacobiDecoder(Decoder):
         self.n, self.max_blocks, self.verify = block_size, max_blocks, verify
         self.spawn_at = math.ceil(spawn_ratio * block_size)
         self.ngram = ngram or block_size
-
-    def generate(self, model: Model, prompts: list[list[int]], max_new_tokens: int = 256) -> list[Generation]:
-        done: list[Generation] = []
-        for prompt in prompts:
-            try:
-                done += super().generate(model, [prompt], max_new_tokens)
-            except GenerationInterrupted as interrupt:  # the rows before it are complete
-                raise GenerationInterrupted([*done, *interrupt.generations]) from interrupt
-        return done
 
     def new_pool(self) -> NgramPool:
         """The candidate pool for one prompt (empty; a subclass may seed it, e.g. from the prompt)."""

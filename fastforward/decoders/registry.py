@@ -171,6 +171,11 @@ def _positive(value: float) -> bool:
     return value > 0
 
 
+def fraction(name: str, default: float, help: str) -> Knob:
+    """A knob whose values are shares or probabilities, in [0, 1]."""
+    return Knob(name, float, default, help, check=lambda v: 0 <= v <= 1, rule="in [0, 1]")
+
+
 BLOCK_SIZE = Knob("block_size", int, 16, "tokens per block (masks or drafts)", check=_positive, rule="> 0")
 POLICY = Knob("policy", str, "entropy", "reveal policy: which masked positions a forward fills", tuple(POLICIES))
 GAMMA = Knob(
