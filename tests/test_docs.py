@@ -1,0 +1,17 @@
+"""The extension guide's code runs as written (it uses only the tiny model)."""
+
+import re
+from pathlib import Path
+
+from fastforward.decoders import registry
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
+
+
+def test_extending_guide_examples_run(capsys, monkeypatch):
+    # the guide registers a sketch decoder: keep it out of the registry the other tests see
+    monkeypatch.setattr(registry, "_SPECS", dict(registry.specs()))
+    code = "\n".join(re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S))
+    exec(compile(code, str(DOC), "exec"), {"__name__": "docs_extending"})
+    assert "torch.Size([1, 4," in capsys.readouterr().out
+    assert "greedy-sketch" in registry._SPECS
