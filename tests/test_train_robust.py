@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_train import Stop, crash_at
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fastforward.data import PackedData, encode_record
@@ -36,18 +37,6 @@ def packed(model: Model, seq_len: int = 32, repeat: int = 8) -> PackedData:
 def config(**overrides) -> TrainConfig:
     base = dict(steps=8, seq_len=32, batch_size=2, grad_accum=2, lr=3e-3, warmup=2, save_every=2, eval_every=0)
     return TrainConfig(**{**base, **overrides})
-
-
-class Stop(Exception):
-    pass
-
-
-def crash_at(at: int):
-    def callback(step: int, record: dict) -> None:
-        if step == at:
-            raise Stop
-
-    return callback
 
 
 def run(out: Path, callback=None, model: Model | None = None, **overrides) -> Model:
