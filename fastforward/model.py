@@ -25,8 +25,11 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from fastforward import attention
 from fastforward.cache import truncate
 from fastforward.errors import FastForwardError
+from fastforward.quantize import QUANTIZATIONS
+from fastforward.quantize import quantize as quantize_linears
 
 MASK_TOKEN = "<|mask|>"
 MASK_CONFIG_KEY = "fastforward_mask_token_id"
@@ -338,10 +341,24 @@ def _check_config(path: Path) -> None:
         raise FastForwardError(f"{path} is corrupt: a JSON {type(config).__name__}, not an object of model settings")
 
 
-def load_model(name_or_path: str, dtype: str | torch.dtype = "float32", device: str | None = None) -> Model:
-    """Load a preset, a Hugging Face model directory or a GGUF file, ready to run layouts."""
+def load_model(
+    name_or_path: str,
+    dtype: str | torch.dtype = "float32",
+    device: str | None = None,
+    quantize: str = "none",
+    exact: bool = False,
+) -> Model:
+    """Load a preset, a Hugging Face model directory or a GGUF file, ready to run layouts.
+
+    quantize: "none", "int8" or "int4" linear layers (`fastforward.quantize`, CPU). exact: row-invariant
+    attention (`fastforward.attention`), so that a token's logits do not depend on what shares its
+    forward; with int8, int4 or bfloat16 weights, verifying decoders then give greedy AR's tokens bit
+    for bit.
+    """
     torch_dtype = _resolve_dtype(dtype)
     check_device(device)
+    if quantize not in QUANTIZATIONS:
+        raise FastForwardError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZATIONS)}")
     path = resolve_model_path(name_or_path)
     if path.suffix == ".gguf":
         hf, tokenizer = _load_gguf(path)
@@ -353,8 +370,9 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "float32", device: 
         except (OSError, ValueError, SafetensorError) as exc:
             raise FastForwardError(f"could not load a causal LM from {path}: {exc}") from exc
     hf.to(dtype=torch_dtype)
-    hf.config._attn_implementation = "sdpa"
+    hf.config._attn_implementation = attention.NAME if exact else "sdpa"
     if device:
         hf.to(device)
     hf.eval()
+    quantize_linears(hf, quantize)
     return Model(hf, tokenizer, name=name_or_path)

@@ -155,6 +155,7 @@ class Session:
             not p.suffix and limit < max_new_tokens for p, limit in zip(rows, self.limits, strict=True)
         ]
         self.max_new_tokens = max(self.limits)
+        self.prefixes = [list(p.prefix) for p in rows]  # each row's prompt (drafts may be looked up in it)
         self.origins = [len(p.prefix) for p in rows]  # the RoPE position of each row's canvas position 0
         # Infilling: each row's suffix (it follows canvas position `limit - 1`) and whether the prefill
         # put it in the cache; if not, the decoder brings it in (`Prompt` says where it goes).

@@ -5,6 +5,7 @@ import torch
 
 from fastforward import visibility
 from fastforward.model import Layout
+from fastforward.runtime import Session
 from fastforward.tiny import tiny_model
 
 
@@ -63,3 +64,18 @@ def stop_on(tiny):
             tiny.hf.generation_config.eos_token_id = original
 
     return use
+
+
+@pytest.fixture
+def decode_and_check_cache(tiny, cache_is_prefill):
+    """Decode one prompt; its cache must begin with a fresh causal prefill of prompt + output (the
+    last output token is not cached yet; verified tokens past max_new_tokens may follow)."""
+
+    def run(decoder, prompt: list[int], max_new_tokens: int) -> Session:
+        with torch.inference_mode():
+            session = Session(tiny, [prompt], max_new_tokens=max_new_tokens)
+            decoder.decode(session)
+        cache_is_prefill(session.cache, prompt + session.outputs[0][:-1])
+        return session
+
+    return run

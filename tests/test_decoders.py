@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fastforward.api import build_decoder
-from fastforward.decoders import ARDecoder, JacobiDecoder, SBDDecoder, Session, VerifiedSBDDecoder
+from fastforward.decoders import ARDecoder, JacobiDecoder, SBDDecoder, Session, VerifiedSBDDecoder, multiblock_jacobi
 from fastforward.decoders.mbd import MultiBlockDiffusionDecoder
 from fastforward.decoders.multiblock_jacobi import MultiBlockJacobiDecoder
 from fastforward.errors import FastForwardError
@@ -160,21 +160,6 @@ def test_verified_sbd_never_falls_below_one_token_per_forward(tiny, prompts, blo
     assert any(0 in g.stats.tokens_per_step for g in gens)  # drafting forwards did happen
 
 
-@pytest.fixture
-def decode_and_check_cache(tiny, cache_is_prefill):
-    """Decode one prompt; its cache must begin with a fresh causal prefill of prompt + output (the
-    last output token is not cached yet; verified tokens past max_new_tokens may follow)."""
-
-    def run(decoder, prompt: list[int], max_new_tokens: int) -> Session:
-        with torch.inference_mode():
-            session = Session(tiny, [prompt], max_new_tokens=max_new_tokens)
-            decoder.decode(session)
-        cache_is_prefill(session.cache, prompt + session.outputs[0][:-1])
-        return session
-
-    return run
-
-
 class _OracleDrafts(VerifiedSBDDecoder):
     """Drafts the true continuation (one row), so every draft is accepted."""
 
@@ -247,25 +232,20 @@ def test_multiblock_jacobi_equals_greedy_ar(tiny, prompts, block, blocks, verify
     assert _ids(decoder.generate(tiny, prompts, max_new_tokens=40)) == ar
 
 
-class _ChainLengths(MultiBlockJacobiDecoder):
-    """Records how many drafts each forward carries."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.lengths: list[int] = []
-
-    def _verify(self, session, last, drafts, cands):
-        self.lengths.append(len(drafts))
-        return super()._verify(session, last, drafts, cands)
-
-
 @pytest.mark.parametrize("block", [3, 8])
-def test_multiblock_jacobi_never_drafts_fewer_than_plain_jacobi(tiny, prompts, block):
+def test_multiblock_jacobi_never_drafts_fewer_than_plain_jacobi(tiny, prompts, block, monkeypatch):
     # a real-active block that shrinks as it commits would verify fewer drafts than plain Jacobi
+    lengths: list[int] = []
+    original = multiblock_jacobi.verify
+
+    def recording(session, last, drafts, cands, tail):
+        lengths.append(len(drafts))
+        return original(session, last, drafts, cands, tail)
+
     plain = JacobiDecoder(block).generate(tiny, prompts, max_new_tokens=40)
-    multi = _ChainLengths(block, max_blocks=1, verify=0)
-    out = multi.generate(tiny, prompts, max_new_tokens=40)
-    assert set(multi.lengths) == {block}
+    monkeypatch.setattr(multiblock_jacobi, "verify", recording, raising=True)
+    out = MultiBlockJacobiDecoder(block, max_blocks=1, verify=0).generate(tiny, prompts, max_new_tokens=40)
+    assert set(lengths) == {block}
     assert [(g.token_ids, g.stats.nfe) for g in out] == [(g.token_ids, g.stats.nfe) for g in plain]
 
 

@@ -50,6 +50,34 @@ def add_threads_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_precision_flags(
+    p: argparse.ArgumentParser, dtype: str = "float32", quantize: str = "none", exact: bool = False
+) -> None:
+    """--dtype, --quantize and --exact / --no-exact, for every command that loads a model to decode."""
+    from fastforward.model import DTYPES
+    from fastforward.quantize import QUANTIZATIONS
+
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=dtype, help=f"weight dtype (default: {dtype})")
+    p.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        default=quantize,
+        help=f"quantized linear layers on the CPU (default: {quantize}); see README, Precision",
+    )
+    p.add_argument(
+        "--exact",
+        action=argparse.BooleanOptionalAction,
+        default=exact,
+        help="row-invariant attention: verifying decoders give greedy AR's tokens bit for bit "
+        f"(with int8, int4 or bfloat16 weights; default: {'on' if exact else 'off'})",
+    )
+
+
+def precision(args: argparse.Namespace) -> dict:
+    """load_model's precision arguments from the flags of `add_precision_flags`."""
+    return {"dtype": args.dtype, "quantize": args.quantize, "exact": args.exact}
+
+
 def main(argv: list[str] | None = None) -> int:
     command = "fastforward"
     try:

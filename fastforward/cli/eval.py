@@ -10,7 +10,7 @@ from pathlib import Path
 
 from fastforward import zoo
 from fastforward.api import build_decoder
-from fastforward.cli import add_threads_flag, positive_int
+from fastforward.cli import add_precision_flags, add_threads_flag, positive_int, precision
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
 from fastforward.decoders import registry
 from fastforward.evaluate import (
@@ -22,7 +22,7 @@ from fastforward.evaluate import (
     write_json,
     write_records,
 )
-from fastforward.model import DTYPES, check_device, load_model, resolve_model_path
+from fastforward.model import check_device, load_model, resolve_model_path
 from fastforward.tasks import get_task, parse_options
 
 
@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's own budget")
     p.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together; timings are per batch")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    add_precision_flags(p, dtype="float32", quantize="none", exact=False)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     p.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
     p.add_argument("--out", default=None, help="directory for results.json, records.jsonl (and sweep.png, sweep.json)")
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         decoder = build_decoder(args.decoder, **knobs)
         greedy_ar = args.decoder == "ar" and knobs.get("temperature", 0) == 0
         decoders = {} if greedy_ar else {args.decoder: decoder}
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    model = load_model(args.model, device=args.device, **precision(args))
     results = compare(
         model,
         task,

@@ -7,11 +7,11 @@ import json
 import sys
 
 from fastforward.api import build_decoder
-from fastforward.cli import add_threads_flag, positive_int
+from fastforward.cli import add_precision_flags, add_threads_flag, positive_int, precision
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
 from fastforward.decoders import Generation
 from fastforward.errors import FastForwardError
-from fastforward.model import DTYPES, check_device, load_model
+from fastforward.model import check_device, load_model
 from fastforward.runtime import GenerationInterrupted
 
 
@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
     add_decoder_flags(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    add_precision_flags(p, dtype="float32", quantize="int4", exact=True)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     p.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together (left padding)")
     p.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         raise FastForwardError("no prompts: give them as arguments or one per line on stdin")
     decoder = build_decoder(args.decoder, **decoder_knobs(args))
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    model = load_model(args.model, device=args.device, **precision(args))
     encoded = [model.encode_prompt(p, chat_template=not args.no_chat_template) for p in prompts]
     for start in range(0, len(encoded), args.batch_size):
         batch = encoded[start : start + args.batch_size]

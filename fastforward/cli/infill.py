@@ -7,9 +7,9 @@ import json
 import sys
 
 from fastforward.api import build_decoder, infill
-from fastforward.cli import add_threads_flag, positive_int
+from fastforward.cli import add_precision_flags, add_threads_flag, positive_int, precision
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
-from fastforward.model import DTYPES, check_device, load_model
+from fastforward.model import check_device, load_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--suffix", required=True, help="text after the gap")
     p.add_argument("--middle-tokens", type=positive_int, required=True, help="tokens in the gap")
     add_decoder_flags(p, default="setdlm")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    add_precision_flags(p, dtype="float32", quantize="none", exact=False)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     add_threads_flag(p)
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     check_device(args.device)
     decoder = build_decoder(args.decoder, **decoder_knobs(args))
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    model = load_model(args.model, device=args.device, **precision(args))
     gen = infill(model, args.prefix, args.suffix, args.middle_tokens, decoder)[0]
     if args.json:
         record = {"middle": gen.text, "token_ids": gen.token_ids, "finish_reason": gen.finish_reason}

@@ -6,9 +6,9 @@ import argparse
 import contextlib
 import signal
 
-from fastforward.cli import add_threads_flag, positive_int
+from fastforward.cli import add_precision_flags, add_threads_flag, positive_int, precision
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
-from fastforward.model import DTYPES, check_device, load_model
+from fastforward.model import check_device, load_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch-size", type=positive_int, default=8, help="requests decoded together")
     p.add_argument("--max-tokens", type=positive_int, default=256, help="budget of a request that gives none")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    add_precision_flags(p, dtype="float32", quantize="int4", exact=True)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     add_threads_flag(p)
     p.set_defaults(run=run)
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
                     signal.signal(s, handler)
 
     check_device(args.device)
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    model = load_model(args.model, device=args.device, **precision(args))
     name = args.served_name or args.model
     server = Server(model, name, args.decoder, decoder_knobs(args), args.max_batch_size, args.max_tokens)
     print(f"fastforward serve: {name} with {args.decoder} on http://{args.host}:{args.port}/v1", flush=True)

@@ -81,7 +81,7 @@ class MultiBlockJacobiDecoder(Decoder):
         drafts, ra_left, pseudo = [last] * n, n, 0
         while not session.finished:
             cands = pool.candidates(last, self.verify)
-            verdict = self._verify(session, last, drafts, cands)
+            verdict = verify(session, last, drafts, cands, tail=n)
             pool.add_rejected(drafts, verdict.chain_accepted, self.ngram)
             last = verdict.committed[-1]
             stationary = verdict.stationary if pseudo else verdict.accepted
@@ -94,52 +94,56 @@ class MultiBlockJacobiDecoder(Decoder):
             want = max(ra_left + n * pseudo, n)  # never fewer drafts than plain Jacobi
             drafts = (verdict.ahead + [last] * want)[:want]
 
-    def _verify(self, session: Session, last: int, drafts: list[int], cands: list[list[int]]) -> _Verdict:
-        """One forward of `[last ; drafts ; candidates]` (see `visibility.jacobi_candidates`); commit
-        the contender (the chain or a candidate) with the longest greedily confirmed prefix, and the
-        prediction after it; keep exactly those entries in the cache. Decided on the host after one
-        read-back of the forward's greedy tokens."""
-        chain = 1 + len(drafts)
-        lengths = tuple(len(c) for c in cands)
-        total = chain + sum(lengths)
-        rule = visibility.jacobi_candidates(chain, lengths, session.device)
-        ids = [last, *drafts, *(t for c in cands for t in c)]
-        offsets = [*range(chain), *(j for length in lengths for j in range(1, length + 1))]
-        start = session.origins[0] + session.frontiers[0] - 1  # where `last` sits
-        layout = torch.tensor([ids, [start + o for o in offsets]], device=session.device)  # tokens, positions
-        guesses = greedy(session.forward(layout[:1], layout[1:], rule, read=range(total))[0]).tolist()
-        # Each contender's token slots, and the slot whose greedy prediction should equal each token.
-        token_slots, pred_slots = [list(range(1, chain))], [list(range(chain - 1))]
-        begin = chain
-        for length in lengths:
-            token_slots.append(list(range(begin, begin + length)))
-            pred_slots.append([0, *range(begin, begin + length - 1)])
-            begin += length
-        counts = [
-            greedy_prefix([ids[s] for s in slots], [guesses[s] for s in preds])
-            for slots, preds in zip(token_slots, pred_slots, strict=True)
-        ]
-        best = max(range(len(counts)), key=counts.__getitem__)  # the chain wins ties, then the earliest
-        accepted = counts[best]
-        kept = [0, *token_slots[best][:accepted]]
-        committed = [guesses[s] for s in kept]  # the prediction after each kept token
-        session.append([committed])
-        session.advance(keep=[kept])
-        stationary = greedy_prefix(drafts[-self.n :], guesses[chain - 1 - self.n : chain - 1])
-        # Predictions past the accepted ones seed the next drafts: the winner's, then the chain's.
-        ahead = guesses[:chain]
-        if best:
-            winner = [guesses[s] for s in pred_slots[best]] + [guesses[token_slots[best][-1]]]
-            ahead[: len(winner)] = winner
-            ahead += winner[len(ahead) :]
-        return _Verdict(accepted, counts[0], stationary, committed, ahead[accepted + 1 :])
+
+def verify(session: Session, last: int, drafts: list[int], cands: list[list[int]], tail: int) -> Verdict:
+    """One forward of `[last ; drafts ; candidates]` (see `visibility.jacobi_candidates`); commit
+    the contender (the chain or a candidate) with the longest greedily confirmed prefix, and the
+    prediction after it; keep exactly those entries in the cache. Decided on the host after one
+    read-back of the forward's greedy tokens. `tail`: how many of the last drafts count as the last
+    block when measuring how stationary it is (0: not measured)."""
+    chain = 1 + len(drafts)
+    lengths = tuple(len(c) for c in cands)
+    total = chain + sum(lengths)
+    # Without candidates the layout is plain causal: the model's own fast path, no dense mask.
+    rule = visibility.jacobi_candidates(chain, lengths, session.device) if cands else None
+    ids = [last, *drafts, *(t for c in cands for t in c)]
+    offsets = [*range(chain), *(j for length in lengths for j in range(1, length + 1))]
+    start = session.origins[0] + session.frontiers[0] - 1  # where `last` sits
+    layout = torch.tensor([ids, [start + o for o in offsets]], device=session.device)  # tokens, positions
+    guesses = greedy(session.forward(layout[:1], layout[1:], rule, read=range(total))[0]).tolist()
+    # Each contender's token slots, and the slot whose greedy prediction should equal each token.
+    token_slots, pred_slots = [list(range(1, chain))], [list(range(chain - 1))]
+    begin = chain
+    for length in lengths:
+        token_slots.append(list(range(begin, begin + length)))
+        pred_slots.append([0, *range(begin, begin + length - 1)])
+        begin += length
+    counts = [
+        greedy_prefix([ids[s] for s in slots], [guesses[s] for s in preds])
+        for slots, preds in zip(token_slots, pred_slots, strict=True)
+    ]
+    best = max(range(len(counts)), key=counts.__getitem__)  # the chain wins ties, then the earliest
+    accepted = counts[best]
+    kept = [0, *token_slots[best][:accepted]]
+    committed = [guesses[s] for s in kept]  # the prediction after each kept token
+    session.append([committed])
+    session.advance(keep=[kept])
+    stationary = greedy_prefix(drafts[-tail:], guesses[chain - 1 - tail : chain - 1]) if tail else 0
+    # Predictions past the accepted ones seed the next drafts: the winner's, then the chain's.
+    ahead = guesses[:chain]
+    if best:
+        winner = [guesses[s] for s in pred_slots[best]] + [guesses[token_slots[best][-1]]]
+        ahead[: len(winner)] = winner
+        ahead += winner[len(ahead) :]
+    return Verdict(accepted, best, counts[0], stationary, committed, ahead[accepted + 1 :])
 
 
 @dataclass
-class _Verdict:
+class Verdict:
     """What one multi-block Jacobi forward decided."""
 
     accepted: int  # tokens of the winning contender confirmed
+    winner: int  # 0: the draft chain; i > 0: candidate i - 1
     chain_accepted: int  # of the draft chain's, confirmed
     stationary: int  # of the last block of the chain, confirmed against its own predictions
     committed: list[int]  # the confirmed tokens and the prediction after them

@@ -128,16 +128,21 @@ def _discover() -> None:
 
 
 def specs() -> dict[str, DecoderSpec]:
-    """Every registered decoder by name, in registration order."""
+    """Every registered decoder by name, in the order of their modules' names (then of registration
+    within a module): the same order whichever module a program happened to import first."""
     if not _discovered:
         _discover()
-    return dict(_SPECS)
+    ordered = sorted(_SPECS.values(), key=lambda s: s.build.__module__)  # a stable sort
+    return {s.name: s for s in ordered}
 
 
 def all_knobs() -> dict[str, Knob]:
-    """Every knob of every decoder, once each (with its first-declared default)."""
-    specs()
-    return dict(_KNOBS)
+    """Every knob of every decoder, once each (with the default of its first declaration in `specs` order)."""
+    knobs: dict[str, Knob] = {}
+    for s in specs().values():
+        for knob in s.knobs:
+            knobs.setdefault(knob.name, knob)
+    return knobs
 
 
 def spec(name: str) -> DecoderSpec:

@@ -1,0 +1,62 @@
+"""Row-invariant attention: each query attends alone, over exactly the keys it may see, in key order.
+
+A fused attention kernel computes a query's result differently depending on how many queries share
+the call (block sizes, a different path for one query than for several), so a token's logits in a
+16-token forward differ in the last bits from the same token's logits in a 1-token forward. With
+int8 activations such a difference can flip a rounding and grow (measured on SmolLM2-135M: logits
+up to 5.9 apart, a different argmax). Here each query of each row gathers the keys its mask allows,
+in key order — for a verifying decoder that is the same key sequence greedy AR gives that token —
+and runs the same small matmul / softmax / matmul as a 1-token forward would. Together with
+`quantize.Int8Linear` (integer matmuls, per-token scales) a token's logits are then the same bits
+whatever else shares its forward: verifying decoders give greedy AR's tokens exactly.
+
+It costs a few small operations per query and layer; decoders pay it on every forward, so it is
+chosen (`load_model(..., exact=True)`) rather than always on. Registered with transformers'
+`AttentionInterface` as "fastforward_exact": no modeling file is touched.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "fastforward_exact"
+
+
+def row_invariant_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query [B, H, T, d]; key, value [B, Hkv, S, d]; attention_mask bool [B, 1, T, S] (True = may
+    attend) or None (causal, the last T keys being the queries'). Returns [B, T, H, d]."""
+    batch, heads, length, dim = query.shape
+    kv_heads, total = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scale = dim**-0.5 if scaling is None else scaling
+    # [B, Hkv, groups, T, d]: the query heads that share each key/value head
+    grouped = query.reshape(batch, kv_heads, groups, length, dim)
+    out = query.new_empty(batch, length, heads, dim)
+    for b in range(batch):
+        for t in range(length):
+            if attention_mask is None:
+                keys, values = key[b, :, : total - length + t + 1], value[b, :, : total - length + t + 1]
+            else:
+                visible = attention_mask[b, 0, t]
+                if visible.dtype != torch.bool:
+                    visible = visible == 0  # an additive float mask: 0 where allowed
+                keys, values = key[b][:, visible], value[b][:, visible]
+            scores = torch.matmul(grouped[b, :, :, t], keys.transpose(-1, -2)) * scale  # [Hkv, groups, S_t]
+            probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+            out[b, t] = torch.matmul(probs, values).reshape(heads, dim)
+    return out, None
+
+
+AttentionInterface.register(NAME, row_invariant_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)  # boolean masks, as for SDPA

@@ -1,0 +1,123 @@
+"""Quantized linear layers for CPU decoding: int8 weights with int8 activations, and int4 weights.
+
+On a CPU a forward of a small model is bound by reading its weights, so weight bytes are what cost.
+
+`int8` (`Int8Linear`): int8 weights with one scale per output channel; each token's activations are
+quantized to int8 with their own scale at run time; an integer matmul (`torch._int_mm`, int32
+accumulation) and the two scales applied after it. Integer sums are exact and every scale belongs
+to one token, so a token's result does not depend on how many tokens share the forward: the linear
+layers give the same bits in a 1-token and a 16-token forward (tested). This is the scheme of
+torchao's `Int8DynamicActivationInt8WeightConfig`, written out here in five tensor operations:
+torchao's own version of it ran a 1-token forward of SmolLM2-135M in 62 ms against fp32's 35 ms on
+the 2-core Xeon of docs/results.md, its per-token quantization costing more than the matmul saves
+(`benchmarks/quantize.py` measures both).
+
+`int4` (`Int4Linear`): int4 weights in groups of 32 with a scale and offset each (asymmetric),
+through PyTorch's CPU kernel `torch._weight_int4pack_mm_for_cpu` with bfloat16 activations. torchao
+0.18 has no int4 path for x86 CPUs (its int4 formats need CUDA, or KleidiAI on Arm).
+
+A layer whose shape the int4 kernel cannot take
+(input width not a multiple of 32, output width not a multiple of 16) is quantized to int8 instead.
+
+Every nn.Linear is replaced, the output projection included (its tie to the input embedding is
+cut: the embedding lookup keeps float weights).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fastforward.errors import FastForwardError
+
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP = 32
+
+
+class Int8Linear(nn.Module):
+    """y = (q(x) @ W8ᵀ) · s_x · s_w: per-token int8 activations, per-channel int8 weights."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).to(torch.int8))
+        self.register_buffer("weight_scale", scale)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        # |x / s| <= 127 by construction of s, so no clamp is needed before the cast.
+        scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        product = torch._int_mm(torch.round(rows / scale).to(torch.int8), self.weight_int8.t())
+        y = (product * (scale * self.weight_scale)).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    """Group-wise asymmetric int4 weights, bfloat16 activations (`_weight_int4pack_mm_for_cpu`)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        out_features, in_features = linear.weight.shape
+        groups = linear.weight.detach().float().reshape(out_features, -1, INT4_GROUP)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        codes = torch.round((groups - low) / scale).clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))
+        # The kernel computes (code - 8) · scale + zero, so zero = low + 8 · scale; layout [groups, out, 2].
+        zero = low + 8 * scale
+        scales_and_zeros = torch.stack([scale[..., 0].t(), zero[..., 0].t()], dim=-1)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def _int4_fits(linear: nn.Linear) -> bool:
+    """The int4 kernel takes input widths in whole groups and output widths in multiples of 16."""
+    return linear.in_features % INT4_GROUP == 0 and linear.out_features % 16 == 0
+
+
+def _quantized(linear: nn.Linear, scheme: str) -> nn.Module:
+    if scheme == "int4" and _int4_fits(linear):
+        return Int4Linear(linear)
+    return Int8Linear(linear)  # int8, and int4's fallback for shapes its kernel cannot take
+
+
+def quantize(hf: nn.Module, scheme: str) -> None:
+    """Replace every nn.Linear of `hf` in place ("none" leaves it as it is). CPU only: the kernels
+    are PyTorch's CPU integer kernels."""
+    if scheme not in QUANTIZATIONS:
+        raise FastForwardError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    if scheme == "none":
+        return
+    device = next(hf.parameters()).device
+    if device.type != "cpu":
+        raise FastForwardError(
+            f"--quantize {scheme} runs on the CPU only (the model is on {device}): use --quantize none"
+        )
+    _untie_output(hf)
+    for parent in list(hf.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, _quantized(child, scheme))
+    hf.config.fastforward_quantization = scheme
+
+
+def _untie_output(hf: nn.Module) -> None:
+    """Give the output projection its own copy of a tied embedding matrix, so that quantizing it
+    leaves the embedding lookup in floating point."""
+    output, inputs = hf.get_output_embeddings(), hf.get_input_embeddings()
+    if output is not None and output.weight is inputs.weight:
+        output.weight = nn.Parameter(inputs.weight.detach().clone(), requires_grad=False)
+        hf.config.tie_word_embeddings = False

@@ -1,0 +1,62 @@
+"""Prompt-lookup drafts: the n-gram index, lossless output, and drafts that pay or cost nothing."""
+
+import pytest
+
+from fastforward.api import build_decoder
+from fastforward.decoders import ARDecoder
+from fastforward.decoders import lookup as lookup_module
+from fastforward.decoders.lookup import NgramIndex, PromptLookupDecoder
+from fastforward.errors import FastForwardError
+
+
+def test_index_drafts_what_followed_the_longest_recent_match():
+    index = NgramIndex(max_match=3)
+    index.extend([1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3])
+    assert index.draft(2) == [4, 9]  # the longest match, "1 2 3", was followed by 4 9
+    index.extend([8, 2, 3])
+    assert index.draft(2) == [8, 2]  # "8 2 3" is new; the latest "2 3" (in "1 2 3") was followed by 8
+    index.extend([6])
+    assert index.draft(4) == []  # "6" was never seen before
+    index = NgramIndex(max_match=2, min_match=2)
+    index.extend([4, 8, 4])
+    assert index.draft(3) == []  # a one-token match is too short here
+
+
+@pytest.mark.parametrize("knobs", [{}, {"jacobi_drafts": 4}, {"lookup_tokens": 3, "max_match": 1}])
+def test_lookup_equals_greedy_ar(tiny, prompts, knobs):
+    decoder = build_decoder("lookup", **knobs)
+    for prompt in prompts:
+        ar = ARDecoder().generate(tiny, [prompt], max_new_tokens=50)[0]
+        assert decoder.generate(tiny, [prompt], max_new_tokens=50)[0].token_ids == ar.token_ids
+
+
+def test_no_match_means_one_token_forwards(tiny, prompts):
+    # a random tiny model rarely repeats itself: each forward without a draft is an AR step
+    for prompt in prompts:
+        ar = ARDecoder().generate(tiny, [prompt], max_new_tokens=40)[0]
+        out = PromptLookupDecoder().generate(tiny, [prompt], max_new_tokens=40)[0]
+        assert out.stats.nfe <= ar.stats.nfe
+
+
+def test_good_drafts_are_committed_losslessly_and_bad_ones_cost_a_forward(
+    tiny, prompts, decode_and_check_cache, monkeypatch
+):
+    prompt = prompts[0]
+    truth = ARDecoder().generate(tiny, [prompt], max_new_tokens=40)[0].token_ids
+
+    def oracle(index, length):  # the true continuation, with every fifth drafted token wrong
+        done = len(index.text) - len(prompt)
+        draft = truth[done : done + length]
+        return [t if (done + i) % 5 else (t + 1) % 200 for i, t in enumerate(draft)]
+
+    monkeypatch.setattr(lookup_module.NgramIndex, "draft", oracle)
+    session = decode_and_check_cache(PromptLookupDecoder(lookup_tokens=8), prompt, 40)
+    assert session.outputs[0] == truth
+    assert session.nfe.item() < len(truth) / 2
+
+
+def test_bad_knobs_are_refused():
+    with pytest.raises(FastForwardError, match="min match"):
+        build_decoder("lookup", min_match=4, max_match=2)
+    with pytest.raises(FastForwardError, match="lookup tokens"):
+        build_decoder("lookup", lookup_tokens=0)
