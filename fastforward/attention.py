@@ -10,15 +10,17 @@ and runs the same small matmul / softmax / matmul as a 1-token forward would. To
 `quantize.Int8Linear` (integer matmuls, per-token scales) a token's logits are then the same bits
 whatever else shares its forward: verifying decoders give greedy AR's tokens exactly.
 
-It costs a few small operations per query and layer; decoders pay it on every forward, so it is
-chosen (`load_model(..., exact=True)`) rather than always on. Registered with transformers'
-`AttentionInterface` as "fastforward_exact": no modeling file is touched.
+It costs a few small operations per query and layer on every forward against a cache, so it is
+chosen (`load_model(..., exact=True)`) rather than always on. A prefill (no cache yet) runs SDPA:
+AR and every decoder start from the same prefill of the same prompt, so it needs no invariance.
+Registered with transformers' `AttentionInterface` as "fastforward_exact": no modeling file is touched.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "fastforward_exact"
@@ -38,6 +40,8 @@ def row_invariant_attention(
     attend) or None (causal, the last T keys being the queries'). Returns [B, T, H, d]."""
     batch, heads, length, dim = query.shape
     kv_heads, total = key.shape[1], key.shape[2]
+    if total == length:  # a prefill (nothing cached): shared by AR and every decoder, so SDPA's speed is kept
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     groups = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
     # [B, Hkv, groups, T, d]: the query heads that share each key/value head
