@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=6, help="prompts per group")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", nargs="+", default=None, metavar="LABEL", help="run these contenders only")
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu_speed.json")
     args = parser.parse_args()
     threads = set_threads(args.threads)
@@ -118,6 +119,8 @@ def main() -> None:
         log("llama-cpp-python is not installed: llama.cpp is left out (pip install llama-cpp-python)")
     for label, key, name, knobs in OURS:
         contenders[label] = (key, build_decoder(name, **knobs))
+    if args.only:
+        contenders = {label: c for label, c in contenders.items() if label in args.only or label == "hf fp32"}
     groups = prompt_groups(models["fp32"], args.n)
     for key, decoder in contenders.values():  # warm-up: first calls allocate and pick kernels
         decoder.generate(models[key], [groups["chat"][0]], 8)
@@ -150,7 +153,7 @@ def main() -> None:
                 "vs_llama_cpp": rate(label) / rate("llama.cpp") if "llama.cpp" in by_label else None,
                 "vs_hf_fp32": rate(label) / rate("hf fp32"),
                 "equal_own_ar": _equal(gens, by_label[same_ar]) if same_ar else None,
-                "equal_ar_fp32": _equal(gens, by_label["ar fp32"]),
+                "equal_ar_fp32": _equal(gens, by_label["ar fp32"]) if "ar fp32" in by_label else None,
             }
             rows.append(row)
         report[group] = [r for r in rows if r["group"] == group]
@@ -162,7 +165,7 @@ def main() -> None:
         ("vs llama.cpp", "vs_llama_cpp", lambda v: "—" if v is None else f"{v:.2f}x"),
         ("vs hf fp32", "vs_hf_fp32", lambda v: f"{v:.2f}x"),
         ("= own AR", "equal_own_ar", lambda v: "—" if v is None else v),
-        ("= AR fp32", "equal_ar_fp32", str),
+        ("= AR fp32", "equal_ar_fp32", lambda v: "—" if v is None else v),
     ]
     log(format_table(rows, columns))
     load_after = load_average()

@@ -86,7 +86,13 @@ class DemoConfig:
     max_new_tokens: int = 96
     eval_batch_size: int = 1
     eval_dtype: str = "float32"
+    eval_quantize: str = "none"  # fastforward.quantize: none, int8 or int4
+    eval_exact: bool = False  # row-invariant attention (fastforward.attention)
     seed: int = 0
+
+    def precision(self) -> dict[str, Any]:
+        """load_model's precision arguments for evaluation."""
+        return {"dtype": self.eval_dtype, "quantize": self.eval_quantize, "exact": self.eval_exact}
 
     def task(self) -> ArithmeticTask:
         return ArithmeticTask(
@@ -323,9 +329,9 @@ def evaluate_models(
     options = dict(
         max_new_tokens=config.max_new_tokens, batch_size=config.eval_batch_size, chat_template=False, progress=progress
     )
-    ntp_model = load_model(str(out / "ntp"), dtype=config.eval_dtype)
+    ntp_model = load_model(str(out / "ntp"), **config.precision())
     ntp = compare(ntp_model, task, {}, examples, desc="eval NTP model: AR", **options)[AR]
-    sbd_model = load_model(str(out / "sbd"), dtype=config.eval_dtype)
+    sbd_model = load_model(str(out / "sbd"), **config.precision())
     values = config.sweep_values()
     results = compare(
         sbd_model,

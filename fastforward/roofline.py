@@ -398,13 +398,24 @@ def measure_block_cost(
         cache_len=cache_len,
         batch=batch,
         repeats=repeats,
-        dtype=str(model.dtype).removeprefix("torch."),
+        dtype=_precision(model),
         device=str(device),
         threads=torch.get_num_threads(),
         times=times,
         ratios={k: t / times[1] for k, t in times.items()},
         fastest={k: min(v) for k, v in samples.items()},
     )
+
+
+def _precision(model: Model) -> str:
+    """The weights' dtype, with the quantization and the attention when they are not the defaults."""
+    parts = [str(model.dtype).removeprefix("torch.")]
+    quantized = getattr(model.hf.config, "fastforward_quantization", None)
+    if quantized:
+        parts.append(f"{quantized} linears")
+    if model.hf.config._attn_implementation != "sdpa":
+        parts.append(f"{model.hf.config._attn_implementation} attention")
+    return " + ".join(parts)
 
 
 def format_block_cost(cost: BlockCost, nfe_speedups: Iterable[float] = PAPER_NFE_SPEEDUPS) -> str:

@@ -22,7 +22,7 @@ def test_index_drafts_what_followed_the_longest_recent_match():
     assert index.draft(3) == []  # a one-token match is too short here
 
 
-@pytest.mark.parametrize("knobs", [{}, {"jacobi_drafts": 4}, {"lookup_tokens": 3, "max_match": 1}])
+@pytest.mark.parametrize("knobs", [{}, {"jacobi_drafts": 4}, {"lookup_tokens": 3, "max_match": 1, "min_match": 1}])
 def test_lookup_equals_greedy_ar(tiny, prompts, knobs):
     decoder = build_decoder("lookup", **knobs)
     for prompt in prompts:

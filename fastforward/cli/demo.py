@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from fastforward import showcase, zoo
-from fastforward.cli import add_threads_flag
+from fastforward.cli import add_precision_flags, add_threads_flag
 from fastforward.demo import PRESETS, DemoConfig, run_demo
 from fastforward.model import SHIPPED_CHECKPOINTS
 
@@ -35,21 +35,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", dest="json_path", metavar="PATH", help="also write every figure of the table here")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default", help="--quick's budget ('smoke': seconds)")
     p.add_argument("--n", type=int, default=None, help="test problems to evaluate (default 150)")
+    add_precision_flags(p)
     add_threads_flag(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    chosen = {"eval_dtype": args.dtype, "eval_quantize": args.quantize, "eval_exact": args.exact}
     if args.quick:
         config = PRESETS[args.preset]
-        config = replace(config, eval_examples=args.n or config.eval_examples)
+        config = replace(config, eval_examples=args.n or config.eval_examples, **chosen)
         run_demo(args.out, config, retrain=args.retrain, json_path=args.json_path, threads=torch.get_num_threads(),
                  progress=not args.quiet)  # fmt: skip
         return 0
     threads = torch.get_num_threads()
     print(f"fastforward demo: {threads} torch thread{'s' if threads > 1 else ''}", flush=True)
-    config = replace(DemoConfig(), eval_examples=args.n or DemoConfig().eval_examples)
+    config = replace(DemoConfig(), eval_examples=args.n or DemoConfig().eval_examples, **chosen)
     models = Path(args.models)
     if args.retrain:
         models = Path(args.out) / "models"

@@ -8,8 +8,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fastforward import roofline
+from fastforward.cli import add_precision_flags, precision
 from fastforward.errors import FastForwardError
-from fastforward.model import DTYPES
 
 H100 = roofline.Hardware()
 LLAMA_8B = roofline.Transformer()
@@ -58,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     m = p.add_argument_group("measured block cost")
     m.add_argument("--measure", action="store_true", help="time block forwards of --model on this machine")
     m.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
-    m.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    add_precision_flags(m, dtype="float32", quantize="int4", exact=True)
     m.add_argument("--device", default=None, help="torch device (default: cpu)")
     m.add_argument("--cache-len", type=int, default=256, help="tokens in the cache")
     m.add_argument(
@@ -148,7 +148,7 @@ def _measure(args: argparse.Namespace) -> roofline.BlockCost:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    model = load_model(args.model, device=args.device, **precision(args))
     try:
         return roofline.measure_block_cost(model, args.measure_blocks, args.cache_len, args.repeats)
     except ValueError as exc:

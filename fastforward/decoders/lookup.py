@@ -9,7 +9,8 @@ greedy AR decoding.
 
 A draft that stops paying costs little: with no n-gram match and nothing carried, a step is a
 one-token forward on the model's own causal path (an AR step), and the draft length adapts as
-`transformers`' assistant does: two longer after a draft is accepted whole, one shorter otherwise.
+`transformers`' assistant does: two longer after a draft is accepted whole, one shorter otherwise,
+and half as long when none of it was right.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class PromptLookupDecoder(Decoder):
     name = "lookup"
     rows_apart = True  # each row's draft has its own length and layout
 
-    def __init__(self, lookup_tokens: int = 10, max_match: int = 3, min_match: int = 1, jacobi_drafts: int = 0):
+    def __init__(self, lookup_tokens: int = 10, max_match: int = 3, min_match: int = 2, jacobi_drafts: int = 0):
         if lookup_tokens < 1 or jacobi_drafts < 0 or not 1 <= min_match <= max_match:
             raise FastForwardError("need lookup_tokens >= 1, jacobi_drafts >= 0 and 1 <= min_match <= max_match")
         self.lookup_tokens, self.jacobi_drafts = lookup_tokens, jacobi_drafts
@@ -77,8 +78,11 @@ class PromptLookupDecoder(Decoder):
             index.extend(verdict.committed)
             last = verdict.committed[-1]
             if draft:
-                whole = verdict.winner == 1 and verdict.accepted == len(draft)
-                want = min(want + 2, self.lookup_tokens) if whole else max(want - 1, 1)
+                won = verdict.accepted if verdict.winner == 1 else 0
+                if won == len(draft):
+                    want = min(want + 2, self.lookup_tokens)
+                else:  # one shorter; half as long when nothing of it was right
+                    want = max(want // 2 if won == 0 else want - 1, 1)
             chain = verdict.ahead[: self.jacobi_drafts]
 
 
@@ -87,7 +91,7 @@ class PromptLookupDecoder(Decoder):
     knobs=(
         Knob("lookup_tokens", int, 10, "lookup: longest n-gram draft", check=lambda v: v >= 1, rule=">= 1"),
         Knob("max_match", int, 3, "lookup: longest n-gram matched", check=lambda v: v >= 1, rule=">= 1"),
-        Knob("min_match", int, 1, "lookup: shortest n-gram matched", check=lambda v: v >= 1, rule=">= 1"),
+        Knob("min_match", int, 2, "lookup: shortest n-gram matched", check=lambda v: v >= 1, rule=">= 1"),
         Knob(
             "jacobi_drafts",
             int,
