@@ -23,6 +23,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from fastforward.errors import FastForwardError
+
 NAME = "fastforward_exact"
 
 
@@ -38,6 +40,8 @@ def row_invariant_attention(
 ) -> tuple[torch.Tensor, None]:
     """query [B, H, T, d]; key, value [B, Hkv, S, d]; attention_mask bool [B, 1, T, S] (True = may
     attend) or None (causal, the last T keys being the queries'). Returns [B, T, H, d]."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise FastForwardError("--exact attention has no logit soft-capping or attention sinks; use --no-exact")
     batch, heads, length, dim = query.shape
     kv_heads, total = key.shape[1], key.shape[2]
     if total == length:  # a prefill (nothing cached): shared by AR and every decoder, so SDPA's speed is kept
