@@ -135,7 +135,7 @@ def main() -> None:
                 runs[group][label] += decoder.generate(models[key], [prompt], args.max_new_tokens)
             log(f"{group} {i + 1}/{len(prompts)}")
 
-    rows, report = [], {}
+    rows = []
     for group, by_label in runs.items():
 
         def rate(label: str, by_label: dict = by_label) -> float:
@@ -156,7 +156,6 @@ def main() -> None:
                 "equal_ar_fp32": _equal(gens, by_label["ar fp32"]) if "ar fp32" in by_label else None,
             }
             rows.append(row)
-        report[group] = [r for r in rows if r["group"] == group]
     columns = [
         ("group", "group", str),
         ("contender", "contender", str),

@@ -56,9 +56,7 @@ def row_invariant_attention(
             if attention_mask is None:
                 keys, values = key[b, :, : total - length + t + 1], value[b, :, : total - length + t + 1]
             else:
-                visible = attention_mask[b, 0, t]
-                if visible.dtype != torch.bool:
-                    visible = visible == 0  # an additive float mask: 0 where allowed
+                visible = attention_mask[b, 0, t]  # boolean: fastforward's layouts and `sdpa_mask` both give one
                 keys, values = key[b][:, visible], value[b][:, visible]
             scores = torch.matmul(grouped[b, :, :, t], keys.transpose(-1, -2)) * scale  # [Hkv, groups, S_t]
             probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)

@@ -28,7 +28,7 @@ from transformers.utils import logging as hf_logging
 from fastforward import attention
 from fastforward.cache import truncate
 from fastforward.errors import FastForwardError
-from fastforward.quantize import QUANTIZATIONS
+from fastforward.quantize import check_scheme
 from fastforward.quantize import quantize as quantize_linears
 
 MASK_TOKEN = "<|mask|>"
@@ -357,8 +357,7 @@ def load_model(
     """
     torch_dtype = _resolve_dtype(dtype)
     check_device(device)
-    if quantize not in QUANTIZATIONS:
-        raise FastForwardError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    check_scheme(quantize)  # before the load, which takes seconds
     path = resolve_model_path(name_or_path)
     if path.suffix == ".gguf":
         hf, tokenizer = _load_gguf(path)

@@ -94,11 +94,15 @@ def _quantized(linear: nn.Linear, scheme: str) -> nn.Module:
     return Int8Linear(linear)  # int8, and int4's fallback for shapes its kernel cannot take
 
 
+def check_scheme(scheme: str) -> None:
+    if scheme not in QUANTIZATIONS:
+        raise FastForwardError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZATIONS)}")
+
+
 def quantize(hf: nn.Module, scheme: str) -> None:
     """Replace every nn.Linear of `hf` in place ("none" leaves it as it is). CPU only: the kernels
     are PyTorch's CPU integer kernels."""
-    if scheme not in QUANTIZATIONS:
-        raise FastForwardError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    check_scheme(scheme)
     if scheme == "none":
         return
     device = next(hf.parameters()).device
