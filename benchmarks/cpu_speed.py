@@ -7,7 +7,10 @@ One process, one run, batch 1, every contender interleaved prompt by prompt (the
   preset is converted from); optional: skipped, and said so, when the package is missing
   (`pip install llama-cpp-python`, a few minutes' build);
 - ours: `ar` at fp32, bf16, int8 and int4, and `jacobi`, `jacobi-mr` and `lookup` at int4. Ours
-  quantized run with row-invariant attention (`--exact`, the CLI's default for generate and serve).
+  quantized run with row-invariant attention (`--exact`, the CLI's default for generate and serve);
+- ours with compiled steps (`--compile`): `ar` and `lookup` at int4 with `--exact`, and `ar` at int4
+  with SDPA attention (`--no-exact`: AR alone has no block forwards to agree with). Their compile
+  time is spent in the warm-up, before the timed runs, and reported apart.
 
 Prompts: chat questions, `pycode` and `humaneval` problems. Prints tok/s (prefill included, as
 for every contender), TPF, the ratios against llama.cpp and against transformers fp32, and for each
@@ -52,6 +55,9 @@ OURS = [
     ("jacobi int4", "int4", "jacobi", {}),
     ("jacobi-mr int4", "int4", "jacobi-mr", {}),
     ("lookup int4", "int4", "lookup", {}),
+    ("ar int4 compiled", "int4 compiled", "ar", {}),
+    ("lookup int4 compiled", "int4 compiled", "lookup", {}),
+    ("ar int4 compiled sdpa", "int4 compiled sdpa", "ar", {}),
 ]
 OUR_LABELS = {label for label, *_ in OURS}
 MODELS = {
@@ -59,6 +65,8 @@ MODELS = {
     "bf16": {"dtype": "bfloat16"},
     "int8": {"dtype": "float32", "quantize": "int8", "exact": True},
     "int4": {"dtype": "float32", "quantize": "int4", "exact": True},
+    "int4 compiled": {"dtype": "float32", "quantize": "int4", "exact": True, "compile": True},
+    "int4 compiled sdpa": {"dtype": "float32", "quantize": "int4", "compile": True},
 }
 
 
@@ -105,7 +113,6 @@ def main() -> None:
     args = parser.parse_args()
     threads = set_threads(args.threads)
     load_before = load_average()
-    models = {key: load_model("smollm2-135m", **options) for key, options in MODELS.items()}
     contenders: dict[str, tuple[str, object]] = {
         "hf fp32": ("fp32", HFGenerate()),
         "hf bf16": ("bf16", HFGenerate()),
@@ -121,9 +128,18 @@ def main() -> None:
         contenders[label] = (key, build_decoder(name, **knobs))
     if args.only:
         contenders = {label: c for label, c in contenders.items() if label in args.only or label == "hf fp32"}
+    needed = {"fp32"} | {key for key, _ in contenders.values()}
+    models = {key: load_model("smollm2-135m", **MODELS[key]) for key in MODELS if key in needed}
     groups = prompt_groups(models["fp32"], args.n)
-    for key, decoder in contenders.values():  # warm-up: first calls allocate and pick kernels
-        decoder.generate(models[key], [groups["chat"][0]], 8)
+    warmup: dict[str, float] = {}
+    for label, (key, decoder) in contenders.items():
+        # First calls allocate and pick kernels, and compile the compiled contenders' graphs (one-token
+        # steps, and blocks: a code prompt gives lookup its drafts).
+        started = time.perf_counter()
+        for prompt in (groups["chat"][0], groups["pycode"][0]):
+            decoder.generate(models[key], [prompt], 32)
+        warmup[label] = time.perf_counter() - started
+    log("warm-up seconds: " + ", ".join(f"{label} {s:.1f}" for label, s in warmup.items()))
 
     runs: dict[str, dict[str, list[Generation]]] = defaultdict(lambda: defaultdict(list))
     labels = list(contenders)
@@ -177,6 +193,7 @@ def main() -> None:
             "load_average_after": load_after,
             "n_per_group": args.n,
             "max_new_tokens": args.max_new_tokens,
+            "warmup_seconds": warmup,
             "rows": rows,
             "outputs": {g: {label: [x.token_ids for x in gens] for label, gens in d.items()} for g, d in runs.items()},
         },

@@ -42,12 +42,19 @@ def row_invariant_attention(
     attend) or None (causal, the last T keys being the queries'). Returns [B, T, H, d]."""
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise FastForwardError("--exact attention has no logit soft-capping or attention sinks; use --no-exact")
-    batch, heads, length, dim = query.shape
-    kv_heads, total = key.shape[1], key.shape[2]
+    length, dim, total = query.shape[2], query.shape[3], key.shape[2]
     if total == length:  # a prefill (nothing cached): shared by AR and every decoder, so SDPA's speed is kept
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    attend = _opaque_attention if torch.compiler.is_compiling() else _attend  # same loop, same bits
+    return attend(query, key, value, attention_mask, dim**-0.5 if scaling is None else scaling), None
+
+
+def _attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    batch, heads, length, dim = query.shape
+    kv_heads, total = key.shape[1], key.shape[2]
     groups = heads // kv_heads
-    scale = dim**-0.5 if scaling is None else scaling
     # [B, Hkv, groups, T, d]: the query heads that share each key/value head
     grouped = query.reshape(batch, kv_heads, groups, length, dim)
     out = query.new_empty(batch, length, heads, dim)
@@ -61,7 +68,23 @@ def row_invariant_attention(
             scores = torch.matmul(grouped[b, :, :, t], keys.transpose(-1, -2)) * scale  # [Hkv, groups, S_t]
             probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
             out[b, t] = torch.matmul(probs, values).reshape(heads, dim)
-    return out, None
+    return out
+
+
+@torch.library.custom_op("fastforward::row_invariant_attention", mutates_args=())
+def _opaque_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """`_attend` as one operation that torch.compile does not look into: its per-query loop would
+    otherwise be unrolled into a graph per block length, and the compiled softmax and matmuls would
+    no longer give a query the same bits whatever else shares the forward."""
+    return _attend(query, key, value, attention_mask, scale)
+
+
+@_opaque_attention.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, scale: float):
+    batch, heads, length, dim = query.shape
+    return query.new_empty(batch, length, heads, dim)
 
 
 AttentionInterface.register(NAME, row_invariant_attention)

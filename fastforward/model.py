@@ -16,7 +16,7 @@ import shutil
 import struct
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from transformers.utils import logging as hf_logging
 
 from fastforward import attention
 from fastforward.cache import truncate
+from fastforward.compiled import compile_forward, make_contiguous
 from fastforward.errors import FastForwardError
 from fastforward.quantize import check_scheme
 from fastforward.quantize import quantize as quantize_linears
@@ -73,6 +74,7 @@ class Model:
         self.tokenizer = tokenizer
         self.name = name
         self.mask_token_id: int | None = getattr(hf.config, MASK_CONFIG_KEY, None)
+        self.compiled_forward: Callable | None = None  # forwards against a cache, when compiled (`compile_steps`)
         if hf.config._attn_implementation == "eager":
             raise FastForwardError(
                 "eager attention adds boolean masks instead of applying them (silently wrong); "
@@ -176,9 +178,13 @@ class Model:
                 f"visibility has shape {tuple(layout.visibility.shape)}, expected {(batch, length, past + length)}"
             )
         read = layout.read if layout.read is not None else torch.zeros(0, dtype=torch.long, device=self.device)
-        out = self.hf(
-            input_ids=layout.tokens,
-            position_ids=layout.positions,
+        compiled = self.compiled_forward is not None and past > 0
+        if compiled:
+            make_contiguous(cache)
+        forward = self.compiled_forward if compiled else self.hf
+        out = forward(
+            input_ids=layout.tokens.contiguous() if compiled else layout.tokens,
+            position_ids=layout.positions.contiguous() if compiled else layout.positions,
             attention_mask=None if layout.visibility is None else layout.visibility[:, None],
             past_key_values=cache,
             use_cache=cache is not None,
@@ -187,6 +193,10 @@ class Model:
         if cache is not None:
             truncate(cache, past + layout.keep)
         return out.logits.float() if layout.read is not None else None
+
+    def compile_steps(self) -> None:
+        """Run every forward against a non-empty cache through `torch.compile` (`fastforward.compiled`)."""
+        self.compiled_forward = compile_forward(self.hf)
 
     def hidden_states(self, layout: Layout) -> torch.Tensor:
         """Last hidden states [B, T, H] of an uncached layout (training: the loss picks its own rows)."""
@@ -347,13 +357,14 @@ def load_model(
     device: str | None = None,
     quantize: str = "none",
     exact: bool = False,
+    compile: bool = False,
 ) -> Model:
     """Load a preset, a Hugging Face model directory or a GGUF file, ready to run layouts.
 
     quantize: "none", "int8" or "int4" linear layers (`fastforward.quantize`, CPU). exact: row-invariant
     attention (`fastforward.attention`), so that a token's logits do not depend on what shares its
     forward; with int8, int4 or bfloat16 weights, verifying decoders then give greedy AR's tokens bit
-    for bit.
+    for bit. compile: compile the decoding steps (`fastforward.compiled`): faster steps after a warm-up.
     """
     torch_dtype = _resolve_dtype(dtype)
     check_device(device)
@@ -374,4 +385,7 @@ def load_model(
         hf.to(device)
     hf.eval()
     quantize_linears(hf, quantize)
-    return Model(hf, tokenizer, name=name_or_path)
+    model = Model(hf, tokenizer, name=name_or_path)
+    if compile:
+        model.compile_steps()
+    return model

@@ -73,9 +73,19 @@ def add_precision_flags(
     )
 
 
+def add_compile_flag(p: argparse.ArgumentParser) -> None:
+    """--compile, for the commands whose model is loaded through `precision`."""
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decoding steps with torch.compile: faster steps after a warm-up of tens of "
+        "seconds (see README, Precision)",
+    )
+
+
 def precision(args: argparse.Namespace) -> dict:
-    """load_model's precision arguments from the flags of `add_precision_flags`."""
-    return {"dtype": args.dtype, "quantize": args.quantize, "exact": args.exact}
+    """load_model's arguments from the flags of `add_precision_flags` and `add_compile_flag`."""
+    return {"dtype": args.dtype, "quantize": args.quantize, "exact": args.exact, "compile": args.compile}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from fastforward import zoo
 from fastforward.api import build_decoder
-from fastforward.cli import add_precision_flags, add_threads_flag, positive_int, precision
+from fastforward.cli import add_compile_flag, add_precision_flags, add_threads_flag, positive_int, precision
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
 from fastforward.decoders import registry
 from fastforward.evaluate import (
@@ -50,6 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's own budget")
     p.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together; timings are per batch")
     add_precision_flags(p, dtype="float32", quantize="none", exact=False)
+    add_compile_flag(p)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     p.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
     p.add_argument("--out", default=None, help="directory for results.json, records.jsonl (and sweep.png, sweep.json)")

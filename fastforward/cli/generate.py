@@ -7,7 +7,7 @@ import json
 import sys
 
 from fastforward.api import build_decoder
-from fastforward.cli import add_precision_flags, add_threads_flag, positive_int, precision
+from fastforward.cli import add_compile_flag, add_precision_flags, add_threads_flag, positive_int, precision
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
 from fastforward.decoders import Generation
 from fastforward.errors import FastForwardError
@@ -22,6 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_decoder_flags(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
     add_precision_flags(p, dtype="float32", quantize="int4", exact=True)
+    add_compile_flag(p)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     p.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together (left padding)")
     p.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")

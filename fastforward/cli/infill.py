@@ -7,7 +7,7 @@ import json
 import sys
 
 from fastforward.api import build_decoder, infill
-from fastforward.cli import add_precision_flags, add_threads_flag, positive_int, precision
+from fastforward.cli import add_compile_flag, add_precision_flags, add_threads_flag, positive_int, precision
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
 from fastforward.model import check_device, load_model
 
@@ -24,6 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--middle-tokens", type=positive_int, required=True, help="tokens in the gap")
     add_decoder_flags(p, default="setdlm")
     add_precision_flags(p, dtype="float32", quantize="none", exact=False)
+    add_compile_flag(p)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     add_threads_flag(p)

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fastforward import roofline
-from fastforward.cli import add_precision_flags, precision
+from fastforward.cli import add_compile_flag, add_precision_flags, precision
 from fastforward.errors import FastForwardError
 
 H100 = roofline.Hardware()
@@ -59,6 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--measure", action="store_true", help="time block forwards of --model on this machine")
     m.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
     add_precision_flags(m, dtype="float32", quantize="int4", exact=True)
+    add_compile_flag(m)
     m.add_argument("--device", default=None, help="torch device (default: cpu)")
     m.add_argument("--cache-len", type=int, default=256, help="tokens in the cache")
     m.add_argument(

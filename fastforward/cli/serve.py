@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import signal
 
-from fastforward.cli import add_precision_flags, add_threads_flag, positive_int, precision
+from fastforward.cli import add_compile_flag, add_precision_flags, add_threads_flag, positive_int, precision
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
 from fastforward.model import check_device, load_model
 
@@ -21,6 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-size", type=positive_int, default=8, help="requests decoded together")
     p.add_argument("--max-tokens", type=positive_int, default=256, help="budget of a request that gives none")
     add_precision_flags(p, dtype="float32", quantize="int4", exact=True)
+    add_compile_flag(p)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     add_threads_flag(p)
     p.set_defaults(run=run)

@@ -1,0 +1,42 @@
+"""Compiled decoding steps: `torch.compile` (inductor) over the model's forward against a cache.
+
+On a CPU at a few tokens per forward, a small model spends much of a step on hundreds of small
+operations per layer (norms, rotary embeddings, casts, cache appends) rather than on its weights;
+inductor fuses them into a few kernels (figures and their command: docs/results.md, "Compiled
+steps"). The price is a warm-up: the first forward of each kind (one token, then a block) compiles
+a graph, tens of seconds on a 2-core CPU, less when inductor's on-disk cache already holds it.
+
+The prefill stays eager: it runs once per prompt at that prompt's length, and AR and every decoder
+share it. Compiled kernels round differently from eager ones, so a compiled model's tokens are its
+own (as a dtype's are). With `exact`, attention stays one operation that the compiler does not look
+into (`attention._opaque_attention`) and a token's logits are the same bits in a one-token and in a
+block forward of the compiled model (tested), so verifying decoders still give greedy AR's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import Cache
+
+
+def compile_forward(hf: torch.nn.Module) -> Callable:
+    """The compiled forward; one graph serves every block length and cache length (dynamic shapes)."""
+    # Past the recompile limit torch.compile would silently run eager forwards beside compiled ones,
+    # whose logits round differently: fail loudly instead.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    # Graphs differ by kind, not by length: one token or a block, with or without a dense mask, one row
+    # or several, a cache of one entry (a one-token prompt). Far fewer than this limit.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    return torch.compile(hf, dynamic=True)
+
+
+def make_contiguous(cache: Cache) -> None:
+    """Store keys and values contiguously, as every append does: a prefill's come out of a transpose
+    and a truncated cache is a view, and a compiled step given a new memory layout compiles a new
+    graph. A no-op for a cache that is already contiguous (after any append)."""
+    if cache.layers[0].keys.is_contiguous():
+        return
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()

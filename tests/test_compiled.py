@@ -1,0 +1,48 @@
+"""Compiled decoding steps (`load_model(..., compile=True)`): lossless decoders stay exact."""
+
+import pytest
+import torch
+
+from fastforward import attention
+from fastforward.api import build_decoder
+from fastforward.decoders import ARDecoder
+from fastforward.quantize import quantize
+from fastforward.tiny import tiny_model
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """A tiny int4 model with row-invariant attention and compiled steps (compiled once per module:
+    each graph takes seconds to build)."""
+    torch._dynamo.reset()
+    model = tiny_model(seed=0, init_std=0.5, hidden_size=64)
+    model.add_mask_token()
+    quantize(model.hf, "int4")
+    model.hf.config._attn_implementation = attention.NAME
+    model.compile_steps()
+    model.graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return model
+
+
+def test_steps_run_compiled_and_the_prefill_eager(compiled, prompts, monkeypatch):
+    shapes = []
+    forward = compiled.compiled_forward
+
+    def spy(**inputs):
+        shapes.append(tuple(inputs["input_ids"].shape))
+        return forward(**inputs)
+
+    monkeypatch.setattr(compiled, "compiled_forward", spy)
+    ARDecoder().generate(compiled, [prompts[0]], max_new_tokens=4)
+    assert shapes == [(1, 1)] * 3  # the three steps after the prefill's token
+
+
+@pytest.mark.parametrize("name", ["lookup", "jacobi", "jacobi-mr"])
+def test_lossless_decoders_equal_compiled_ar(compiled, prompts, name):
+    decoder = build_decoder(name)
+    for prompt in prompts:
+        ar = ARDecoder().generate(compiled, [prompt], max_new_tokens=30)[0]
+        assert decoder.generate(compiled, [prompt], max_new_tokens=30)[0].token_ids == ar.token_ids
+    # one graph for one-token steps, one for blocks of any length (and their cache layouts): no graph per length
+    # {one token, a block} x {a one-entry cache (the one-token prompt), longer} + a masked block (jacobi-mr)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - compiled.graphs_before <= 5
