@@ -15,10 +15,16 @@ block forward of the compiled model (tested), so verifying decoders still give g
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import Cache
+
+if TYPE_CHECKING:  # fastforward.model imports this module
+    from fastforward.decoders import Decoder
+    from fastforward.model import Model
 
 
 def compile_forward(hf: torch.nn.Module) -> Callable:
@@ -40,3 +46,16 @@ def make_contiguous(cache: Cache) -> None:
         return
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+
+
+WARM_UP_TEXT = "one two three, one two three, one two three, one two three"  # repeats: drafting decoders draft
+
+
+def warm_up(model: Model, decoder: Decoder) -> float:
+    """Decode a short prompt alone and in a batch of two, so the graphs a server needs are compiled
+    before its first request; returns the seconds it took."""
+    started = time.perf_counter()
+    prompt = model.encode_prompt(WARM_UP_TEXT)
+    for batch in ([prompt], [prompt, prompt[1:]]):
+        decoder.generate(model, batch, max_new_tokens=24)
+    return time.perf_counter() - started

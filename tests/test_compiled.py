@@ -5,6 +5,7 @@ import torch
 
 from fastforward import attention
 from fastforward.api import build_decoder
+from fastforward.compiled import warm_up
 from fastforward.decoders import ARDecoder
 from fastforward.quantize import quantize
 from fastforward.tiny import tiny_model
@@ -46,3 +47,16 @@ def test_lossless_decoders_equal_compiled_ar(compiled, prompts, name):
     # one graph for one-token steps, one for blocks of any length (and their cache layouts): no graph per length
     # {one token, a block} x {a one-entry cache (the one-token prompt), longer} + a masked block (jacobi-mr)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - compiled.graphs_before <= 5
+
+
+def test_warm_up_compiles_one_row_and_a_batch(compiled, monkeypatch):
+    rows = set()
+    forward = compiled.compiled_forward
+
+    def spy(**inputs):
+        rows.add(inputs["input_ids"].shape[0])
+        return forward(**inputs)
+
+    monkeypatch.setattr(compiled, "compiled_forward", spy)
+    assert warm_up(compiled, ARDecoder()) > 0
+    assert rows == {1, 2}

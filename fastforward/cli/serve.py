@@ -6,8 +6,10 @@ import argparse
 import contextlib
 import signal
 
+from fastforward.api import build_decoder
 from fastforward.cli import add_compile_flag, add_precision_flags, add_threads_flag, positive_int, precision
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
+from fastforward.compiled import warm_up
 from fastforward.model import check_device, load_model
 
 
@@ -49,6 +51,10 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model, device=args.device, **precision(args))
     name = args.served_name or args.model
     server = Server(model, name, args.decoder, decoder_knobs(args), args.max_batch_size, args.max_tokens)
+    if args.compile:
+        print("fastforward serve: compiling the decoding steps (one prompt, alone and in a batch)...", flush=True)
+        seconds = warm_up(model, build_decoder(args.decoder, **decoder_knobs(args)))
+        print(f"fastforward serve: compiled in {seconds:.0f} s", flush=True)
     print(f"fastforward serve: {name} with {args.decoder} on http://{args.host}:{args.port}/v1", flush=True)
     config = uvicorn.Config(
         server.app(), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30
