@@ -408,13 +408,15 @@ def measure_block_cost(
 
 
 def _precision(model: Model) -> str:
-    """The weights' dtype, with the quantization and the attention when they are not the defaults."""
+    """The weights' dtype, with the quantization, the attention and compilation when not the defaults."""
     parts = [str(model.dtype).removeprefix("torch.")]
     quantized = getattr(model.hf.config, "fastforward_quantization", None)
     if quantized:
         parts.append(f"{quantized} linears")
     if model.hf.config._attn_implementation != "sdpa":
         parts.append(f"{model.hf.config._attn_implementation} attention")
+    if model.compiled_forward is not None:
+        parts.append("compiled steps")
     return " + ".join(parts)
 
 
