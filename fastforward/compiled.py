@@ -15,12 +15,16 @@ block forward of the compiled model (tested), so verifying decoders still give g
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from transformers import Cache
+
+from fastforward.errors import FastForwardError
 
 if TYPE_CHECKING:  # fastforward.model imports this module
     from fastforward.decoders import Decoder
@@ -29,6 +33,12 @@ if TYPE_CHECKING:  # fastforward.model imports this module
 
 def compile_forward(hf: torch.nn.Module) -> Callable:
     """The compiled forward; one graph serves every block length and cache length (dynamic shapes)."""
+    compilers = [os.environ.get("CXX"), "c++", "g++", "clang++"]
+    if next(hf.parameters()).device.type == "cpu" and not any(c and shutil.which(c) for c in compilers):
+        raise FastForwardError(
+            "--compile needs a C++ compiler for torch.compile's CPU kernels and found none (c++, g++, clang++, "
+            "$CXX): install one (e.g. apt install g++) or leave out --compile"
+        )
     # Past the recompile limit torch.compile would silently run eager forwards beside compiled ones,
     # whose logits round differently: fail loudly instead.
     torch._dynamo.config.fail_on_recompile_limit_hit = True

@@ -7,6 +7,7 @@ from fastforward import attention
 from fastforward.api import build_decoder
 from fastforward.compiled import warm_up
 from fastforward.decoders import ARDecoder
+from fastforward.errors import FastForwardError
 from fastforward.quantize import quantize
 from fastforward.tiny import tiny_model
 
@@ -60,3 +61,9 @@ def test_warm_up_compiles_one_row_and_a_batch(compiled, monkeypatch):
     monkeypatch.setattr(compiled, "compiled_forward", spy)
     assert warm_up(compiled, ARDecoder()) > 0
     assert rows == {1, 2}
+
+
+def test_compile_without_a_cxx_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(FastForwardError, match="needs a C\\+\\+ compiler"):
+        tiny_model(seed=0).compile_steps()
