@@ -5,7 +5,7 @@ import pytest
 from fastforward.api import build_decoder
 from fastforward.decoders import ARDecoder
 from fastforward.decoders import lookup as lookup_module
-from fastforward.decoders.lookup import NgramIndex, PromptLookupDecoder
+from fastforward.decoders.lookup import DraftLength, NgramIndex, PromptLookupDecoder
 from fastforward.errors import FastForwardError
 
 
@@ -60,3 +60,27 @@ def test_bad_knobs_are_refused():
         build_decoder("lookup", min_match=4, max_match=2)
     with pytest.raises(FastForwardError, match="lookup tokens"):
         build_decoder("lookup", lookup_tokens=0)
+
+
+def test_draft_length_grows_shrinks_and_pauses_after_failed_one_token_drafts():
+    length = DraftLength(10)
+    length.update(10, 10)
+    assert length.next() == 10  # capped at the longest
+    length.update(10, 4)
+    assert length.next() == 9  # one shorter after a partial accept
+    for want in (4, 2, 1):  # halved while nothing is right
+        length.update(length.next(), 0)
+        assert length.next() == want
+    pauses = []
+    for _ in range(6):  # one-token drafts keep failing: drafting pauses 1, 2, 4, 8, 16, 16 steps
+        length.update(1, 0)
+        skipped = 0
+        while (want := length.next()) == 0:
+            skipped += 1
+        pauses.append(skipped)
+        assert want == 1
+    assert pauses == [1, 2, 4, 8, 16, 16]
+    length.update(1, 1)  # an accepted token ends the backing off
+    length.update(3, 0)
+    length.update(1, 0)
+    assert [length.next(), length.next()] == [0, 1]

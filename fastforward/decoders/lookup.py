@@ -8,9 +8,8 @@ chain of the predictions the last forward made past its accepted tokens, so the 
 greedy AR decoding.
 
 A draft that stops paying costs little: with no n-gram match and nothing carried, a step is a
-one-token forward on the model's own causal path (an AR step), and the draft length adapts as
-`transformers`' assistant does: two longer after a draft is accepted whole, one shorter otherwise,
-and half as long when none of it was right.
+one-token forward on the model's own causal path (an AR step), and the draft length adapts
+(`DraftLength`).
 """
 
 from __future__ import annotations
@@ -47,6 +46,42 @@ class NgramIndex:
         return []
 
 
+class DraftLength:
+    """How many draft tokens the next step may verify (0: none, an AR step).
+
+    As `transformers`' assistant does: two longer after a draft is accepted whole, one shorter
+    otherwise, half as long when none of it was right. And where even one-token drafts keep
+    failing (chat-like text whose n-grams recur with other continuations), drafting pauses for 1,
+    2, 4, ... up to `MAX_PAUSE` steps: each failed draft made a block forward where an AR step's
+    one-token forward would have done. Any accepted draft token ends the backing off.
+    """
+
+    MAX_PAUSE = 16
+
+    def __init__(self, longest: int):
+        self.longest, self.want = longest, longest
+        self.pause, self.backoff = 0, 1
+
+    def next(self) -> int:
+        if self.pause:
+            self.pause -= 1
+            return 0
+        return self.want
+
+    def update(self, drafted: int, won: int) -> None:
+        """After a step that verified `drafted` draft tokens and accepted the first `won`."""
+        if won:
+            self.backoff = 1
+        if won == drafted:
+            self.want = min(self.want + 2, self.longest)
+        elif won:
+            self.want = max(self.want - 1, 1)
+        elif drafted > 1:
+            self.want = max(self.want // 2, 1)
+        else:
+            self.pause, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_PAUSE)
+
+
 class PromptLookupDecoder(Decoder):
     """Lossless prompt-lookup decoding with a carried Jacobi chain.
 
@@ -71,18 +106,15 @@ class PromptLookupDecoder(Decoder):
         session.append([[last]])
         index.extend([last])
         chain: list[int] = []
-        want = self.lookup_tokens
+        length = DraftLength(self.lookup_tokens)
         while not session.finished:
-            draft = index.draft(want)
+            want = length.next()
+            draft = index.draft(want) if want else []
             verdict = verify(session, last, chain, [draft] if draft else [], tail=0)
             index.extend(verdict.committed)
             last = verdict.committed[-1]
             if draft:
-                won = verdict.accepted if verdict.winner == 1 else 0
-                if won == len(draft):
-                    want = min(want + 2, self.lookup_tokens)
-                else:  # one shorter; half as long when nothing of it was right
-                    want = max(want // 2 if won == 0 else want - 1, 1)
+                length.update(len(draft), verdict.accepted if verdict.winner == 1 else 0)
             chain = verdict.ahead[: self.jacobi_drafts]
 
 
