@@ -178,13 +178,13 @@ class Model:
                 f"visibility has shape {tuple(layout.visibility.shape)}, expected {(batch, length, past + length)}"
             )
         read = layout.read if layout.read is not None else torch.zeros(0, dtype=torch.long, device=self.device)
-        compiled = self.compiled_forward is not None and past > 0
-        if compiled:
+        forward, tokens, positions = self.hf, layout.tokens, layout.positions
+        if self.compiled_forward is not None and past > 0:  # a step: one memory layout, one graph per kind
             make_contiguous(cache)
-        forward = self.compiled_forward if compiled else self.hf
+            forward, tokens, positions = self.compiled_forward, tokens.contiguous(), positions.contiguous()
         out = forward(
-            input_ids=layout.tokens.contiguous() if compiled else layout.tokens,
-            position_ids=layout.positions.contiguous() if compiled else layout.positions,
+            input_ids=tokens,
+            position_ids=positions,
             attention_mask=None if layout.visibility is None else layout.visibility[:, None],
             past_key_values=cache,
             use_cache=cache is not None,

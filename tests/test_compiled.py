@@ -26,17 +26,22 @@ def compiled():
     return model
 
 
-def test_steps_run_compiled_and_the_prefill_eager(compiled, prompts, monkeypatch):
-    shapes = []
-    forward = compiled.compiled_forward
+def compiled_inputs(model, monkeypatch) -> list[torch.Tensor]:
+    """The input ids of every forward that goes through the model's compiled forward from now on."""
+    seen, forward = [], model.compiled_forward
 
     def spy(**inputs):
-        shapes.append(tuple(inputs["input_ids"].shape))
+        seen.append(inputs["input_ids"])
         return forward(**inputs)
 
-    monkeypatch.setattr(compiled, "compiled_forward", spy)
+    monkeypatch.setattr(model, "compiled_forward", spy)
+    return seen
+
+
+def test_steps_run_compiled_and_the_prefill_eager(compiled, prompts, monkeypatch):
+    seen = compiled_inputs(compiled, monkeypatch)
     ARDecoder().generate(compiled, [prompts[0]], max_new_tokens=4)
-    assert shapes == [(1, 1)] * 3  # the three steps after the prefill's token
+    assert [tuple(ids.shape) for ids in seen] == [(1, 1)] * 3  # the three steps after the prefill's token
 
 
 @pytest.mark.parametrize("name", ["lookup", "jacobi", "jacobi-mr"])
@@ -45,22 +50,15 @@ def test_lossless_decoders_equal_compiled_ar(compiled, prompts, name):
     for prompt in prompts:
         ar = ARDecoder().generate(compiled, [prompt], max_new_tokens=30)[0]
         assert decoder.generate(compiled, [prompt], max_new_tokens=30)[0].token_ids == ar.token_ids
-    # one graph for one-token steps, one for blocks of any length (and their cache layouts): no graph per length
-    # {one token, a block} x {a one-entry cache (the one-token prompt), longer} + a masked block (jacobi-mr)
+    # graphs per kind of forward, not per length: {one token, a block} x {a one-entry cache (the
+    # one-token prompt), longer} + a masked block (jacobi-mr)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - compiled.graphs_before <= 5
 
 
 def test_warm_up_compiles_one_row_and_a_batch(compiled, monkeypatch):
-    rows = set()
-    forward = compiled.compiled_forward
-
-    def spy(**inputs):
-        rows.add(inputs["input_ids"].shape[0])
-        return forward(**inputs)
-
-    monkeypatch.setattr(compiled, "compiled_forward", spy)
+    seen = compiled_inputs(compiled, monkeypatch)
     assert warm_up(compiled, ARDecoder()) > 0
-    assert rows == {1, 2}
+    assert {ids.shape[0] for ids in seen} == {1, 2}
 
 
 def test_compile_without_a_cxx_compiler_is_a_clear_error(monkeypatch):
