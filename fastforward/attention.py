@@ -1,22 +1,35 @@
-"""Row-invariant attention: each query attends alone, over exactly the keys it may see, in key order.
+"""Row-invariant attention: a query's result depends only on the keys it sees, never on the other
+queries of its forward.
 
 A fused attention kernel computes a query's result differently depending on how many queries share
 the call (block sizes, a different path for one query than for several), so a token's logits in a
 16-token forward differ in the last bits from the same token's logits in a 1-token forward. With
 int8 activations such a difference can flip a rounding and grow (measured on SmolLM2-135M: logits
-up to 5.9 apart, a different argmax). Here each query of each row gathers the keys its mask allows,
-in key order — for a verifying decoder that is the same key sequence greedy AR gives that token —
-and runs the same small matmul / softmax / matmul as a 1-token forward would. Together with
-`quantize.Int8Linear` (integer matmuls, per-token scales) a token's logits are then the same bits
-whatever else shares its forward: verifying decoders give greedy AR's tokens exactly.
+up to 5.9 apart, a different argmax).
 
-It costs a few small operations per query and layer on every forward against a cache, so it is
+Here a query's computation is fixed by its own visible keys alone. Its visible keys, in key order,
+are laid out from index 0 of a key buffer `width` = `length` rounded up to a multiple of `CHUNK`
+(the rest zeros or later keys, masked); the query sits at row `(length - 1) % CHUNK` of a
+`CHUNK`-row query buffer; one SDPA call computes the buffer. The call's shapes and the query's row
+depend only on how many keys it sees, so a kernel that computes each row from that row's inputs
+alone gives it the same bits in a 1-token forward (greedy AR) and in a block of drafts. Masked keys
+contribute exact zeros, whatever they hold. Queries of one forward that see nested prefixes of the
+same keys (a causal block: every verifying decoder) share calls, one per `CHUNK` of lengths, so a
+16-token block costs one or two calls per layer rather than sixteen. A query whose visible keys are
+not one contiguous range (a candidate beside others, in `jacobi-mr`) has its keys gathered and a
+call of its own. Together with `quantize.Int8Linear` / `Int4Linear` (row-invariant matmuls) a
+token's logits are the same bits whatever else shares its forward: verifying decoders give greedy
+AR's tokens exactly.
+
+It costs a few small operations per call and layer on every forward against a cache, so it is
 chosen (`load_model(..., exact=True)`) rather than always on. A prefill (no cache yet) runs SDPA:
 AR and every decoder start from the same prefill of the same prompt, so it needs no invariance.
 Registered with transformers' `AttentionInterface` as "fastforward_exact": no modeling file is touched.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -45,8 +58,89 @@ def row_invariant_attention(
     length, dim, total = query.shape[2], query.shape[3], key.shape[2]
     if total == length:  # a prefill (nothing cached): shared by AR and every decoder, so SDPA's speed is kept
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    attend = _opaque_attention if torch.compiler.is_compiling() else _attend  # same loop, same bits
+    attend = _opaque_attention if torch.compiler.is_compiling() else _attend  # same calls, same bits
     return attend(query, key, value, attention_mask, dim**-0.5 if scaling is None else scaling), None
+
+
+CHUNK = 16  # query rows per call; key buffers are whole multiples of it
+
+
+@dataclass
+class _Call:
+    """One SDPA call: queries `queries` of batch row `batch` at rows `rows` of the query buffer, over
+    `width` keys taken from `start` on (`index` None) or gathered at `index`."""
+
+    batch: int
+    start: int
+    index: torch.Tensor | None
+    width: int
+    queries: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    visible: torch.Tensor | None = None  # [groups · CHUNK, width], set by `_finish`
+
+
+def _plan(attention_mask: torch.Tensor | None, batch: int, length: int, total: int, groups: int) -> list[_Call]:
+    """Group the queries of a forward into calls (computed once per forward, shared by its layers)."""
+    if attention_mask is None:  # causal: query t sees keys [0, total - length + t]
+        starts = [[0] * length] * batch
+        counts = [[total - length + t + 1 for t in range(length)]] * batch
+        ranges = [[True] * length] * batch
+    else:
+        visible = attention_mask[:, 0]  # [B, T, S] boolean: fastforward's layouts and `sdpa_mask` both give one
+        count = visible.sum(-1)
+        first = visible.to(torch.uint8).argmax(-1)
+        keys = torch.arange(total, device=visible.device)
+        span = (keys >= first[..., None]) & (keys < (first + count)[..., None])
+        starts, counts, ranges = first.tolist(), count.tolist(), (span == visible).all(-1).tolist()
+    calls: list[_Call] = []
+    for b in range(batch):
+        open_calls: dict[tuple[int, int], list[_Call]] = {}  # (start, chunk) -> calls over those keys
+        for t in range(length):
+            seen = counts[b][t]
+            row, chunk = (seen - 1) % CHUNK, (seen - 1) // CHUNK
+            if not ranges[b][t]:  # keys gathered for this query alone
+                index = attention_mask[b, 0, t].nonzero()[:, 0]
+                calls.append(_Call(b, 0, index, (chunk + 1) * CHUNK, [t], [row], [seen]))
+                continue
+            shared = open_calls.setdefault((starts[b][t], chunk), [])
+            # A free row, its own if it can: only a query that sees exactly the keys of another
+            # (a mask of a block decoded together, never a verified token) lands elsewhere.
+            call = next((c for c in shared if row not in c.rows), None)
+            if call is None:
+                call = next((c for c in shared if len(c.rows) < CHUNK), None)
+                row = row if call is None else min(set(range(CHUNK)) - set(call.rows))
+            if call is None:
+                call = _Call(b, starts[b][t], None, (chunk + 1) * CHUNK)
+                shared.append(call)
+                calls.append(call)
+            call.queries.append(t)
+            call.rows.append(row)
+            call.lengths.append(seen)
+    for call in calls:
+        lengths = torch.full((CHUNK,), call.width)  # empty rows see everything (finite, unread)
+        lengths[call.rows] = torch.tensor(call.lengths)
+        rows_visible = torch.arange(call.width) < lengths[:, None]
+        call.visible = rows_visible.repeat(groups, 1).to(attention_mask.device if attention_mask is not None else "cpu")
+    return calls
+
+
+class _PlanMemo:
+    """The plan of the last forward: its layers share one mask, so they share one plan (compared by
+    content: a caller may reuse a mask tensor, and inference tensors keep no version counter)."""
+
+    mask: torch.Tensor | None = None
+    key: tuple = ()
+    plan: list[_Call] = []
+
+    @classmethod
+    def get(cls, mask: torch.Tensor | None, batch: int, length: int, total: int, groups: int) -> list[_Call]:
+        key = (batch, length, total, groups, None if mask is None else (mask.shape, mask.device))
+        same_mask = mask is None if cls.mask is None else mask is not None and torch.equal(mask, cls.mask)
+        if key != cls.key or not same_mask:
+            cls.plan = _plan(mask, batch, length, total, groups)
+            cls.mask, cls.key = None if mask is None else mask.clone(), key
+        return cls.plan
 
 
 def _attend(
@@ -55,29 +149,39 @@ def _attend(
     batch, heads, length, dim = query.shape
     kv_heads, total = key.shape[1], key.shape[2]
     groups = heads // kv_heads
-    # [B, Hkv, groups, T, d]: the query heads that share each key/value head
-    grouped = query.reshape(batch, kv_heads, groups, length, dim)
     out = query.new_empty(batch, length, heads, dim)
-    for b in range(batch):
-        for t in range(length):
-            if attention_mask is None:
-                keys, values = key[b, :, : total - length + t + 1], value[b, :, : total - length + t + 1]
-            else:
-                visible = attention_mask[b, 0, t]  # boolean: fastforward's layouts and `sdpa_mask` both give one
-                keys, values = key[b][:, visible], value[b][:, visible]
-            scores = torch.matmul(grouped[b, :, :, t], keys.transpose(-1, -2)) * scale  # [Hkv, groups, S_t]
-            probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-            out[b, t] = torch.matmul(probs, values).reshape(heads, dim)
+    for call in _PlanMemo.get(attention_mask, batch, length, total, groups):
+        keys, values = _key_buffer(key, call), _key_buffer(value, call)
+        rows = query.new_zeros(kv_heads, groups, CHUNK, dim)
+        # [H, n, d] -> [Hkv, groups, n, d]: the query heads that share each key/value head
+        rows[:, :, call.rows] = query[call.batch, :, call.queries].reshape(kv_heads, groups, -1, dim)
+        result = torch.nn.functional.scaled_dot_product_attention(
+            rows.reshape(1, kv_heads, groups * CHUNK, dim), keys, values, attn_mask=call.visible, scale=scale
+        )
+        picked = result.reshape(kv_heads, groups, CHUNK, dim)[:, :, call.rows]  # [Hkv, groups, n, d]
+        out[call.batch, call.queries] = picked.permute(2, 0, 1, 3).reshape(-1, heads, dim)
     return out
+
+
+def _key_buffer(source: torch.Tensor, call: _Call) -> torch.Tensor:
+    """[1, Hkv, width, d]: the call's keys (or values) from index 0, zeros after them. Always a fresh
+    buffer, so that its memory layout is the same in every forward."""
+    buffer = source.new_zeros(1, source.shape[1], call.width, source.shape[3])
+    if call.index is not None:
+        buffer[0, :, : len(call.index)] = source[call.batch].index_select(1, call.index)
+    else:
+        taken = min(call.width, source.shape[2] - call.start)
+        buffer[0, :, :taken] = source[call.batch, :, call.start : call.start + taken]
+    return buffer
 
 
 @torch.library.custom_op("fastforward::row_invariant_attention", mutates_args=())
 def _opaque_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """`_attend` as one operation that torch.compile does not look into: its per-query loop would
-    otherwise be unrolled into a graph per block length, and the compiled softmax and matmuls would
-    no longer give a query the same bits whatever else shares the forward."""
+    """`_attend` as one operation that torch.compile does not look into: its loop over calls would
+    otherwise be unrolled into a graph per layout, and compiled kernels would no longer give a query
+    the same bits whatever else shares the forward."""
     return _attend(query, key, value, attention_mask, scale)
 
 
