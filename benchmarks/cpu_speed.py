@@ -55,6 +55,8 @@ OURS = [
     ("jacobi int4", "int4", "jacobi", {}),
     ("jacobi-mr int4", "int4", "jacobi-mr", {}),
     ("lookup int4", "int4", "lookup", {}),
+    ("jacobi int8", "int8", "jacobi", {}),
+    ("lookup int8", "int8", "lookup", {}),
     ("ar int4 compiled", "int4 compiled", "ar", {}),
     ("lookup int4 compiled", "int4 compiled", "lookup", {}),
     ("ar int4 compiled sdpa", "int4 compiled sdpa", "ar", {}),

@@ -77,7 +77,7 @@ class _Call:
     queries: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
-    visible: torch.Tensor | None = None  # [groups · CHUNK, width], set by `_finish`
+    visible: torch.Tensor | None = None  # [groups · CHUNK, width], 0 or -inf, set by `_plan`
 
 
 def _plan(attention_mask: torch.Tensor | None, batch: int, length: int, total: int, groups: int) -> list[_Call]:
@@ -117,11 +117,13 @@ def _plan(attention_mask: torch.Tensor | None, batch: int, length: int, total: i
             call.queries.append(t)
             call.rows.append(row)
             call.lengths.append(seen)
+    device = attention_mask.device if attention_mask is not None else "cpu"
     for call in calls:
         lengths = torch.full((CHUNK,), call.width)  # empty rows see everything (finite, unread)
         lengths[call.rows] = torch.tensor(call.lengths)
-        rows_visible = torch.arange(call.width) < lengths[:, None]
-        call.visible = rows_visible.repeat(groups, 1).to(attention_mask.device if attention_mask is not None else "cpu")
+        hidden = torch.arange(call.width) >= lengths[:, None]
+        # an additive mask (SDPA would convert a boolean one in every layer)
+        call.visible = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")).repeat(groups, 1).to(device)
     return calls
 
 
@@ -164,15 +166,13 @@ def _attend(
 
 
 def _key_buffer(source: torch.Tensor, call: _Call) -> torch.Tensor:
-    """[1, Hkv, width, d]: the call's keys (or values) from index 0, zeros after them. Always a fresh
-    buffer, so that its memory layout is the same in every forward."""
-    buffer = source.new_zeros(1, source.shape[1], call.width, source.shape[3])
+    """[1, Hkv, width, d]: the call's keys (or values) from index 0, zeros after them, contiguous: the
+    same memory layout in every forward."""
     if call.index is not None:
-        buffer[0, :, : len(call.index)] = source[call.batch].index_select(1, call.index)
+        taken = source[call.batch].index_select(1, call.index)
     else:
-        taken = min(call.width, source.shape[2] - call.start)
-        buffer[0, :, :taken] = source[call.batch, :, call.start : call.start + taken]
-    return buffer
+        taken = source[call.batch, :, call.start : call.start + call.width]
+    return torch.nn.functional.pad(taken, (0, 0, 0, call.width - taken.shape[1]))[None]
 
 
 @torch.library.custom_op("fastforward::row_invariant_attention", mutates_args=())

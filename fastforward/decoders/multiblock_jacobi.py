@@ -104,8 +104,10 @@ def verify(session: Session, last: int, drafts: list[int], cands: list[list[int]
     chain = 1 + len(drafts)
     lengths = tuple(len(c) for c in cands)
     total = chain + sum(lengths)
-    # Without candidates the layout is plain causal: the model's own fast path, no dense mask.
-    rule = visibility.jacobi_candidates(chain, lengths, session.device) if cands else None
+    # A chain alone, or one candidate after the last token alone, is plain causal: the model's own
+    # fast path, no dense mask to build.
+    causal = not cands or (chain == 1 and len(cands) == 1)
+    rule = None if causal else visibility.jacobi_candidates(chain, lengths, session.device)
     ids = [last, *drafts, *(t for c in cands for t in c)]
     offsets = [*range(chain), *(j for length in lengths for j in range(1, length + 1))]
     start = session.origins[0] + session.frontiers[0] - 1  # where `last` sits
