@@ -79,3 +79,32 @@ def test_lossless_decoders_equal_ar_bit_for_bit_at_low_precision(prompts, dtype,
     for prompt in prompts:
         ar = ARDecoder().generate(model, [prompt], max_new_tokens=30)[0]
         assert decoder.generate(model, [prompt], max_new_tokens=30)[0].token_ids == ar.token_ids
+
+
+def test_exact_attention_shares_calls_and_fixes_each_querys_row_by_its_key_count():
+    # A causal block of 17 tokens after 120 cached ones: keys seen 121..137 -> two chunks of rows, two
+    # calls per layer rather than 17; each query sits at row (seen - 1) % CHUNK of a width rounded up.
+    calls = attention._plan(None, batch=1, length=17, total=137, groups=3)
+    assert len(calls) == 2
+    for call in calls:
+        assert call.index is None and call.start == 0
+        assert call.rows == [(seen - 1) % attention.CHUNK for seen in call.lengths]
+        assert all(call.width == -(-seen // attention.CHUNK) * attention.CHUNK for seen in call.lengths)
+        assert call.visible.shape == (3 * attention.CHUNK, call.width)
+    assert sorted(t for call in calls for t in call.queries) == list(range(17))
+    # A query one token alone at the same place: the same row and width as inside the block.
+    (alone,) = attention._plan(None, batch=1, length=1, total=133, groups=3)
+    inside = next(c for c in calls if 12 in c.queries)
+    assert (alone.rows, alone.width) == ([inside.rows[inside.queries.index(12)]], inside.width)
+
+
+def test_exact_attention_plan_for_shared_and_scattered_visible_keys():
+    # Four queries that see the same 10 keys (masks of one block) take distinct rows of one call;
+    # a query whose keys skip a range has them gathered in a call of its own.
+    mask = torch.zeros(1, 1, 5, 12, dtype=torch.bool)
+    mask[0, 0, :4, :10] = True
+    mask[0, 0, 4, [0, 1, 2, 11]] = True
+    calls = attention._plan(mask, batch=1, length=5, total=12, groups=1)
+    shared, gathered = calls
+    assert shared.queries == [0, 1, 2, 3] and len(set(shared.rows)) == 4 and shared.index is None
+    assert gathered.queries == [4] and gathered.index.tolist() == [0, 1, 2, 11] and gathered.rows == [3]
