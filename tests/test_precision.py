@@ -82,10 +82,10 @@ def test_lossless_decoders_equal_ar_bit_for_bit_at_low_precision(prompts, dtype,
 
 
 def test_exact_attention_shares_calls_and_fixes_each_querys_row_by_its_key_count():
-    # A causal block of 17 tokens after 120 cached ones: keys seen 121..137 -> two chunks of rows, two
-    # calls per layer rather than 17; each query sits at row (seen - 1) % CHUNK of a width rounded up.
+    # A causal block of 17 tokens after 120 cached ones sees 121..137 keys: one call per CHUNK of key
+    # counts, not one per query; each query sits at row (seen - 1) % CHUNK of a width rounded up.
     calls = attention._plan(None, batch=1, length=17, total=137, groups=3)
-    assert len(calls) == 2
+    assert len(calls) == len({(seen - 1) // attention.CHUNK for seen in range(121, 138)}) < 17
     for call in calls:
         assert call.index is None and call.start == 0
         assert call.rows == [(seen - 1) % attention.CHUNK for seen in call.lengths]
