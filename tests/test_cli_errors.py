@@ -140,7 +140,7 @@ def test_interrupt_while_decoding(saved, monkeypatch, capsys):
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(ARDecoder, "generate", second_call_interrupted)
-    assert generate(saved, "--json", "one", "two", "three") == 130
+    assert generate(saved, "--decoder", "ar", "--json", "one", "two", "three") == 130
     captured = capsys.readouterr()
     assert [json.loads(line)["prompt"] for line in captured.out.splitlines()] == ["one"]
     assert "1 of 3 prompts completed before the interrupt" in captured.err
@@ -160,8 +160,8 @@ def test_interrupt_mid_decoding_prints_what_was_generated(saved, monkeypatch, ca
         return real(self, keep)
 
     monkeypatch.setattr(Session, "advance", fourth_step_interrupted)
-    argv = ["generate", "--model", str(saved), "--dtype", "float32", "--max-new-tokens", "20", "--json", "one"]
-    assert main(argv) == 130
+    argv = ["generate", "--model", str(saved), "--decoder", "ar", "--dtype", "float32", "--max-new-tokens", "20"]
+    assert main([*argv, "--json", "one"]) == 130
     captured = capsys.readouterr()
     record = json.loads(captured.out.splitlines()[0])
     # the prefill's token and one per step: the fourth step committed its token before it was interrupted

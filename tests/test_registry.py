@@ -29,7 +29,7 @@ def test_readme_table_is_the_registry_table():
 
 def test_cli_has_a_flag_for_every_knob():
     defaults = build_parser().parse_args(["generate", "x"])  # every flag left out
-    assert defaults.decoder == "ar" and not set(vars(defaults)) & set(registry.all_knobs())
+    assert defaults.decoder is None and not set(vars(defaults)) & set(registry.all_knobs())
     for knob in registry.all_knobs().values():
         args = ["generate", "--decoder", next(s for s in registry.specs() if registry.spec(s).knob(knob.name))]
         value = "true" if knob.type is bool else str(knob.default)
@@ -60,3 +60,10 @@ def test_sweep_values_are_typed_and_checked_by_the_registry():
 def test_decoders_command_prints_the_table(capsys):
     assert main(["decoders"]) == 0
     assert capsys.readouterr().out.strip() == registry.knob_table()
+
+
+def test_generate_picks_lookup_unless_an_option_asks_for_ar():
+    from fastforward.cli.generate import default_decoder
+
+    assert default_decoder({}) == "lookup" and default_decoder({"lookup_tokens": 4}) == "lookup"
+    assert default_decoder({"temperature": 0.7}) == "ar" and default_decoder({"seed": 1}) == "ar"

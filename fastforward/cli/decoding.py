@@ -8,11 +8,16 @@ from typing import Any
 from fastforward.decoders import registry
 
 
-def add_decoder_flags(p: argparse.ArgumentParser, default: str = "ar", skip: tuple[str, ...] = ()) -> None:
+def add_decoder_flags(
+    p: argparse.ArgumentParser, default: str | None = "ar", skip: tuple[str, ...] = (), default_help: str = ""
+) -> None:
     """`--decoder` and one flag per registry knob (except `skip`). A flag left out takes the chosen
-    decoder's own default; a flag the chosen decoder does not take is an error unless neutral."""
+    decoder's own default; a flag the chosen decoder does not take is an error unless neutral.
+    default None: the command picks one itself (and says how in `default_help`)."""
     specs = registry.specs()
-    p.add_argument("--decoder", choices=list(specs), default=default, help=f"decoding method (default: {default})")
+    p.add_argument(
+        "--decoder", choices=list(specs), default=default, help=f"decoding method (default: {default_help or default})"
+    )
     for knob in registry.all_knobs().values():
         if knob.name in skip:
             continue

@@ -9,7 +9,7 @@ import sys
 from fastforward.api import build_decoder
 from fastforward.cli import add_compile_flag, add_precision_flags, add_threads_flag, positive_int, precision
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
-from fastforward.decoders import Generation
+from fastforward.decoders import Generation, registry
 from fastforward.errors import FastForwardError
 from fastforward.model import check_device, load_model
 from fastforward.runtime import GenerationInterrupted
@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for one or more prompts")
     p.add_argument("prompts", nargs="*", help="prompts (default: read one per line from stdin)")
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
-    add_decoder_flags(p)
+    add_decoder_flags(p, default=None, default_help="lookup; ar with --temperature, --top-p or --seed")
     p.add_argument("--max-new-tokens", type=int, default=256)
     add_precision_flags(p, dtype="float32", quantize="int4", exact=True)
     add_compile_flag(p)
@@ -29,6 +29,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_threads_flag(p)
     p.set_defaults(run=run)
+
+
+def default_decoder(knobs: dict) -> str:
+    """`lookup`: lossless, and never slower than `ar` in docs/results.md's CPU runs; `ar` when an
+    option given is one lookup does not take (sampling: `--temperature`, `--top-p`, `--seed`)."""
+    lookup = registry.spec("lookup")
+    return "lookup" if all(lookup.knob(name) for name in knobs) else "ar"
 
 
 def read_prompts() -> list[str]:
@@ -54,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = args.prompts or read_prompts()
     if not prompts:
         raise FastForwardError("no prompts: give them as arguments or one per line on stdin")
-    decoder = build_decoder(args.decoder, **decoder_knobs(args))
+    knobs = decoder_knobs(args)
+    decoder = build_decoder(args.decoder or default_decoder(knobs), **knobs)
     model = load_model(args.model, device=args.device, **precision(args))
     encoded = [model.encode_prompt(p, chat_template=not args.no_chat_template) for p in prompts]
     for start in range(0, len(encoded), args.batch_size):
