@@ -29,6 +29,7 @@ Registered with transformers' `AttentionInterface` as "fastforward_exact": no mo
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -76,11 +77,12 @@ class _Call:
     width: int
     queries: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
-    lengths: list[int] = field(default_factory=list)
     visible: torch.Tensor | None = None  # [groups · CHUNK, width], 0 or -inf, set by `_plan`
 
 
-def _plan(attention_mask: torch.Tensor | None, batch: int, length: int, total: int, groups: int) -> list[_Call]:
+def _plan(
+    attention_mask: torch.Tensor | None, batch: int, length: int, total: int, groups: int, dtype: torch.dtype
+) -> list[_Call]:
     """Group the queries of a forward into calls (computed once per forward, shared by its layers)."""
     if attention_mask is None:  # causal: query t sees keys [0, total - length + t]
         starts = [[0] * length] * batch
@@ -95,54 +97,63 @@ def _plan(attention_mask: torch.Tensor | None, batch: int, length: int, total: i
         starts, counts, ranges = first.tolist(), count.tolist(), (span == visible).all(-1).tolist()
     calls: list[_Call] = []
     for b in range(batch):
-        open_calls: dict[tuple[int, int], list[_Call]] = {}  # (start, chunk) -> calls over those keys
+        shared: dict[tuple[int, int], list[_Call]] = {}  # (start, chunk) -> the calls over those keys
+        firsts, repeats, seen_before = [], [], set()
         for t in range(length):
-            seen = counts[b][t]
-            row, chunk = (seen - 1) % CHUNK, (seen - 1) // CHUNK
             if not ranges[b][t]:  # keys gathered for this query alone
                 index = attention_mask[b, 0, t].nonzero()[:, 0]
-                calls.append(_Call(b, 0, index, (chunk + 1) * CHUNK, [t], [row], [seen]))
+                calls.append(_Call(b, 0, index, _width(counts[b][t]), [t], [(counts[b][t] - 1) % CHUNK]))
                 continue
-            shared = open_calls.setdefault((starts[b][t], chunk), [])
-            # A free row, its own if it can: only a query that sees exactly the keys of another
-            # (a mask of a block decoded together, never a verified token) lands elsewhere.
-            call = next((c for c in shared if row not in c.rows), None)
+            key = (starts[b][t], counts[b][t])
+            (repeats if key in seen_before else firsts).append(t)
+            seen_before.add(key)
+        # Every query first at its own row; then those that see exactly the keys of an earlier one
+        # (masks of a block decoded together, never a verified token) wherever a row is free.
+        for t, own_row in [(t, True) for t in firsts] + [(t, False) for t in repeats]:
+            seen = counts[b][t]
+            group = shared.setdefault((starts[b][t], (seen - 1) // CHUNK), [])
+            row = (seen - 1) % CHUNK
+            call = next((c for c in group if (row not in c.rows if own_row else len(c.rows) < CHUNK)), None)
             if call is None:
-                call = next((c for c in shared if len(c.rows) < CHUNK), None)
-                row = row if call is None else min(set(range(CHUNK)) - set(call.rows))
-            if call is None:
-                call = _Call(b, starts[b][t], None, (chunk + 1) * CHUNK)
-                shared.append(call)
+                call = _Call(b, starts[b][t], None, _width(seen))
+                group.append(call)
                 calls.append(call)
             call.queries.append(t)
-            call.rows.append(row)
-            call.lengths.append(seen)
+            call.rows.append(row if own_row else min(set(range(CHUNK)) - set(call.rows)))
     device = attention_mask.device if attention_mask is not None else "cpu"
     for call in calls:
         lengths = torch.full((CHUNK,), call.width)  # empty rows see everything (finite, unread)
-        lengths[call.rows] = torch.tensor(call.lengths)
+        lengths[call.rows] = torch.tensor([counts[call.batch][t] for t in call.queries])
         hidden = torch.arange(call.width) >= lengths[:, None]
-        # an additive mask (SDPA would convert a boolean one in every layer)
-        call.visible = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")).repeat(groups, 1).to(device)
+        # an additive mask in the queries' dtype (SDPA would convert a boolean one in every layer)
+        call.visible = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")).repeat(groups, 1).to(device, dtype)
     return calls
 
 
-class _PlanMemo:
-    """The plan of the last forward: its layers share one mask, so they share one plan (compared by
-    content: a caller may reuse a mask tensor, and inference tensors keep no version counter)."""
+def _width(seen: int) -> int:
+    """Keys in the buffer of a query that sees `seen`: rounded up to a whole number of chunks."""
+    return -(-seen // CHUNK) * CHUNK
+
+
+class _PlanMemo(threading.local):
+    """The plan of the last forward in this thread: its layers share one mask, so they share one
+    plan (masks are compared by content: a caller may reuse a mask tensor, and inference tensors
+    keep no version counter)."""
 
     mask: torch.Tensor | None = None
     key: tuple = ()
     plan: list[_Call] = []
 
-    @classmethod
-    def get(cls, mask: torch.Tensor | None, batch: int, length: int, total: int, groups: int) -> list[_Call]:
-        key = (batch, length, total, groups, None if mask is None else (mask.shape, mask.device))
-        same_mask = mask is None if cls.mask is None else mask is not None and torch.equal(mask, cls.mask)
-        if key != cls.key or not same_mask:
-            cls.plan = _plan(mask, batch, length, total, groups)
-            cls.mask, cls.key = None if mask is None else mask.clone(), key
-        return cls.plan
+    def get(self, mask: torch.Tensor | None, *shape: int | torch.dtype) -> list[_Call]:
+        key = (*shape, None if mask is None else (mask.shape, mask.device))
+        same_mask = mask is None if self.mask is None else mask is not None and torch.equal(mask, self.mask)
+        if key != self.key or not same_mask:
+            self.plan = _plan(mask, *shape)
+            self.mask, self.key = None if mask is None else mask.clone(), key
+        return self.plan
+
+
+_plans = _PlanMemo()
 
 
 def _attend(
@@ -152,7 +163,7 @@ def _attend(
     kv_heads, total = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     out = query.new_empty(batch, length, heads, dim)
-    for call in _PlanMemo.get(attention_mask, batch, length, total, groups):
+    for call in _plans.get(attention_mask, batch, length, total, groups, query.dtype):
         keys, values = _key_buffer(key, call), _key_buffer(value, call)
         rows = query.new_zeros(kv_heads, groups, CHUNK, dim)
         # [H, n, d] -> [Hkv, groups, n, d]: the query heads that share each key/value head

@@ -84,27 +84,34 @@ def test_lossless_decoders_equal_ar_bit_for_bit_at_low_precision(prompts, dtype,
 def test_exact_attention_shares_calls_and_fixes_each_querys_row_by_its_key_count():
     # A causal block of 17 tokens after 120 cached ones sees 121..137 keys: one call per CHUNK of key
     # counts, not one per query; each query sits at row (seen - 1) % CHUNK of a width rounded up.
-    calls = attention._plan(None, batch=1, length=17, total=137, groups=3)
-    assert len(calls) == len({(seen - 1) // attention.CHUNK for seen in range(121, 138)}) < 17
+    chunk = attention.CHUNK
+    calls = attention._plan(None, batch=1, length=17, total=137, groups=3, dtype=torch.float32)
+    assert len(calls) == len({(seen - 1) // chunk for seen in range(121, 138)}) < 17
     for call in calls:
+        seen = [121 + t for t in call.queries]
         assert call.index is None and call.start == 0
-        assert call.rows == [(seen - 1) % attention.CHUNK for seen in call.lengths]
-        assert all(call.width == -(-seen // attention.CHUNK) * attention.CHUNK for seen in call.lengths)
-        assert call.visible.shape == (3 * attention.CHUNK, call.width)
+        assert call.rows == [(s - 1) % chunk for s in seen]
+        assert all(call.width == -(-s // chunk) * chunk for s in seen)
+        assert call.visible.shape == (3 * chunk, call.width)
     assert sorted(t for call in calls for t in call.queries) == list(range(17))
-    # A query one token alone at the same place: the same row and width as inside the block.
-    (alone,) = attention._plan(None, batch=1, length=1, total=133, groups=3)
+    # The token at slot 12 alone after 132 cached ones: the same row and width as inside the block.
+    (alone,) = attention._plan(None, batch=1, length=1, total=133, groups=3, dtype=torch.float32)
     inside = next(c for c in calls if 12 in c.queries)
     assert (alone.rows, alone.width) == ([inside.rows[inside.queries.index(12)]], inside.width)
 
 
 def test_exact_attention_plan_for_shared_and_scattered_visible_keys():
-    # Four queries that see the same 10 keys (masks of one block) take distinct rows of one call;
-    # a query whose keys skip a range has them gathered in a call of its own.
+    # Three queries that see the same 10 keys (masks of one block) come first and take rows of one
+    # call, but never the own row of the query after them, which sees 9 keys; a query whose keys skip
+    # a range has them gathered in a call of its own.
     mask = torch.zeros(1, 1, 5, 12, dtype=torch.bool)
-    mask[0, 0, :4, :10] = True
+    mask[0, 0, :3, :10] = True
+    mask[0, 0, 3, :9] = True
     mask[0, 0, 4, [0, 1, 2, 11]] = True
-    calls = attention._plan(mask, batch=1, length=5, total=12, groups=1)
-    shared, gathered = calls
-    assert shared.queries == [0, 1, 2, 3] and len(set(shared.rows)) == 4 and shared.index is None
+    calls = attention._plan(mask, batch=1, length=5, total=12, groups=1, dtype=torch.float32)
+    gathered, *shared = calls
     assert gathered.queries == [4] and gathered.index.tolist() == [0, 1, 2, 11] and gathered.rows == [3]
+    rows = {t: call.rows[call.queries.index(t)] for call in shared for t in call.queries}
+    assert rows[0] == 9 % attention.CHUNK and rows[3] == 8 % attention.CHUNK  # their own rows
+    assert len(set(rows[t] for t in (0, 1, 2))) == 3  # the repeats: distinct free rows of one call
+    assert sum(len(call.queries) for call in shared) == 4
