@@ -61,11 +61,20 @@ def load_average() -> list[float]:
         return []
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), where `platform.processor()` gives nothing."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+
+
 def machine_info(load: bool = False) -> dict:
     """Platform, cores, torch threads and library versions; with `load`, the load average too."""
     info = {
         "platform": platform.platform(),
-        "processor": platform.processor(),
+        "processor": platform.processor() or cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
