@@ -146,8 +146,7 @@ class _PlanMemo(threading.local):
 
     def get(self, mask: torch.Tensor | None, *shape: int | torch.dtype) -> list[_Call]:
         key = (CHUNK, *shape, None if mask is None else (mask.shape, mask.device))  # CHUNK: a benchmark varies it
-        same_mask = mask is None if self.mask is None else mask is not None and torch.equal(mask, self.mask)
-        if key != self.key or not same_mask:
+        if key != self.key or (mask is not None and not torch.equal(mask, self.mask)):
             self.plan = _plan(mask, *shape)
             self.mask, self.key = None if mask is None else mask.clone(), key
         return self.plan
