@@ -21,6 +21,7 @@ import torch
 import transformers
 
 from fastforward.decoders import Decoder, Generation, Stats
+from fastforward.evaluate import write_json
 from fastforward.model import Model
 
 HERE = Path(__file__).resolve().parent
@@ -83,6 +84,16 @@ def machine_info(load: bool = False) -> dict:
     if load:
         info["load_average"] = load_average()
     return info
+
+
+def write_report(path: Path, load_before: list[float], threads: int, **figures) -> None:
+    """Log the load average around a timed run and write its figures as JSON, beside the machine and
+    both load averages."""
+    load_after = load_average()
+    log(f"load average before {load_before}, after {load_after}; {threads} threads")
+    record = {"machine": machine_info(), "load_average_before": load_before, "load_average_after": load_after}
+    write_json(path, {**record, **figures})
+    log(f"wrote {path}")
 
 
 class HFGenerate(Decoder):

@@ -29,11 +29,11 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from common import RESULTS, HFGenerate, load_average, log, machine_info, set_threads
+from common import RESULTS, HFGenerate, load_average, log, set_threads, write_report
 
 from fastforward.api import build_decoder
 from fastforward.decoders import Generation, Stats
-from fastforward.evaluate import format_table, write_json
+from fastforward.evaluate import format_table
 from fastforward.model import PRESETS, Model, load_model
 from fastforward.tasks import get_task
 
@@ -186,22 +186,16 @@ def main() -> None:
         ("= AR fp32", "equal_ar_fp32", lambda v: "—" if v is None else v),
     ]
     log(format_table(rows, columns))
-    load_after = load_average()
-    log(f"load average before {load_before}, after {load_after}; {threads} threads")
-    write_json(
+    write_report(
         args.out,
-        {
-            "machine": machine_info(),
-            "load_average_before": load_before,
-            "load_average_after": load_after,
-            "n_per_group": args.n,
-            "max_new_tokens": args.max_new_tokens,
-            "warmup_seconds": warmup,
-            "rows": rows,
-            "outputs": {g: {label: [x.token_ids for x in gens] for label, gens in d.items()} for g, d in runs.items()},
-        },
+        load_before,
+        threads,
+        n_per_group=args.n,
+        max_new_tokens=args.max_new_tokens,
+        warmup_seconds=warmup,
+        rows=rows,
+        outputs={g: {label: [x.token_ids for x in gens] for label, gens in d.items()} for g, d in runs.items()},
     )
-    log(f"wrote {args.out}")
 
 
 def _equal(gens: list[Generation], reference: list[Generation]) -> str:

@@ -16,12 +16,12 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from common import RESULTS, load_average, log, machine_info, set_threads
+from common import RESULTS, load_average, log, set_threads, write_report
 from cpu_speed import prompt_groups
 
 from fastforward import attention
 from fastforward.api import build_decoder
-from fastforward.evaluate import format_table, write_json
+from fastforward.evaluate import format_table
 from fastforward.model import load_model
 
 
@@ -77,21 +77,15 @@ def main() -> None:
         ("= ar", "equal_ar", str),
     ]
     log(format_table(table, columns))
-    load_after = load_average()
-    log(f"load average before {load_before}, after {load_after}; {threads} threads, {args.quantize} --exact")
-    write_json(
+    write_report(
         args.out,
-        {
-            "machine": machine_info(),
-            "load_average_before": load_before,
-            "load_average_after": load_after,
-            "quantize": args.quantize,
-            "n_per_group": args.n,
-            "max_new_tokens": args.max_new_tokens,
-            "rows": table,
-        },
+        load_before,
+        threads,
+        quantize=args.quantize,
+        n_per_group=args.n,
+        max_new_tokens=args.max_new_tokens,
+        rows=table,
     )
-    log(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
