@@ -185,7 +185,9 @@ def _key_buffer(source: torch.Tensor, call: _Call) -> torch.Tensor:
         taken = source[call.batch, :, call.start : call.start + call.width]
         if taken.shape[1] < call.width and spare_room(source):
             wider = taken.as_strided((taken.shape[0], call.width, taken.shape[2]), taken.stride())
-            last = wider.storage_offset() + sum((n - 1) * step for n, step in zip(wider.shape, wider.stride()))
+            last = wider.storage_offset() + sum(
+                (n - 1) * step for n, step in zip(wider.shape, wider.stride(), strict=True)
+            )
             if last < wider.untyped_storage().nbytes() // wider.element_size():
                 return wider[None]
     return torch.nn.functional.pad(taken, (0, 0, 0, call.width - taken.shape[1]))[None]
