@@ -79,6 +79,22 @@ class _Call:
     queries: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     visible: torch.Tensor | None = None  # [groups · CHUNK, width], 0 or -inf, set by `_plan`
+    query_slots: slice | list[int] = field(default_factory=list)  # `queries` as a slice where consecutive,
+    row_slots: slice | list[int] = field(default_factory=list)  # `rows` likewise: indexing with a slice is a view
+
+    def finish(self, device: torch.device | str, dtype: torch.dtype, groups: int, counts: list[int]) -> None:
+        """Set the additive mask and the index slots, once the call's queries are all placed."""
+        lengths = torch.full((CHUNK,), self.width)  # empty rows see everything (finite, unread)
+        lengths[self.rows] = torch.tensor([counts[t] for t in self.queries])
+        hidden = torch.arange(self.width) >= lengths[:, None]
+        # an additive mask in the queries' dtype (SDPA would convert a boolean one in every layer)
+        self.visible = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")).repeat(groups, 1).to(device, dtype)
+        self.query_slots, self.row_slots = _slots(self.queries), _slots(self.rows)
+
+
+def _slots(indices: list[int]) -> slice | list[int]:
+    consecutive = indices == list(range(indices[0], indices[0] + len(indices)))
+    return slice(indices[0], indices[0] + len(indices)) if consecutive else indices
 
 
 def _plan(
@@ -123,11 +139,7 @@ def _plan(
             call.rows.append(row if own_row else min(set(range(CHUNK)) - set(call.rows)))
     device = attention_mask.device if attention_mask is not None else "cpu"
     for call in calls:
-        lengths = torch.full((CHUNK,), call.width)  # empty rows see everything (finite, unread)
-        lengths[call.rows] = torch.tensor([counts[call.batch][t] for t in call.queries])
-        hidden = torch.arange(call.width) >= lengths[:, None]
-        # an additive mask in the queries' dtype (SDPA would convert a boolean one in every layer)
-        call.visible = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")).repeat(groups, 1).to(device, dtype)
+        call.finish(device, dtype, groups, counts[call.batch])
     return calls
 
 
@@ -167,12 +179,12 @@ def _attend(
         keys, values = _key_buffer(key, call), _key_buffer(value, call)
         rows = query.new_zeros(kv_heads, groups, CHUNK, dim)
         # [H, n, d] -> [Hkv, groups, n, d]: the query heads that share each key/value head
-        rows[:, :, call.rows] = query[call.batch, :, call.queries].reshape(kv_heads, groups, -1, dim)
+        rows[:, :, call.row_slots] = query[call.batch, :, call.query_slots].reshape(kv_heads, groups, -1, dim)
         result = torch.nn.functional.scaled_dot_product_attention(
             rows.reshape(1, kv_heads, groups * CHUNK, dim), keys, values, attn_mask=call.visible, scale=scale
         )
-        picked = result.reshape(kv_heads, groups, CHUNK, dim)[:, :, call.rows]  # [Hkv, groups, n, d]
-        out[call.batch, call.queries] = picked.permute(2, 0, 1, 3).reshape(-1, heads, dim)
+        picked = result.reshape(kv_heads, groups, CHUNK, dim)[:, :, call.row_slots]  # [Hkv, groups, n, d]
+        out[call.batch, call.query_slots] = picked.permute(2, 0, 1, 3).reshape(-1, heads, dim)
     return out
 
 
