@@ -386,7 +386,7 @@ def load_model(
     if device:
         hf.to(device)
     hf.eval()
-    quantize_linears(hf, quantize)
+    quantize_linears(hf, quantize, fuse=not compile)  # compiled steps trace separate layers
     model = Model(hf, tokenizer, name=name_or_path)
     if compile:
         model.compile_steps()

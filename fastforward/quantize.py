@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastforward import fusion
 from fastforward.errors import FastForwardError
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -83,15 +84,22 @@ class Int4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def _int4_fits(linear: nn.Linear) -> bool:
-    """The int4 kernel takes input widths in whole groups and output widths in multiples of 16."""
-    return linear.in_features % INT4_GROUP == 0 and linear.out_features % 16 == 0
+def _kind(in_features: int, out_features: int, scheme: str) -> type[nn.Module]:
+    """int4 where its kernel takes the shape (input widths in whole groups, output widths in
+    multiples of 16); int8 otherwise, and for int8."""
+    int4_fits = in_features % INT4_GROUP == 0 and out_features % 16 == 0
+    return Int4Linear if scheme == "int4" and int4_fits else Int8Linear
 
 
 def _quantized(linear: nn.Linear, scheme: str) -> nn.Module:
-    if scheme == "int4" and _int4_fits(linear):
-        return Int4Linear(linear)
-    return Int8Linear(linear)  # int8, and int4's fallback for shapes its kernel cannot take
+    return _kind(linear.in_features, linear.out_features, scheme)(linear)
+
+
+def _fusable(layers: list[nn.Linear], scheme: str) -> bool:
+    """Fused, the layers keep their kernel (so their bits): all of one kind, and so is the whole."""
+    width = sum(layer.out_features for layer in layers)
+    kinds = {_kind(layer.in_features, layer.out_features, scheme) for layer in layers}
+    return kinds == {_kind(layers[0].in_features, width, scheme)}
 
 
 def check_scheme(scheme: str) -> None:
@@ -99,9 +107,10 @@ def check_scheme(scheme: str) -> None:
         raise FastForwardError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZATIONS)}")
 
 
-def quantize(hf: nn.Module, scheme: str) -> None:
+def quantize(hf: nn.Module, scheme: str, fuse: bool = True) -> None:
     """Replace every nn.Linear of `hf` in place ("none" leaves it as it is). CPU only: the kernels
-    are PyTorch's CPU integer kernels."""
+    are PyTorch's CPU integer kernels. fuse: layers that read the same input become one layer
+    (`fastforward.fusion`; the same bits, fewer calls)."""
     check_scheme(scheme)
     if scheme == "none":
         return
@@ -111,6 +120,9 @@ def quantize(hf: nn.Module, scheme: str) -> None:
             f"--quantize {scheme} runs on the CPU only (the model is on {device}): use --quantize none"
         )
     _untie_output(hf)
+    for members in fusion.shared_input_groups(hf) if fuse else []:
+        if _fusable([hf.get_submodule(name) for name in members], scheme):
+            fusion.fuse(hf, members, lambda linear: _quantized(linear, scheme))
     for parent in list(hf.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):

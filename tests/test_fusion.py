@@ -1,0 +1,33 @@
+import pytest
+import torch
+
+from fastforward.fusion import FusedMember, shared_input_groups
+from fastforward.quantize import quantize
+from fastforward.tiny import tiny_model
+
+
+def test_the_projections_that_read_one_input_are_found_per_layer():
+    model = tiny_model(seed=0)
+    groups = shared_input_groups(model.hf)
+    layers = model.hf.config.num_hidden_layers
+    assert sorted(map(sorted, groups)) == sorted(
+        [[f"model.layers.{i}.self_attn.{p}_proj" for p in "kqv"] for i in range(layers)]
+        + [[f"model.layers.{i}.mlp.{p}_proj" for p in ("gate", "up")] for i in range(layers)]
+    )
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_fused_projections_give_the_separate_layers_bits(scheme):
+    fused, separate = tiny_model(seed=0, hidden_size=64), tiny_model(seed=0, hidden_size=64)
+    quantize(fused.hf, scheme)
+    quantize(separate.hf, scheme, fuse=False)
+    assert isinstance(fused.hf.model.layers[0].self_attn.k_proj, FusedMember)
+    assert not any(isinstance(m, FusedMember) for m in separate.hf.modules())
+    ids = torch.tensor([list(range(3, 40))])
+    with torch.inference_mode():
+        assert torch.equal(fused.hf(input_ids=ids).logits, separate.hf(input_ids=ids).logits)
+        # a member called with another input than its group's last one computes it afresh
+        attention = fused.hf.model.layers[0].self_attn
+        x, y = torch.randn(1, 2, 64), torch.randn(1, 2, 64)
+        assert torch.equal(attention.q_proj(x), separate.hf.model.layers[0].self_attn.q_proj(x))
+        assert torch.equal(attention.k_proj(y), separate.hf.model.layers[0].self_attn.k_proj(y))
