@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from fastforward import attention
+from fastforward import attention, smoothing
 from fastforward.cache import new_cache, truncate
 from fastforward.compiled import compile_forward, make_contiguous
 from fastforward.errors import FastForwardError
@@ -386,7 +386,8 @@ def load_model(
     if device:
         hf.to(device)
     hf.eval()
-    quantize_linears(hf, quantize, fuse=not compile)  # compiled steps trace separate layers
+    calibration = smoothing.calibration_ids(tokenizer) if quantize != "none" else None
+    quantize_linears(hf, quantize, fuse=not compile, calibration=calibration)  # compiled steps trace separate layers
     model = Model(hf, tokenizer, name=name_or_path)
     if compile:
         model.compile_steps()

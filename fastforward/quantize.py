@@ -10,7 +10,9 @@ layers give the same bits in a 1-token and a 16-token forward (tested). This is 
 torchao's `Int8DynamicActivationInt8WeightConfig`, written out here in five tensor operations:
 torchao's own version of it ran a 1-token forward of SmolLM2-135M in 62 ms against fp32's 35 ms on
 the 2-core Xeon of docs/results.md, its per-token quantization costing more than the matmul saves
-(`benchmarks/quantize.py` measures both).
+(`benchmarks/quantize.py` measures both). `load_model` first smooths the activations' outlier
+channels into the weights (`fastforward.smoothing`, calibrated on built-in text), which brings the
+int8 model's greedy choices much closer to fp32's.
 
 `int4` (`Int4Linear`): int4 weights in groups of 32 with a scale and offset each (asymmetric),
 through PyTorch's CPU kernel `torch._weight_int4pack_mm_for_cpu` with bfloat16 activations. torchao
@@ -28,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastforward import fusion
+from fastforward import fusion, smoothing
 from fastforward.errors import FastForwardError
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -38,9 +40,13 @@ INT4_GROUP = 32
 class Int8Linear(nn.Module):
     """y = (q(x) @ W8ᵀ) · s_x · s_w: per-token int8 activations, per-channel int8 weights."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, smoothing: torch.Tensor | None = None):
         super().__init__()
         weight = linear.weight.detach().float()
+        # x · Wᵀ = (x / s) · (W · s)ᵀ: the activations' outlier channels moved into the weights (`smoothing`)
+        self.register_buffer("input_scale", None if smoothing is None else 1 / smoothing)
+        if smoothing is not None:
+            weight = weight * smoothing
         scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
         self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).to(torch.int8))
         self.register_buffer("weight_scale", scale)
@@ -49,6 +55,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
+        if self.input_scale is not None:
+            rows = rows * self.input_scale
         # |x / s| <= 127 by construction of s, so no clamp is needed before the cast.
         scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
         product = torch._int_mm(torch.round(rows / scale).to(torch.int8), self.weight_int8.t())
@@ -91,8 +99,9 @@ def _kind(in_features: int, out_features: int, scheme: str) -> type[nn.Module]:
     return Int4Linear if scheme == "int4" and int4_fits else Int8Linear
 
 
-def _quantized(linear: nn.Linear, scheme: str) -> nn.Module:
-    return _kind(linear.in_features, linear.out_features, scheme)(linear)
+def _quantized(linear: nn.Linear, scheme: str, smoothing: torch.Tensor | None) -> nn.Module:
+    kind = _kind(linear.in_features, linear.out_features, scheme)
+    return Int8Linear(linear, smoothing) if kind is Int8Linear else kind(linear)
 
 
 def _fusable(layers: list[nn.Linear], scheme: str) -> bool:
@@ -107,10 +116,11 @@ def check_scheme(scheme: str) -> None:
         raise FastForwardError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZATIONS)}")
 
 
-def quantize(hf: nn.Module, scheme: str, fuse: bool = True) -> None:
+def quantize(hf: nn.Module, scheme: str, fuse: bool = True, calibration: list[list[int]] | None = None) -> None:
     """Replace every nn.Linear of `hf` in place ("none" leaves it as it is). CPU only: the kernels
     are PyTorch's CPU integer kernels. fuse: layers that read the same input become one layer
-    (`fastforward.fusion`; the same bits, fewer calls)."""
+    (`fastforward.fusion`; the same bits, fewer calls). calibration: token ids whose forwards set
+    the int8 layers' smoothing (`fastforward.smoothing`); None quantizes them unsmoothed."""
     check_scheme(scheme)
     if scheme == "none":
         return
@@ -120,13 +130,15 @@ def quantize(hf: nn.Module, scheme: str, fuse: bool = True) -> None:
             f"--quantize {scheme} runs on the CPU only (the model is on {device}): use --quantize none"
         )
     _untie_output(hf)
-    for members in fusion.shared_input_groups(hf) if fuse else []:
+    groups = fusion.shared_input_groups(hf)
+    factors = smoothing.smoothing_factors(hf, groups, calibration) if calibration else {}
+    for members in groups if fuse else []:
         if _fusable([hf.get_submodule(name) for name in members], scheme):
-            fusion.fuse(hf, members, lambda linear: _quantized(linear, scheme))
-    for parent in list(hf.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, _quantized(child, scheme))
+            fusion.fuse(hf, members, lambda linear, first=members[0]: _quantized(linear, scheme, factors.get(first)))
+    for name, module in list(hf.named_modules()):
+        if isinstance(module, nn.Linear):
+            parent, _, attribute = name.rpartition(".")
+            setattr(hf.get_submodule(parent), attribute, _quantized(module, scheme, factors.get(name)))
     hf.config.fastforward_quantization = scheme
 
 

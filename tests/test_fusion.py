@@ -3,6 +3,7 @@ import torch
 
 from fastforward.fusion import FusedMember, shared_input_groups
 from fastforward.quantize import quantize
+from fastforward.smoothing import CALIBRATION_EXAMPLES, CALIBRATION_TOKENS, calibration_ids
 from fastforward.tiny import tiny_model
 
 
@@ -19,8 +20,9 @@ def test_the_projections_that_read_one_input_are_found_per_layer():
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_fused_projections_give_the_separate_layers_bits(scheme):
     fused, separate = tiny_model(seed=0, hidden_size=64), tiny_model(seed=0, hidden_size=64)
-    quantize(fused.hf, scheme)
-    quantize(separate.hf, scheme, fuse=False)
+    calibration = [list(range(3, 50))]  # smoothing factors are shared within a group, fused or not
+    quantize(fused.hf, scheme, calibration=calibration)
+    quantize(separate.hf, scheme, fuse=False, calibration=calibration)
     assert isinstance(fused.hf.model.layers[0].self_attn.k_proj, FusedMember)
     assert not any(isinstance(m, FusedMember) for m in separate.hf.modules())
     ids = torch.tensor([list(range(3, 40))])
@@ -31,3 +33,8 @@ def test_fused_projections_give_the_separate_layers_bits(scheme):
         x, y = torch.randn(1, 2, 64), torch.randn(1, 2, 64)
         assert torch.equal(attention.q_proj(x), separate.hf.model.layers[0].self_attn.q_proj(x))
         assert torch.equal(attention.k_proj(y), separate.hf.model.layers[0].self_attn.k_proj(y))
+
+
+def test_calibration_text_is_built_in():
+    ids = calibration_ids(tiny_model(seed=0).tokenizer)
+    assert len(ids) == CALIBRATION_EXAMPLES and all(0 < len(i) <= CALIBRATION_TOKENS for i in ids)

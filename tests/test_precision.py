@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from fastforward import attention
+from fastforward import attention, smoothing
 from fastforward.api import build_decoder
 from fastforward.cache import truncate
 from fastforward.decoders import ARDecoder, registry
@@ -16,11 +16,11 @@ LOSSLESS = sorted(name for name, spec in registry.specs().items() if spec.lossle
 PRECISIONS = [("float32", "int8"), ("float32", "int4"), ("bfloat16", "none")]
 
 
-def _model(dtype: str, scheme: str, exact: bool = True):
+def _model(dtype: str, scheme: str, exact: bool = True, smoothed: bool = True):
     model = tiny_model(seed=0, init_std=0.5, hidden_size=64)
     model.add_mask_token()
     model.hf.to(getattr(torch, dtype))
-    quantize(model.hf, scheme)
+    quantize(model.hf, scheme, calibration=[list(range(3, 60))] if smoothed else None)  # as `load_model` does
     if exact:
         model.hf.config._attn_implementation = attention.NAME
     return model
@@ -41,6 +41,23 @@ def test_quantized_linear_is_close_and_row_invariant(kind):
     assert error < (0.02 if kind is Int8Linear else 0.15)
 
 
+def test_smoothing_keeps_int8_row_invariant_and_tames_an_outlier_channel():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 64)
+    x = torch.randn(16, 128)
+    x[:, 5] *= 60  # one input channel far larger than the rest, as in real models
+    factors = smoothing.smoothing_factors(torch.nn.Sequential(linear), [], [])  # not called: no factors
+    assert factors == {}
+    seen = x.abs().amax(0)
+    smoothed = Int8Linear(linear, (seen**0.5 / linear.weight.abs().amax(0) ** 0.5).detach())
+    plain = Int8Linear(linear)
+    with torch.inference_mode():
+        reference = linear(x)
+        together = smoothed(x)
+        assert torch.equal(together, torch.cat([smoothed(x[i : i + 1]) for i in range(16)]))
+        assert (together - reference).abs().mean() < 0.5 * (plain(x) - reference).abs().mean()
+
+
 def test_quantize_replaces_every_linear_and_unties_the_embedding():
     model = tiny_model(seed=0)
     embedding = model.hf.get_input_embeddings().weight.clone()
@@ -56,7 +73,7 @@ def test_quantize_replaces_every_linear_and_unties_the_embedding():
 def test_exact_attention_makes_block_logits_equal_one_token_logits(dtype, scheme, exact, growing):
     # Without row-invariant attention the two differ in the last bits (a 40-token prompt shows it here).
     # growing: the cache's spare slots are the masked key slots; else (transformers' cache) zeros are.
-    model = _model(dtype, scheme, exact)
+    model = _model(dtype, scheme, exact, smoothed=exact)  # unsmoothed int8 shows the flip below
     prompt, block = list(range(3, 43)), torch.tensor([[5, 17, 99, 3, 42, 7, 8, 120]])
     with torch.inference_mode():
         cache = model.new_cache() if growing else DynamicCache(config=model.hf.config)

@@ -1,0 +1,75 @@
+"""How close each quantization's next-token choices are to fp32's, teacher-forced (`fastforward.smoothing`).
+
+For `pycode` test examples (prompt, then the reference continuation), one forward of the fp32 model
+and of each quantized variant over the whole text; over the reference's tokens, the share where the
+variant's argmax equals fp32's and the mean KL(fp32 || variant). Variants: int8 without smoothing,
+int8 smoothed as `load_model` does it (calibrated on the `pycode` train split), and int4. A cheap,
+smooth proxy for the greedy agreement and accuracy that `benchmarks/agreement.py` reports from
+whole decodes. Writes JSON with the load average.
+
+    python benchmarks/smoothing.py                 # 40 examples, about 3 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from common import RESULTS, load_average, log, set_threads, write_report
+
+from fastforward.evaluate import format_table
+from fastforward.model import load_model
+from fastforward.quantize import quantize
+from fastforward.smoothing import calibration_ids
+from fastforward.tasks import get_task
+
+VARIANTS = {"int8 unsmoothed": ("int8", False), "int8 smoothed": ("int8", True), "int4": ("int4", True)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=40, help="pycode test examples")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "smoothing.json")
+    args = parser.parse_args()
+    threads = set_threads(args.threads)
+    load_before = load_average()
+    reference = load_model("smollm2-135m")
+    tokenizer = reference.tokenizer
+    texts = [
+        (tokenizer(ex.prompt)["input_ids"], tokenizer("\n" + ex.reference)["input_ids"])
+        for ex in get_task("pycode").examples("test", n=args.n)
+    ]
+
+    def logits(hf, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            out = hf(input_ids=torch.tensor([prompt + continuation])).logits[0]
+        return out[len(prompt) - 1 : -1].float().log_softmax(-1)
+
+    wanted = [logits(reference.hf, *text) for text in texts]
+    rows = []
+    for label, (scheme, smoothed) in VARIANTS.items():
+        model = load_model("smollm2-135m")
+        quantize(model.hf, scheme, calibration=calibration_ids(tokenizer) if smoothed else None)
+        agree = total = 0
+        divergence = 0.0
+        for text, want in zip(texts, wanted, strict=True):
+            got = logits(model.hf, *text)
+            agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+            total += len(want)
+            divergence += float(torch.nn.functional.kl_div(got, want, log_target=True, reduction="sum"))
+        rows.append({"variant": label, "top1_agreement": agree / total, "mean_kl": divergence / total, "tokens": total})
+        log(f"{label}: done")
+    columns = [
+        ("variant", "variant", str),
+        ("argmax = fp32's", "top1_agreement", lambda v: f"{v:.3f}"),
+        ("mean KL", "mean_kl", lambda v: f"{v:.4f}"),
+        ("tokens", "tokens", str),
+    ]
+    log(format_table(rows, columns))
+    write_report(args.out, load_before, threads, n=args.n, rows=rows)
+
+
+if __name__ == "__main__":
+    main()
