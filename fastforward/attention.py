@@ -37,7 +37,6 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from fastforward.cache import spare_room
 from fastforward.errors import FastForwardError
 
 NAME = "fastforward_exact"
@@ -189,19 +188,12 @@ def _attend(
 
 
 def _key_buffer(source: torch.Tensor, call: _Call) -> torch.Tensor:
-    """[1, Hkv, width, d]: the call's keys (or values) from index 0, then masked slots: the cache
-    buffer's own next slots where it has them (`cache.spare_room`), else zeros."""
+    """[1, Hkv, width, d]: the call's keys (or values) from index 0, zeros after them, contiguous: the
+    same memory layout in every forward."""
     if call.index is not None:
         taken = source[call.batch].index_select(1, call.index)
     else:
         taken = source[call.batch, :, call.start : call.start + call.width]
-        if taken.shape[1] < call.width and spare_room(source):
-            wider = taken.as_strided((taken.shape[0], call.width, taken.shape[2]), taken.stride())
-            last = wider.storage_offset() + sum(
-                (n - 1) * step for n, step in zip(wider.shape, wider.stride(), strict=True)
-            )
-            if last < wider.untyped_storage().nbytes() // wider.element_size():
-                return wider[None]
     return torch.nn.functional.pad(taken, (0, 0, 0, call.width - taken.shape[1]))[None]
 
 

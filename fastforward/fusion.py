@@ -2,9 +2,9 @@
 
 A decoder layer reads one normalised hidden state into its query, key and value projections, and
 another into its gate and up projections: seven matmuls per layer where three calls would do. On a
-CPU decoding one token at a time each call has a fixed cost (the int8 path also quantizes the input
-again for every one), so SmolLM2-135M spends about a tenth of a one-token step in calls that could
-be shared (`benchmarks/step_overhead.py` times both).
+CPU decoding one token at a time each call has a fixed cost, and the int8 path quantizes the input
+again for every one: fused, an int8 forward of SmolLM2-135M took about 6 % less time at 1 and 16
+tokens, an int4 one the same (`benchmarks/step_overhead.py`, docs/results.md).
 
 `shared_input_groups` finds the groups by running a three-token forward and noting which linear
 layers receive the very same input tensor. `fuse` quantizes a group's concatenated weights as one

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from transformers.utils import logging as hf_logging
 
 from fastforward import attention, smoothing
-from fastforward.cache import new_cache, truncate
+from fastforward.cache import truncate
 from fastforward.compiled import compile_forward, make_contiguous
 from fastforward.errors import FastForwardError
 from fastforward.quantize import check_scheme
@@ -164,9 +164,7 @@ class Model:
 
     # ---- layouts ------------------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:
-        """A cache that appends in place (`cache.GrowingLayer`); compiled steps keep transformers' own,
-        whose contiguous entries give every step one memory layout."""
-        return DynamicCache(config=self.hf.config) if self.compiled_forward is not None else new_cache(self.hf.config)
+        return DynamicCache(config=self.hf.config)
 
     def run(self, layout: Layout, cache: DynamicCache | None) -> torch.Tensor | None:
         """Execute a layout against `cache` (appending, then dropping all but `keep` new entries).
