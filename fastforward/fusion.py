@@ -1,10 +1,11 @@
-"""Quantized projections that read the same input run as one matmul, without touching a modeling file.
+"""int8 projections that read the same input run as one matmul, without touching a modeling file.
 
 A decoder layer reads one normalised hidden state into its query, key and value projections, and
 another into its gate and up projections: seven matmuls per layer where three calls would do. On a
 CPU decoding one token at a time each call has a fixed cost, and the int8 path quantizes the input
-again for every one: fused, an int8 forward of SmolLM2-135M took about 6 % less time at 1 and 16
-tokens, an int4 one the same (`benchmarks/step_overhead.py`, docs/results.md).
+again for every one. Fused, an int8 forward of SmolLM2-135M took 4-8 % less time at 1 token over
+three runs and an int4 one no less, so `quantize` fuses int8 layers only
+(`benchmarks/step_overhead.py`, docs/results.md).
 
 `shared_input_groups` finds the groups by running a three-token forward and noting which linear
 layers receive the very same input tensor. `fuse` quantizes a group's concatenated weights as one
