@@ -1,14 +1,17 @@
 """What fusing the projections that read one input is worth (`fastforward.fusion`), per forward.
 
-Builds SmolLM2-135M at each quantization with `--exact` twice, with fused projections ("fused",
-what `load_model` does) and with separate ones ("separate"), and times forwards of 1, 4 and 16
+Builds SmolLM2-135M at int8 with `--exact` twice, with fused projections ("fused", what
+`load_model` does) and with separate ones ("separate"), and times forwards of 1, 4 and 16
 tokens against a 256-token cache for each (`roofline.measure_block_cost`), the two interleaved
 round by round in one process. Whole decodes on this noisy 2-core machine varied more than the
 difference; the fastest of many forwards does not. Also checks that `ar` decodes of chat, `pycode`
 and `humaneval` prompts give the same tokens both ways (fusing must not move a bit). Prints the
 fastest and median times and writes JSON with the load average.
 
-    python benchmarks/step_overhead.py              # 6 rounds of 7 repeats, about 3 min
+    python benchmarks/step_overhead.py              # 6 rounds of 7 repeats, about 2 min
+
+int4 layers are not fused: at commit 1e5d2cd, which fused them too, this script measured fused int4
+forwards no faster (docs/results.md).
 """
 
 from __future__ import annotations
@@ -41,12 +44,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=7, help="timed forwards of each size per round")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quantize", nargs="+", default=["int4", "int8"], choices=["int8", "int4"])
     parser.add_argument("--out", type=Path, default=RESULTS / "step_overhead.json")
     args = parser.parse_args()
     threads = set_threads(args.threads)
     load_before = load_average()
-    models = {(scheme, variant): variant_model(scheme, variant) for scheme in args.quantize for variant in VARIANTS}
+    models = {("int8", variant): variant_model("int8", variant) for variant in VARIANTS}
     fastest: dict[tuple, list[float]] = defaultdict(list)
     medians: dict[tuple, list[float]] = defaultdict(list)
     for round_ in range(args.rounds):
