@@ -29,7 +29,7 @@ from fastforward import attention, smoothing
 from fastforward.cache import truncate
 from fastforward.compiled import compile_forward, make_contiguous
 from fastforward.errors import FastForwardError
-from fastforward.quantize import check_scheme
+from fastforward.quantize import check_scheme, uses_int8
 from fastforward.quantize import quantize as quantize_linears
 
 MASK_TOKEN = "<|mask|>"
@@ -384,7 +384,7 @@ def load_model(
     if device:
         hf.to(device)
     hf.eval()
-    calibration = smoothing.calibration_ids(tokenizer) if quantize != "none" else None
+    calibration = smoothing.calibration_ids(tokenizer) if uses_int8(hf, quantize) else None
     quantize_linears(hf, quantize, fuse=not compile, calibration=calibration)  # compiled steps trace separate layers
     model = Model(hf, tokenizer, name=name_or_path)
     if compile:

@@ -104,6 +104,12 @@ def _quantized(linear: nn.Linear, scheme: str, smoothing: torch.Tensor | None) -
     return Int8Linear(linear, smoothing) if kind is Int8Linear else kind(linear)
 
 
+def uses_int8(hf: nn.Module, scheme: str) -> bool:
+    """Whether quantizing `hf` with `scheme` gives it int8 layers (int8, or int4's misfits)."""
+    linears = [m for m in hf.modules() if isinstance(m, nn.Linear)]
+    return scheme != "none" and any(_kind(m.in_features, m.out_features, scheme) is Int8Linear for m in linears)
+
+
 def check_scheme(scheme: str) -> None:
     if scheme not in QUANTIZATIONS:
         raise FastForwardError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZATIONS)}")
@@ -123,7 +129,9 @@ def quantize(hf: nn.Module, scheme: str, fuse: bool = True, calibration: list[li
             f"--quantize {scheme} runs on the CPU only (the model is on {device}): use --quantize none"
         )
     _untie_output(hf)
-    groups = fusion.shared_input_groups(hf)
+    if not uses_int8(hf, scheme):  # int4 throughout: nothing to smooth or fuse
+        calibration, fuse = None, False
+    groups = fusion.shared_input_groups(hf) if calibration or fuse else []
     factors = smoothing.smoothing_factors(hf, groups, calibration) if calibration else {}
     for members in groups if fuse and scheme == "int8" else []:  # int4 measured no faster fused
         fusion.fuse(hf, members, lambda linear, first=members[0]: Int8Linear(linear, factors.get(first)))
