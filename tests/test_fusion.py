@@ -2,7 +2,7 @@ import torch
 
 from fastforward.fusion import FusedMember, shared_input_groups
 from fastforward.quantize import quantize
-from fastforward.smoothing import CALIBRATION_EXAMPLES, CALIBRATION_TOKENS, calibration_ids
+from fastforward.smoothing import CALIBRATION_EXAMPLES, CALIBRATION_TOKENS, calibration_ids, smoothing_factors
 from fastforward.tiny import tiny_model
 
 
@@ -42,3 +42,15 @@ def test_int4_layers_stay_separate():
     model = tiny_model(seed=0, hidden_size=64)
     quantize(model.hf, "int4")
     assert not any(isinstance(m, FusedMember) for m in model.hf.modules())
+
+
+def test_smoothing_factors_are_shared_by_the_layers_that_read_one_input():
+    model = tiny_model(seed=0)
+    groups = shared_input_groups(model.hf)
+    factors = smoothing_factors(model.hf, groups, [list(range(3, 40))])
+    linears = {name for name, m in model.hf.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert set(factors) == linears  # every layer is called by the calibration forward
+    for members in groups:
+        assert all(torch.equal(factors[name], factors[members[0]]) for name in members)
+    output = factors["lm_head"]
+    assert output.shape == (model.hf.config.hidden_size,) and bool((output > 0).all() & output.isfinite().all())
