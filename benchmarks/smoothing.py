@@ -5,7 +5,8 @@ and of each quantized variant over the whole text; over the reference's tokens, 
 variant's argmax equals fp32's and the mean KL(fp32 || variant). Variants: int8 without smoothing,
 int8 smoothed as `load_model` does it (calibrated on the `pycode` train split), and int4. A cheap,
 smooth proxy for the greedy agreement and accuracy that `benchmarks/agreement.py` reports from
-whole decodes. Writes JSON with the load average.
+whole decodes, and the seconds quantizing took (calibration included). Writes JSON with the load
+average.
 
     python benchmarks/smoothing.py                 # 40 examples, about 3 min on 2 cores
 """
@@ -13,6 +14,7 @@ whole decodes. Writes JSON with the load average.
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import torch
@@ -51,7 +53,9 @@ def main() -> None:
     rows = []
     for label, (scheme, smoothed) in VARIANTS.items():
         model = load_model("smollm2-135m")
+        started = time.perf_counter()  # what quantizing costs at load, calibration included
         quantize(model.hf, scheme, calibration=calibration_ids(tokenizer) if smoothed else None)
+        quantize_s = time.perf_counter() - started
         agree = total = 0
         divergence = 0.0
         for text, want in zip(texts, wanted, strict=True):
@@ -59,13 +63,22 @@ def main() -> None:
             agree += int((got.argmax(-1) == want.argmax(-1)).sum())
             total += len(want)
             divergence += float(torch.nn.functional.kl_div(got, want, log_target=True, reduction="sum"))
-        rows.append({"variant": label, "top1_agreement": agree / total, "mean_kl": divergence / total, "tokens": total})
+        rows.append(
+            {
+                "variant": label,
+                "top1_agreement": agree / total,
+                "mean_kl": divergence / total,
+                "tokens": total,
+                "quantize_s": quantize_s,
+            }
+        )
         log(f"{label}: done")
     columns = [
         ("variant", "variant", str),
         ("argmax = fp32's", "top1_agreement", lambda v: f"{v:.3f}"),
         ("mean KL", "mean_kl", lambda v: f"{v:.4f}"),
         ("tokens", "tokens", str),
+        ("quantize s", "quantize_s", lambda v: f"{v:.1f}"),
     ]
     log(format_table(rows, columns))
     write_report(args.out, load_before, threads, n=args.n, rows=rows)
