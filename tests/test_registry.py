@@ -10,6 +10,7 @@ from fastforward.cli import build_parser, main
 from fastforward.decoders import registry
 from fastforward.errors import FastForwardError
 from fastforward.evaluate import parse_sweep
+from fastforward.tiny import tiny_model
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -67,3 +68,9 @@ def test_generate_picks_lookup_unless_an_option_asks_for_ar():
 
     assert default_decoder({}) == "lookup" and default_decoder({"lookup_tokens": 4}) == "lookup"
     assert default_decoder({"temperature": 0.7}) == "ar" and default_decoder({"seed": 1}) == "ar"
+
+
+def test_generate_reports_the_decoder_it_chose(tmp_path, capsys):
+    tiny_model(seed=0).save(tmp_path / "m")
+    assert main(["generate", "--model", str(tmp_path / "m"), "--max-new-tokens", "4", "1 2 3"]) == 0
+    assert capsys.readouterr().err.startswith("[lookup: 4 tokens")

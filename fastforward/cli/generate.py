@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         raise FastForwardError("no prompts: give them as arguments or one per line on stdin")
     knobs = decoder_knobs(args)
-    decoder = build_decoder(args.decoder or default_decoder(knobs), **knobs)
+    args.decoder = args.decoder or default_decoder(knobs)  # named as chosen in each report
+    decoder = build_decoder(args.decoder, **knobs)
     model = load_model(args.model, device=args.device, **precision(args))
     encoded = [model.encode_prompt(p, chat_template=not args.no_chat_template) for p in prompts]
     for start in range(0, len(encoded), args.batch_size):
