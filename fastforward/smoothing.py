@@ -60,11 +60,11 @@ def smoothing_factors(hf: nn.Module, groups: list[list[str]], calibration: list[
         for hook in hooks:
             hook.remove()
     grouped = {name: members for members in groups for name in members}
+    tiny = torch.finfo(torch.float32).tiny
     factors = {}
     for name in linears:
         members = grouped.get(name, [name])
         weight_max = torch.stack([linears[m].weight.detach().abs().amax(0).float() for m in members]).amax(0)
-        tiny = torch.finfo(torch.float32).tiny
         seen = maxima.get(members[0])
         if seen is not None:  # a layer the calibration forwards never call is left as it is
             factors[name] = (seen.clamp_min(tiny) ** ALPHA / weight_max.clamp_min(tiny) ** (1 - ALPHA)).clamp_min(1e-5)
