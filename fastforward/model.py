@@ -29,7 +29,7 @@ from fastforward import attention, smoothing
 from fastforward.cache import truncate
 from fastforward.compiled import compile_forward, make_contiguous
 from fastforward.errors import FastForwardError
-from fastforward.quantize import check_scheme, uses_int8
+from fastforward.quantize import check_scheme, prefill_kernels, uses_int8
 from fastforward.quantize import quantize as quantize_linears
 
 MASK_TOKEN = "<|mask|>"
@@ -182,14 +182,17 @@ class Model:
         if self.compiled_forward is not None and past > 0:  # a step: one memory layout, one graph per kind
             make_contiguous(cache)
             forward, tokens, positions = self.compiled_forward, tokens.contiguous(), positions.contiguous()
-        out = forward(
-            input_ids=tokens,
-            position_ids=positions,
-            attention_mask=None if layout.visibility is None else layout.visibility[:, None],
-            past_key_values=cache,
-            use_cache=cache is not None,
-            logits_to_keep=read,
-        )
+        # A prefill (an empty cache) is shared by AR and every decoder: it may take faster kernels that
+        # are not row-invariant (`quantize.prefill_kernels`).
+        with prefill_kernels() if cache is not None and past == 0 else contextlib.nullcontext():
+            out = forward(
+                input_ids=tokens,
+                position_ids=positions,
+                attention_mask=None if layout.visibility is None else layout.visibility[:, None],
+                past_key_values=cache,
+                use_cache=cache is not None,
+                logits_to_keep=read,
+            )
         if cache is not None:
             truncate(cache, past + layout.keep)
         return out.logits.float() if layout.read is not None else None

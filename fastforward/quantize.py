@@ -18,6 +18,12 @@ int8 model's greedy choices much closer to fp32's.
 through PyTorch's CPU kernel `torch._weight_int4pack_mm_for_cpu` with bfloat16 activations. torchao
 0.18 has no int4 path for x86 CPUs (its int4 formats need CUDA, or KleidiAI on Arm).
 
+The int4 kernel's time grows with every row (it dequantizes as it multiplies), which makes a
+prompt's prefill slow: on a CPU with native bfloat16 arithmetic (AVX-512 BF16 or AMX), int4 layers
+also keep their weights dequantized to bfloat16 (2 more bytes per weight; not the output layer's),
+and a prefill (`prefill_kernels`) multiplies by those. That is not row-invariant, and needs not be:
+AR and every decoder start from the same prefill of the same prompt.
+
 A layer whose shape the int4 kernel cannot take
 (input width not a multiple of 32, output width not a multiple of 16) is quantized to int8 instead.
 
@@ -27,6 +33,10 @@ cut: the embedding lookup keeps float weights).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -35,6 +45,30 @@ from fastforward.errors import FastForwardError
 
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32
+DENSE_ROWS = 32  # a prefill of fewer rows (a short prompt, the output layer's few) keeps the int4 kernel
+
+
+class _Prefill(threading.local):
+    active = False
+
+
+_prefill = _Prefill()
+
+
+@contextmanager
+def prefill_kernels() -> Iterator[None]:
+    """Within it (this thread), int4 layers given at least `DENSE_ROWS` rows multiply by their
+    dequantized bfloat16 weights, where they keep them. For prefills only: the result depends on the
+    number of rows."""
+    before, _prefill.active = _prefill.active, True
+    try:
+        yield
+    finally:
+        _prefill.active = before
+
+
+def _native_bfloat16() -> bool:
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 class Int8Linear(nn.Module):
@@ -69,7 +103,8 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """Group-wise asymmetric int4 weights, bfloat16 activations (`_weight_int4pack_mm_for_cpu`)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, dense: bool = False):
+        """dense: also keep the weights dequantized to bfloat16, for prefills (`prefill_kernels`)."""
         super().__init__()
         out_features, in_features = linear.weight.shape
         groups = linear.weight.detach().float().reshape(out_features, -1, INT4_GROUP)
@@ -81,15 +116,25 @@ class Int4Linear(nn.Module):
         zero = low + 8 * scale
         scales_and_zeros = torch.stack([scale[..., 0].t(), zero[..., 0].t()], dim=-1)
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
+        dequantized = _dequantized(codes.reshape(groups.shape), scale, zero).reshape_as(codes) if dense else None
+        self.register_buffer("dense", dequantized, persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.in_features, self.out_features = in_features, out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros).to(x.dtype)
+        if self.dense is not None and _prefill.active and rows.shape[0] >= DENSE_ROWS:
+            y = nn.functional.linear(rows, self.dense).to(x.dtype)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def _dequantized(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """What the int4 kernel multiplies by, (code - 8) · scale + zero with its bfloat16 scales, in bfloat16."""
+    return ((codes - 8) * scale.bfloat16().float() + zero.bfloat16().float()).bfloat16()
 
 
 def _kind(in_features: int, out_features: int, scheme: str) -> type[nn.Module]:
@@ -99,9 +144,9 @@ def _kind(in_features: int, out_features: int, scheme: str) -> type[nn.Module]:
     return Int4Linear if scheme == "int4" and int4_fits else Int8Linear
 
 
-def _quantized(linear: nn.Linear, scheme: str, smoothing: torch.Tensor | None) -> nn.Module:
+def _quantized(linear: nn.Linear, scheme: str, smoothing: torch.Tensor | None, dense: bool) -> nn.Module:
     kind = _kind(linear.in_features, linear.out_features, scheme)
-    return Int8Linear(linear, smoothing) if kind is Int8Linear else kind(linear)
+    return Int8Linear(linear, smoothing) if kind is Int8Linear else Int4Linear(linear, dense)
 
 
 def uses_int8(hf: nn.Module, scheme: str) -> bool:
@@ -135,10 +180,13 @@ def quantize(hf: nn.Module, scheme: str, fuse: bool = True, calibration: list[li
     factors = smoothing.smoothing_factors(hf, groups, calibration) if calibration else {}
     for members in groups if fuse and scheme == "int8" else []:  # int4 measured no faster fused
         fusion.fuse(hf, members, lambda linear, first=members[0]: Int8Linear(linear, factors.get(first)))
+    # The output layer reads a prefill's last rows only: its bfloat16 copy would sit unused.
+    output = hf.get_output_embeddings()
     for name, module in list(hf.named_modules()):
         if isinstance(module, nn.Linear):
             parent, _, attribute = name.rpartition(".")
-            setattr(hf.get_submodule(parent), attribute, _quantized(module, scheme, factors.get(name)))
+            dense = _native_bfloat16() and module is not output
+            setattr(hf.get_submodule(parent), attribute, _quantized(module, scheme, factors.get(name), dense))
     hf.config.fastforward_quantization = scheme
 
 

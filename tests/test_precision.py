@@ -4,11 +4,13 @@ import pytest
 import torch
 
 from fastforward import attention
+from fastforward import quantize as quantization
 from fastforward.api import build_decoder
 from fastforward.cache import truncate
 from fastforward.decoders import ARDecoder, registry
 from fastforward.errors import FastForwardError
-from fastforward.quantize import Int4Linear, Int8Linear, quantize
+from fastforward.model import Layout
+from fastforward.quantize import DENSE_ROWS, Int4Linear, Int8Linear, prefill_kernels, quantize
 from fastforward.tiny import tiny_model
 
 LOSSLESS = sorted(name for name, spec in registry.specs().items() if spec.lossless)
@@ -38,6 +40,39 @@ def test_quantized_linear_is_close_and_row_invariant(kind):
     assert torch.equal(together, alone)  # a row's result does not depend on the other rows
     error = (together - reference).abs().max() / reference.abs().max()
     assert error < (0.02 if kind is Int8Linear else 0.15)
+
+
+def test_int4_prefill_multiplies_by_the_kernels_own_weights_in_bfloat16():
+    torch.manual_seed(0)
+    layer = Int4Linear(torch.nn.Linear(128, 64, bias=False), dense=True)
+    x = torch.randn(DENSE_ROWS + 8, 128)
+    with torch.inference_mode():
+        kernel = torch._weight_int4pack_mm_for_cpu(x.bfloat16(), layer.packed, 32, layer.scales_and_zeros).float()
+        identity = torch.eye(128, dtype=torch.bfloat16)
+        unpacked = torch._weight_int4pack_mm_for_cpu(identity, layer.packed, 32, layer.scales_and_zeros).t()
+        assert torch.equal(layer.dense, unpacked)  # the very weights the kernel multiplies by
+        assert torch.equal(layer(x), kernel)  # outside a prefill: the kernel
+        with prefill_kernels():
+            assert torch.equal(layer(x), torch.nn.functional.linear(x.bfloat16(), layer.dense).float())
+            assert torch.equal(layer(x[: DENSE_ROWS - 1]), kernel[: DENSE_ROWS - 1])  # too few rows: the kernel
+        assert torch.equal(layer(x), kernel)  # the context is left
+
+
+def test_lossless_decoders_equal_ar_after_a_bfloat16_prefill(monkeypatch):
+    # Whatever this CPU has, int4 layers keep bfloat16 weights and a long prompt's prefill uses them.
+    monkeypatch.setattr(quantization, "_native_bfloat16", lambda: True)
+    model = _model("float32", "int4")
+    prompt = [3 + (i * 7) % 50 for i in range(DENSE_ROWS + 9)]
+    ids = torch.tensor([prompt])
+    layout = Layout(tokens=ids, positions=torch.arange(len(prompt))[None], visibility=None, read=None, keep=len(prompt))
+    with torch.inference_mode():
+        run_cache, kernel_cache = model.new_cache(), model.new_cache()
+        model.run(layout, run_cache)
+        model.hf(input_ids=ids, past_key_values=kernel_cache, use_cache=True)
+    assert not torch.equal(run_cache.layers[0].keys, kernel_cache.layers[0].keys)  # the prefill took the other path
+    ar = ARDecoder().generate(model, [prompt], max_new_tokens=30)[0]
+    for name in LOSSLESS:
+        assert build_decoder(name).generate(model, [prompt], max_new_tokens=30)[0].token_ids == ar.token_ids, name
 
 
 def test_smoothing_keeps_int8_row_invariant_and_tames_an_outlier_channel():
