@@ -1,6 +1,6 @@
 """Helpers shared by the benchmark scripts: paths, logging, thread choice, machine facts, load
-average, and `transformers`' own `generate` wrapped as a fastforward decoder so it runs interleaved
-with ours in `evaluate.compare`.
+average, the CPU speed prompts (chat, `pycode`, `humaneval`), and `transformers`' own `generate`
+and llama.cpp wrapped as fastforward decoders so they run interleaved with ours.
 
 Every benchmark runs as `python benchmarks/NAME.py`, which puts this directory first on sys.path, so
 `from common import ...` works with no path setup. Benchmarks import this module and fastforward's
@@ -12,6 +12,7 @@ public names only, never each other.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import time
@@ -22,7 +23,8 @@ import transformers
 
 from fastforward.decoders import Decoder, Generation, Stats
 from fastforward.evaluate import write_json
-from fastforward.model import Model
+from fastforward.model import PRESETS, Model
+from fastforward.tasks import get_task
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -142,3 +144,59 @@ class HFGenerate(Decoder):
         finally:
             hook.remove()
         return results
+
+
+# Chat questions: with `pycode` and `humaneval` problems, the prompts of the CPU speed benchmarks.
+CHAT = [
+    "Explain RoPE in two sentences.",
+    "What is the capital of France, and why is it famous?",
+    "Give three tips for writing clear emails.",
+    "Describe how a bicycle works.",
+    "Why is the sky blue?",
+    "What does a compiler do?",
+    "Summarize the plot of Romeo and Juliet.",
+    "How do vaccines train the immune system?",
+]
+
+
+class LlamaCpp:
+    """llama.cpp's greedy decoding (top-k 1) from the same token ids, timed with its prefill."""
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf: Path, threads: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
+
+    def generate(self, model: Model, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
+        stops, out = set(model.stop_token_ids), []
+        for prompt in prompts:
+            self.llm.reset()  # no prefix reuse from the previous prompt
+            ids: list[int] = []
+            started = time.perf_counter()
+            for token in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+                ids.append(token)
+                if token in stops or len(ids) >= max_new_tokens:
+                    break
+            seconds = time.perf_counter() - started
+            out.append(Generation(ids, model.decode(ids), Stats(max(len(ids) - 1, 0), len(ids), seconds, 0.0)))
+        return out
+
+
+def prompt_groups(model: Model, n: int) -> dict[str, list[list[int]]]:
+    groups = {"chat": [model.encode_prompt(p) for p in CHAT[:n]]}
+    for task in ("pycode", "humaneval"):
+        examples = get_task(task).examples("test", n=n, seed=0)
+        groups[task] = [model.encode_prompt(ex.prompt) for ex in examples]
+    return groups
+
+
+def preset_llama_cpp(threads: int) -> LlamaCpp | None:
+    """llama.cpp on the GGUF file our `smollm2-135m` preset is converted from; None, and said so,
+    when `llama-cpp-python` (an optional benchmark dependency) is not installed."""
+    if not importlib.util.find_spec("llama_cpp"):
+        log("llama-cpp-python is not installed: llama.cpp is left out (pip install llama-cpp-python)")
+        return None
+    package, filename, _ = PRESETS["smollm2-135m"]
+    return LlamaCpp(Path(importlib.util.find_spec(package).submodule_search_locations[0]) / filename, threads)

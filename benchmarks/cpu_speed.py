@@ -24,29 +24,26 @@ benchmarks/results/cpu_speed.json with the load average.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from common import RESULTS, HFGenerate, load_average, log, set_threads, write_report
+from common import (
+    RESULTS,
+    HFGenerate,
+    load_average,
+    log,
+    preset_llama_cpp,
+    prompt_groups,
+    set_threads,
+    write_report,
+)
 
 from fastforward.api import build_decoder
-from fastforward.decoders import Generation, Stats
+from fastforward.decoders import Generation
 from fastforward.evaluate import format_table
-from fastforward.model import PRESETS, Model, load_model
-from fastforward.tasks import get_task
+from fastforward.model import load_model
 
-CHAT = [
-    "Explain RoPE in two sentences.",
-    "What is the capital of France, and why is it famous?",
-    "Give three tips for writing clear emails.",
-    "Describe how a bicycle works.",
-    "Why is the sky blue?",
-    "What does a compiler do?",
-    "Summarize the plot of Romeo and Juliet.",
-    "How do vaccines train the immune system?",
-]
 # (label, model key, decoder name, knobs); the model keys are loaded once each.
 OURS = [
     ("ar fp32", "fp32", "ar", {}),
@@ -73,39 +70,6 @@ MODELS = {
 }
 
 
-class LlamaCpp:
-    """llama.cpp's greedy decoding (top-k 1) from the same token ids, timed with its prefill."""
-
-    name = "llama.cpp"
-
-    def __init__(self, gguf: Path, threads: int):
-        from llama_cpp import Llama
-
-        self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
-
-    def generate(self, model: Model, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
-        stops, out = set(model.stop_token_ids), []
-        for prompt in prompts:
-            self.llm.reset()  # no prefix reuse from the previous prompt
-            ids: list[int] = []
-            started = time.perf_counter()
-            for token in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
-                ids.append(token)
-                if token in stops or len(ids) >= max_new_tokens:
-                    break
-            seconds = time.perf_counter() - started
-            out.append(Generation(ids, model.decode(ids), Stats(max(len(ids) - 1, 0), len(ids), seconds, 0.0)))
-        return out
-
-
-def prompt_groups(model: Model, n: int) -> dict[str, list[list[int]]]:
-    groups = {"chat": [model.encode_prompt(p) for p in CHAT[:n]]}
-    for task in ("pycode", "humaneval"):
-        examples = get_task(task).examples("test", n=n, seed=0)
-        groups[task] = [model.encode_prompt(ex.prompt) for ex in examples]
-    return groups
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=6, help="prompts per group")
@@ -121,12 +85,9 @@ def main() -> None:
         "hf bf16": ("bf16", HFGenerate()),
         "hf lookup fp32": ("fp32", HFGenerate(prompt_lookup_num_tokens=10)),
     }
-    if importlib.util.find_spec("llama_cpp"):
-        package, filename, _ = PRESETS["smollm2-135m"]
-        gguf = Path(importlib.util.find_spec(package).submodule_search_locations[0]) / filename
-        contenders["llama.cpp"] = ("fp32", LlamaCpp(gguf, threads))
-    else:
-        log("llama-cpp-python is not installed: llama.cpp is left out (pip install llama-cpp-python)")
+    llama_cpp = preset_llama_cpp(threads)
+    if llama_cpp is not None:
+        contenders["llama.cpp"] = ("fp32", llama_cpp)
     for label, key, name, knobs in OURS:
         contenders[label] = (key, build_decoder(name, **knobs))
     if args.only:

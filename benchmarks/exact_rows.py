@@ -16,8 +16,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from common import RESULTS, load_average, log, set_threads, write_report
-from cpu_speed import prompt_groups
+from common import RESULTS, load_average, log, prompt_groups, set_threads, write_report
 
 from fastforward import attention
 from fastforward.api import build_decoder

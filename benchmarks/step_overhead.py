@@ -21,8 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import median
 
-from common import RESULTS, load_average, log, set_threads, write_report
-from cpu_speed import prompt_groups
+from common import RESULTS, load_average, log, prompt_groups, set_threads, write_report
 
 from fastforward.decoders import ARDecoder
 from fastforward.evaluate import format_table
