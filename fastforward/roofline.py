@@ -300,6 +300,7 @@ class BlockCost:
     times: dict[int, float] = field(default_factory=dict)  # median seconds per forward
     ratios: dict[int, float] = field(default_factory=dict)  # time(k) / time(1)
     fastest: dict[int, float] = field(default_factory=dict)  # min seconds: less hurt by other load on the machine
+    layout: str = "SBD step"  # or "causal block" (`measure_block_cost(..., dense_mask=False)`)
 
     def speedups(self, nfe_speedups: Iterable[float] = PAPER_NFE_SPEEDUPS) -> dict[float, dict[int, float]]:
         """Eq. 16 speedups these costs predict, for every k whose 2k was measured too and k ≥ NFE speedup."""
@@ -404,6 +405,7 @@ def measure_block_cost(
         times=times,
         ratios={k: t / times[1] for k, t in times.items()},
         fastest={k: min(v) for k, v in samples.items()},
+        layout="SBD step" if dense_mask else "causal block",
     )
 
 
@@ -424,8 +426,8 @@ def format_block_cost(cost: BlockCost, nfe_speedups: Iterable[float] = PAPER_NFE
     """Measured time(k), time(k)/time(1), and the eq. 16 speedups they predict, as text."""
     ks = sorted(cost.times)
     lines = [
-        f"Measured block cost: cache {cost.cache_len} tokens, batch {cost.batch}, {cost.dtype}, {cost.device}, "
-        f"{cost.threads} threads, median of {cost.repeats}",
+        f"Measured block cost ({cost.layout}s): cache {cost.cache_len} tokens, batch {cost.batch}, {cost.dtype}, "
+        f"{cost.device}, {cost.threads} threads, median of {cost.repeats}",
         f"{'k':>12} |" + "".join(f"{k:>8}" for k in ks),
         f"{'time (ms)':>12} |" + "".join(f"{cost.times[k] * 1e3:>8.2f}" for k in ks),
         f"{'time(k)/t(1)':>12} |" + "".join(f"{cost.ratios[k]:>8.3f}" for k in ks),

@@ -74,7 +74,7 @@ def test_measure_block_cost_on_tiny_model_keeps_the_cache():
     with pytest.raises(ValueError):
         roofline.measure_block_cost(model, [2], cache_len=8, repeats=1, cache=cache)  # not empty
     causal = roofline.measure_block_cost(model, [2], cache_len=8, repeats=1, warmup=0, dense_mask=False)
-    assert sorted(causal.ratios) == [1, 2]
+    assert sorted(causal.ratios) == [1, 2] and causal.layout == "causal block"
 
 
 def test_cli_prints_tables_and_writes_json(tmp_path, capsys):
@@ -115,3 +115,7 @@ def test_cli_measure_on_a_saved_tiny_model(tmp_path, capsys):
     assert "time(k)/t(1)" in text and "Eq. 16" in text
     measured = json.loads((tmp_path / "m.json").read_text())["measured"]
     assert measured["ratios"]["1"] == 1.0 and measured["cache_len"] == 16
+    assert measured["layout"] == "SBD step" and "(SBD steps)" in text
+    assert main([*argv, "--causal"]) == 0
+    assert "(causal blocks)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "m.json").read_text())["measured"]["layout"] == "causal block"

@@ -66,6 +66,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--measure-blocks", type=int, nargs="+", default=list(roofline.PAPER_BLOCKS), help="block sizes to time"
     )
     m.add_argument("--repeats", type=int, default=10, help="timed forwards per block size (median)")
+    m.add_argument(
+        "--causal",
+        action="store_true",
+        help="time causal blocks (what lookup, jacobi and the other verifying decoders run) instead of SBD steps "
+        "(a block of masks beside a committed one, under a dense mask)",
+    )
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every figure to PATH as JSON")
@@ -151,6 +157,8 @@ def _measure(args: argparse.Namespace) -> roofline.BlockCost:
         torch.set_num_threads(args.threads)
     model = load_model(args.model, device=args.device, **precision(args))
     try:
-        return roofline.measure_block_cost(model, args.measure_blocks, args.cache_len, args.repeats)
+        return roofline.measure_block_cost(
+            model, args.measure_blocks, args.cache_len, args.repeats, dense_mask=not args.causal
+        )
     except ValueError as exc:
         raise FastForwardError(str(exc)) from exc
