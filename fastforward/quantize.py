@@ -45,7 +45,7 @@ from fastforward.errors import FastForwardError
 
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32
-DENSE_ROWS = 16  # fewer rows keep the int4 kernel: it was the faster below about 8-16 rows on a 2-core AMD EPYC
+DENSE_ROWS = 16  # fewer rows keep the int4 kernel: it was faster below about 8-16 rows on a 2-core AMD EPYC
 
 
 class _Prefill(threading.local):
