@@ -39,6 +39,7 @@ from fastforward.api import build_decoder
 from fastforward.decoders import ARDecoder, registry
 from fastforward.errors import FastForwardError
 from fastforward.model import load_model
+from fastforward.quantize import prefill_kernels
 
 
 def decoder_from_args(name: str, args: dict[str, Any]):
@@ -121,9 +122,12 @@ class FastForwardLM(TemplateLM):
     def _continuation_logprob(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
         """Sum of log p(continuation | context) and whether every continuation token is the argmax."""
         ids = (context + continuation)[-(self.max_length + 1) :][:-1]
-        with torch.inference_mode():
-            logits = self.model.hf(input_ids=torch.tensor([ids], device=self.model.device)).logits[0].float()
-        logp = F.log_softmax(logits[-len(continuation) :], dim=-1)
+        # Only the continuation's rows reach the output layer; one scoring forward, compared with
+        # nothing bit for bit, so it may take the prefill's faster kernels (`prefill_kernels`).
+        with torch.inference_mode(), prefill_kernels():
+            tokens = torch.tensor([ids], device=self.model.device)
+            logits = self.model.hf(input_ids=tokens, logits_to_keep=len(continuation)).logits[0].float()
+        logp = F.log_softmax(logits, dim=-1)
         target = torch.tensor(continuation, device=logp.device)
         chosen = logp.gather(1, target[:, None])[:, 0]
         return float(chosen.sum()), bool((logp.argmax(dim=-1) == target).all())
