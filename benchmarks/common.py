@@ -185,6 +185,7 @@ class LlamaCpp:
 
 
 def prompt_groups(model: Model, n: int) -> dict[str, list[list[int]]]:
+    """The first `n` chat questions and `n` `pycode` and `humaneval` test problems, as prompt ids."""
     groups = {"chat": [model.encode_prompt(p) for p in CHAT[:n]]}
     for task in ("pycode", "humaneval"):
         examples = get_task(task).examples("test", n=n, seed=0)
