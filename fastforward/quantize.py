@@ -68,7 +68,9 @@ def prefill_kernels() -> Iterator[None]:
 
 
 def _native_bfloat16() -> bool:
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    """Whether this CPU has bfloat16 arithmetic (torch's private probes; absent ones answer no)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
 class Int8Linear(nn.Module):
