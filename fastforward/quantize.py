@@ -10,7 +10,7 @@ layers give the same bits in a 1-token and a 16-token forward (tested). This is 
 torchao's `Int8DynamicActivationInt8WeightConfig`, written out here in five tensor operations:
 torchao's own version of it ran a 1-token forward of SmolLM2-135M in 62 ms against fp32's 35 ms on
 the 2-core Xeon of docs/results.md, its per-token quantization costing more than the matmul saves
-(`benchmarks/quantize.py` measures both). `load_model` first smooths the activations' outlier
+(a one-off probe, docs/results.md). `load_model` first smooths the activations' outlier
 channels into the weights (`fastforward.smoothing`, calibrated on built-in text), which brings the
 int8 model's greedy choices much closer to fp32's.
 
@@ -183,11 +183,11 @@ def quantize(hf: nn.Module, scheme: str, fuse: bool = True, calibration: list[li
     for members in groups if fuse and scheme == "int8" else []:  # int4 measured no faster fused
         fusion.fuse(hf, members, lambda linear, first=members[0]: Int8Linear(linear, factors.get(first)))
     # The output layer reads a prefill's last rows only: its bfloat16 copy would sit unused.
-    output = hf.get_output_embeddings()
+    output, native = hf.get_output_embeddings(), _native_bfloat16()
     for name, module in list(hf.named_modules()):
         if isinstance(module, nn.Linear):
             parent, _, attribute = name.rpartition(".")
-            dense = _native_bfloat16() and module is not output
+            dense = native and module is not output
             setattr(hf.get_submodule(parent), attribute, _quantized(module, scheme, factors.get(name), dense))
     hf.config.fastforward_quantization = scheme
 
