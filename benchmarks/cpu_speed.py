@@ -11,7 +11,9 @@ One process, one run, batch 1, every contender interleaved prompt by prompt (the
   quantized run with row-invariant attention (`--exact`, the CLI's default for generate and serve);
 - ours with compiled steps (`--compile`): `ar` and `lookup` at int4 with `--exact`, and `ar` at int4
   with SDPA attention (`--no-exact`: AR alone has no block forwards to agree with). Their compile
-  time is spent in the warm-up, before the timed runs, and reported apart.
+  time is spent in the warm-up, before the timed runs, and reported apart;
+- `ar` and `lookup` at int4 on PyTorch's int4 kernel (`aten`, FASTFORWARD_INT4_KERNEL=pytorch),
+  eager and compiled, against the native one (fastforward.w4a8) that int4 uses where it builds.
 
 Prompts: chat questions, `pycode` and `humaneval` problems. Prints tok/s (prefill included, as
 for every contender), TPF, the ratios against llama.cpp and against transformers fp32, and for each
@@ -24,9 +26,11 @@ benchmarks/results/cpu_speed.json with the load average.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
+from unittest import mock
 
 from common import (
     RESULTS,
@@ -58,6 +62,10 @@ OURS = [
     ("ar int4 compiled", "int4 compiled", "ar", {}),
     ("lookup int4 compiled", "int4 compiled", "lookup", {}),
     ("ar int4 compiled sdpa", "int4 compiled sdpa", "ar", {}),
+    ("ar int4 aten", "int4 aten", "ar", {}),
+    ("lookup int4 aten", "int4 aten", "lookup", {}),
+    ("ar int4 aten compiled", "int4 aten compiled", "ar", {}),
+    ("lookup int4 aten compiled", "int4 aten compiled", "lookup", {}),
 ]
 OUR_LABELS = {label for label, *_ in OURS}
 MODELS = {
@@ -67,7 +75,16 @@ MODELS = {
     "int4": {"dtype": "float32", "quantize": "int4", "exact": True},
     "int4 compiled": {"dtype": "float32", "quantize": "int4", "exact": True, "compile": True},
     "int4 compiled sdpa": {"dtype": "float32", "quantize": "int4", "compile": True},
+    "int4 aten": {"dtype": "float32", "quantize": "int4", "exact": True},
+    "int4 aten compiled": {"dtype": "float32", "quantize": "int4", "exact": True, "compile": True},
 }
+# Models whose int4 layers use PyTorch's kernel rather than the native one (fastforward.w4a8)
+ATEN = {"int4 aten", "int4 aten compiled"}
+
+
+def _load(key: str):
+    with mock.patch.dict(os.environ, {"FASTFORWARD_INT4_KERNEL": "pytorch" if key in ATEN else "native"}):
+        return load_model("smollm2-135m", **MODELS[key])
 
 
 def main() -> None:
@@ -93,7 +110,7 @@ def main() -> None:
     if args.only:
         contenders = {label: c for label, c in contenders.items() if label in args.only or label == "hf fp32"}
     needed = {"fp32"} | {key for key, _ in contenders.values()}
-    models = {key: load_model("smollm2-135m", **MODELS[key]) for key in MODELS if key in needed}
+    models = {key: _load(key) for key in MODELS if key in needed}
     groups = prompt_groups(models["fp32"], args.n)
     warmup: dict[str, float] = {}
     for label, (key, decoder) in contenders.items():

@@ -14,15 +14,19 @@ the 2-core Xeon of docs/results.md, its per-token quantization costing more than
 channels into the weights (`fastforward.smoothing`, calibrated on built-in text), which brings the
 int8 model's greedy choices much closer to fp32's.
 
-`int4` (`Int4Linear`): int4 weights in groups of 32 with a scale and offset each (asymmetric),
-through PyTorch's CPU kernel `torch._weight_int4pack_mm_for_cpu` with bfloat16 activations. torchao
-0.18 has no int4 path for x86 CPUs (its int4 formats need CUDA, or KleidiAI on Arm).
+`int4`: int4 weights in groups of 32 with a scale and offset each (asymmetric). On x86 CPUs with
+AVX-512 VNNI, `fastforward.w4a8.W4A8Linear`: activations quantized to int8 per block of 32 and an
+integer dot product in a native kernel, whose extra rows cost a fraction of the first (blocks and
+prefills are cheap) and whose rows are independent (row-invariant). Elsewhere, or where that kernel
+cannot be built, or with FASTFORWARD_INT4_KERNEL=pytorch, `Int4Linear`: PyTorch's CPU kernel
+`torch._weight_int4pack_mm_for_cpu` with bfloat16 activations. torchao 0.18 has no int4 path for
+x86 CPUs (its int4 formats need CUDA, or KleidiAI on Arm; its x86 CPU kernels are not in its wheels).
 
-The int4 kernel's time grows with every row (it dequantizes as it multiplies), which makes a
-prompt's prefill slow: on a CPU with native bfloat16 arithmetic (AVX-512 BF16 or AMX), int4 layers
-also keep their weights dequantized to bfloat16 (2 more bytes per weight; not the output layer's),
-and a prefill (`prefill_kernels`) multiplies by those. That is not row-invariant, and needs not be:
-AR and every decoder start from the same prefill of the same prompt.
+PyTorch's int4 kernel's time grows with every row (it dequantizes as it multiplies), which makes a
+prompt's prefill slow: on a CPU with native bfloat16 arithmetic (AVX-512 BF16 or AMX), `Int4Linear`
+layers also keep their weights dequantized to bfloat16 (2 more bytes per weight; not the output
+layer's), and a prefill (`prefill_kernels`) multiplies by those. That is not row-invariant, and needs
+not be: AR and every decoder start from the same prefill of the same prompt.
 
 A layer whose shape the int4 kernel cannot take
 (input width not a multiple of 32, output width not a multiple of 16) is quantized to int8 instead.
@@ -40,7 +44,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from fastforward import fusion, smoothing
+from fastforward import fusion, smoothing, w4a8
 from fastforward.errors import FastForwardError
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -140,15 +144,18 @@ def _dequantized(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -
 
 
 def _kind(in_features: int, out_features: int, scheme: str) -> type[nn.Module]:
-    """int4 where its kernel takes the shape (input widths in whole groups, output widths in
-    multiples of 16); int8 otherwise, and for int8."""
-    int4_fits = in_features % INT4_GROUP == 0 and out_features % 16 == 0
-    return Int4Linear if scheme == "int4" and int4_fits else Int8Linear
+    """int4 where its kernels take the shape (input widths in whole groups, output widths in
+    multiples of 16), by the native kernel where it runs; int8 otherwise, and for int8."""
+    if scheme != "int4" or not w4a8.fits(in_features, out_features):
+        return Int8Linear
+    return w4a8.W4A8Linear if w4a8.enabled() else Int4Linear
 
 
 def _quantized(linear: nn.Linear, scheme: str, smoothing: torch.Tensor | None, dense: bool) -> nn.Module:
     kind = _kind(linear.in_features, linear.out_features, scheme)
-    return Int8Linear(linear, smoothing) if kind is Int8Linear else Int4Linear(linear, dense)
+    if kind is Int8Linear:
+        return Int8Linear(linear, smoothing)
+    return w4a8.W4A8Linear(linear) if kind is w4a8.W4A8Linear else Int4Linear(linear, dense)
 
 
 def uses_int8(hf: nn.Module, scheme: str) -> bool:

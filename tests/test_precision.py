@@ -1,9 +1,12 @@
 """Quantized linears, row-invariant attention, and lossless decoding at the precisions people use."""
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 
-from fastforward import attention
+from fastforward import attention, w4a8
 from fastforward import quantize as quantization
 from fastforward.api import build_decoder
 from fastforward.cache import truncate
@@ -14,20 +17,25 @@ from fastforward.quantize import DENSE_ROWS, Int4Linear, Int8Linear, prefill_ker
 from fastforward.tiny import tiny_model
 
 LOSSLESS = sorted(name for name, spec in registry.specs().items() if spec.lossless)
-PRECISIONS = [("float32", "int8"), ("float32", "int4"), ("bfloat16", "none")]
+# int4 runs on the native kernel where it builds (fastforward.w4a8), and on PyTorch's when asked
+PRECISIONS = [("float32", "int8"), ("float32", "int4"), ("float32", "int4/pytorch"), ("bfloat16", "none")]
+INT4_KINDS = [Int4Linear] + ([w4a8.W4A8Linear] if w4a8.available() else [])
 
 
 def _model(dtype: str, scheme: str, exact: bool = True, smoothed: bool = True):
+    """scheme: a quantization, and after a slash the int4 kernel (FASTFORWARD_INT4_KERNEL)."""
+    scheme, _, kernel = scheme.partition("/")
     model = tiny_model(seed=0, init_std=0.5, hidden_size=64)
     model.add_mask_token()
     model.hf.to(getattr(torch, dtype))
-    quantize(model.hf, scheme, calibration=[list(range(3, 60))] if smoothed else None)  # as `load_model` does
+    with mock.patch.dict(os.environ, {"FASTFORWARD_INT4_KERNEL": kernel or "native"}):
+        quantize(model.hf, scheme, calibration=[list(range(3, 60))] if smoothed else None)  # as `load_model` does
     if exact:
         model.hf.config._attn_implementation = attention.NAME
     return model
 
 
-@pytest.mark.parametrize("kind", [Int8Linear, Int4Linear])
+@pytest.mark.parametrize("kind", [Int8Linear, *INT4_KINDS])
 def test_quantized_linear_is_close_and_row_invariant(kind):
     torch.manual_seed(0)
     linear = torch.nn.Linear(128, 64)
@@ -40,6 +48,7 @@ def test_quantized_linear_is_close_and_row_invariant(kind):
     assert torch.equal(together, alone)  # a row's result does not depend on the other rows
     error = (together - reference).abs().max() / reference.abs().max()
     assert error < (0.02 if kind is Int8Linear else 0.15)
+    assert error > 0  # quantized indeed
 
 
 def test_int4_prefill_multiplies_by_the_kernels_own_weights_in_bfloat16():
@@ -61,7 +70,7 @@ def test_int4_prefill_multiplies_by_the_kernels_own_weights_in_bfloat16():
 def test_lossless_decoders_equal_ar_after_a_bfloat16_prefill(monkeypatch):
     # Whatever this CPU has, int4 layers keep bfloat16 weights and a long prompt's prefill uses them.
     monkeypatch.setattr(quantization, "_native_bfloat16", lambda: True)
-    model = _model("float32", "int4")
+    model = _model("float32", "int4/pytorch")
     prompt = [3 + (i * 7) % 50 for i in range(DENSE_ROWS + 9)]
     ids = torch.tensor([prompt])
     layout = Layout(tokens=ids, positions=torch.arange(len(prompt))[None], visibility=None, read=None, keep=len(prompt))

@@ -1,0 +1,160 @@
+"""int4 weights times int8 activations, on x86 CPUs with AVX-512 VNNI: `W4A8Linear`.
+
+PyTorch's CPU int4 kernel (`quantize.Int4Linear`) dequantizes every weight for every row it
+multiplies, so a 16-token block cost about 5 times a 1-token forward, and Jacobi and lookup blocks
+paid for it. This kernel (`csrc/w4a8.cpp`, compiled here once per machine) quantizes each row's
+activations to int8 in blocks of 32 and takes an exact integer dot product with the 4-bit codes
+(VPDPBUSD), as llama.cpp does: the weights are read and unpacked once per call, and each further row
+costs a fraction of the first. A row's result is the same bits whatever the number of rows (tested),
+so every lossless decoder equals greedy AR at int4; and it needs no bfloat16 copy of the weights for
+prefills, which it runs faster than a bfloat16 GEMM (docs/results.md).
+
+Weights: groups of 32 inputs, w ≈ s · c + m with codes c in 0..15 and float16 s, m per group.
+
+The kernel is built with torch's C++ extension builder (a C++ compiler and ninja; `setup.sh` builds
+it ahead of first use). Where it cannot be built (said once, with the reason) or the CPU lacks
+AVX-512 VNNI, `--quantize int4` keeps PyTorch's int4 kernel (`quantize.Int4Linear`); so does
+FASTFORWARD_INT4_KERNEL=pytorch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fastforward.errors import FastForwardError
+
+GROUP = 32  # inputs per scale, in weights and activations alike
+TILE = 16  # output columns per kernel register: out_features must be a multiple
+SOURCE = Path(__file__).parent / "csrc" / "w4a8.cpp"
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-fopenmp"]
+FLAGS += ["-ffp-contract=off"]  # no fused multiply-adds: tests/test_w4a8.py recomputes the bits in PyTorch
+
+_lock = threading.Lock()
+
+
+def fits(in_features: int, out_features: int) -> bool:
+    return in_features % GROUP == 0 and out_features % TILE == 0
+
+
+def supported_cpu() -> bool:
+    """AVX-512 with VNNI (torch's private CPU probes; a torch without them answers no)."""
+    probes = ("_is_avx512_supported", "_is_vnni_supported")
+    return all(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+
+
+def enabled() -> bool:
+    """Whether int4 layers use this kernel: where it runs, unless FASTFORWARD_INT4_KERNEL=pytorch asks
+    for PyTorch's (to compare the two, or where this one misbehaves)."""
+    choice = os.environ.get("FASTFORWARD_INT4_KERNEL", "native")
+    if choice not in ("native", "pytorch"):
+        raise FastForwardError(f"FASTFORWARD_INT4_KERNEL={choice!r}: choose native or pytorch")
+    return choice == "native" and available()
+
+
+@functools.cache
+def available() -> bool:
+    """Whether `torch.ops.fastforward.w4a8_linear` runs here: builds it on first call (about 30 s, then
+    cached by torch under ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR)."""
+    if not supported_cpu():
+        return False
+    with _lock:
+        try:
+            _build()
+        except Exception as error:  # a missing compiler or ninja, a failed build: the other int4 kernel serves
+            print(f"fastforward: int4 keeps PyTorch's kernel; building {SOURCE.name} failed: {error}", file=sys.stderr)
+            return False
+    return True
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    try:  # the ninja wheel's binary, where the environment's bin folder is not on PATH
+        import ninja
+
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    except ImportError:
+        pass
+    build = _build_directory()
+    build.mkdir(parents=True, exist_ok=True)
+    if not any(build.glob("*.so")):
+        print(f"fastforward: compiling the int4 kernel {SOURCE.name} (once per machine, about 30 s)", file=sys.stderr)
+    cpp_extension.load(
+        "fastforward_w4a8",
+        [str(SOURCE)],
+        extra_cflags=FLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        is_python_module=False,
+    )
+
+
+def _build_directory() -> Path:
+    """Per torch version (the extension is built against its headers), under $TORCH_EXTENSIONS_DIR or
+    ~/.cache/fastforward."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "fastforward"
+    return Path(root) / f"w4a8-torch{torch.__version__}"
+
+
+def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes packed for the kernel, float16 scales and minimums, codes [out, in] as integers).
+
+    Codes are rounded against the float16 scale and minimum the kernel will use."""
+    out_features, in_features = weight.shape
+    groups = weight.detach().float().reshape(out_features, -1, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale16, low16 = ((high - low) / 15).half(), low.half()
+    scale = scale16.float()[..., None]
+    safe = torch.where(scale > 0, scale, torch.ones(()))
+    codes = torch.where(scale > 0, torch.round((groups - low16.float()[..., None]) / safe), 0).clamp(0, 15)
+    codes = codes.to(torch.uint8)
+    # [tiles, 16 columns, groups, 8 quads, 4] -> [tiles, groups, quad, column, 4]; quads i and i + 4 share a byte
+    quads = codes.reshape(out_features // TILE, TILE, -1, 8, 4).permute(0, 2, 3, 1, 4)
+    packed = (quads[:, :, :4] | (quads[:, :, 4:] << 4)).reshape(out_features // TILE, -1).contiguous()
+    scales = torch.cat([_by_tile(scale16), _by_tile(low16)], dim=-1).contiguous()  # [tiles, groups, 32]
+    return packed, scales, codes.reshape(out_features, in_features)
+
+
+def _by_tile(per_group: torch.Tensor) -> torch.Tensor:
+    """[out, groups] -> [tiles, groups, 16]: each tile's 16 columns side by side."""
+    return per_group.reshape(-1, TILE, per_group.shape[1]).transpose(1, 2)
+
+
+class W4A8Linear(nn.Module):
+    """y = x · Wᵀ with W in 4-bit groups and x quantized to int8 per block of 32, by the native kernel."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        codes, scales, _ = pack(linear.weight)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        y = torch.ops.fastforward.w4a8_linear(rows, self.codes, self.scales).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+# The schema and its shape function live here; csrc/w4a8.cpp registers the CPU kernel once built.
+_library = torch.library.Library("fastforward", "FRAGMENT")
+_library.define("w4a8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor")
+
+
+@torch.library.register_fake("fastforward::w4a8_linear", lib=_library)
+def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], codes.shape[0] * TILE)
+
+
+if __name__ == "__main__":  # `python -m fastforward.w4a8`: build the kernel now (setup.sh), say whether it runs
+    print("int4 kernel:", "fastforward w4a8 (AVX-512 VNNI)" if available() else "PyTorch's int4 (no AVX-512 VNNI here)")

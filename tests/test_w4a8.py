@@ -1,0 +1,89 @@
+"""The native int4 x int8 kernel (fastforward.w4a8): its bits recomputed in PyTorch, its packing, its fallbacks."""
+
+import pytest
+import torch
+
+from fastforward import quantize as quantization
+from fastforward import w4a8
+from fastforward.quantize import Int4Linear, quantize
+from fastforward.tiny import tiny_model
+
+native = pytest.mark.skipif(not w4a8.available(), reason="the w4a8 kernel needs x86 AVX-512 VNNI and a C++ compiler")
+
+
+def _recomputed(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in PyTorch, in the kernel's order of float operations."""
+    rows, width = x.shape
+    blocks = x.reshape(rows, -1, w4a8.GROUP)
+    d = blocks.abs().amax(-1) / 127
+    q = torch.round(blocks * torch.where(d > 0, 1 / d, 0)[..., None]).clamp(-127, 127)
+    dsum = d * q.sum(-1)
+    # [tiles, groups, 32] -> per output column and group: scale, minimum
+    s = scales[..., : w4a8.TILE].transpose(1, 2).reshape(-1, width // w4a8.GROUP).float()
+    m = scales[..., w4a8.TILE :].transpose(1, 2).reshape(-1, width // w4a8.GROUP).float()
+    dots = torch.einsum("rgi,ngi->rng", q.double(), codes.reshape(len(s), -1, w4a8.GROUP).double()).float()
+    y = torch.zeros(rows, len(s))
+    for g in range(width // w4a8.GROUP):
+        y = y + (dots[..., g] * (s[:, g] * d[:, g, None]) + m[:, g] * dsum[:, g, None])
+    return y
+
+
+@native
+@pytest.mark.parametrize(("rows", "width", "out"), [(1, 32, 16), (3, 96, 48), (19, 160, 32), (8, 64, 160)])
+def test_kernel_gives_the_bits_of_its_recomputation(rows, width, out):
+    # 19 rows take the kernel's 8-, 2- and 1-row paths; every path must give the same bits.
+    torch.manual_seed(rows)
+    weight, x = torch.randn(out, width) * 0.1, torch.randn(rows, width)
+    x[0, :32] = 0  # an all-zero block: scale 0
+    packed, scales, codes = w4a8.pack(weight)
+    y = torch.ops.fastforward.w4a8_linear(x, packed, scales)
+    assert torch.equal(y, _recomputed(x, codes, scales))
+    for r in range(rows):
+        assert torch.equal(torch.ops.fastforward.w4a8_linear(x[r : r + 1].contiguous(), packed, scales), y[r : r + 1])
+
+
+def test_pack_keeps_codes_that_dequantize_close_to_the_weights():
+    torch.manual_seed(0)
+    weight = torch.randn(32, 64)
+    weight[3, :32] = 0.25  # a constant group: scale 0, every code 0, the minimum exact
+    _, scales, codes = w4a8.pack(weight)
+    s = scales[..., : w4a8.TILE].transpose(1, 2).reshape(32, 2).float()
+    m = scales[..., w4a8.TILE :].transpose(1, 2).reshape(32, 2).float()
+    dequantized = codes.reshape(32, 2, 32).float() * s[..., None] + m[..., None]
+    step = s.repeat_interleave(32, dim=1)
+    assert (dequantized.reshape(32, 64) - weight).abs().le(step / 2 + 1e-3).all()
+    assert codes.max() == 15 and codes.min() == 0
+    assert torch.equal(dequantized[3, 0], torch.full((32,), 0.25))
+
+
+@native
+def test_native_int4_layers_compile_without_a_graph_break():
+    model = tiny_model(seed=0)
+    quantize(model.hf, "int4")
+    assert all(not isinstance(m, Int4Linear) for m in model.hf.modules())
+    explanation = torch._dynamo.explain(model.hf)(input_ids=torch.tensor([[3, 4, 5]]))
+    assert explanation.graph_break_count == 0
+
+
+def test_int4_falls_back_to_pytorchs_kernel(monkeypatch, capsys):
+    monkeypatch.setenv("FASTFORWARD_INT4_KERNEL", "pytorch")
+    model = tiny_model(seed=0)
+    quantize(model.hf, "int4")
+    assert not any(isinstance(m, w4a8.W4A8Linear) for m in model.hf.modules())
+    monkeypatch.setenv("FASTFORWARD_INT4_KERNEL", "fast")
+    with pytest.raises(quantization.FastForwardError, match="choose native or pytorch"):
+        w4a8.enabled()
+    # A failed build is said once, with the reason, and leaves PyTorch's kernel in place.
+    monkeypatch.delenv("FASTFORWARD_INT4_KERNEL")
+    monkeypatch.setattr(w4a8, "supported_cpu", lambda: True)
+    monkeypatch.setattr(w4a8, "_build", _failing_build)
+    w4a8.available.cache_clear()
+    try:
+        assert not w4a8.enabled() and not w4a8.enabled()
+    finally:
+        w4a8.available.cache_clear()
+    assert capsys.readouterr().err.count("building w4a8.cpp failed: no compiler") == 1
+
+
+def _failing_build() -> None:
+    raise RuntimeError("no compiler")
