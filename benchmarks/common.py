@@ -17,13 +17,14 @@ import os
 import platform
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import transformers
 
 from fastforward.decoders import Decoder, Generation, Stats
 from fastforward.evaluate import write_json
-from fastforward.model import PRESETS, Model
+from fastforward.model import PRESETS, Model, load_model
 from fastforward.tasks import get_task
 
 HERE = Path(__file__).resolve().parent
@@ -201,3 +202,10 @@ def preset_llama_cpp(threads: int) -> LlamaCpp | None:
         return None
     package, filename, _ = PRESETS["smollm2-135m"]
     return LlamaCpp(Path(importlib.util.find_spec(package).submodule_search_locations[0]) / filename, threads)
+
+
+def load_smollm2(int4_kernel: str = "native", **options) -> Model:
+    """SmolLM2-135M by `load_model(**options)`, its int4 layers on `int4_kernel`: "native"
+    (fastforward.w4a8, where it builds) or "pytorch" (FASTFORWARD_INT4_KERNEL)."""
+    with mock.patch.dict(os.environ, {"FASTFORWARD_INT4_KERNEL": int4_kernel}):
+        return load_model("smollm2-135m", **options)

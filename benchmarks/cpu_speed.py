@@ -26,16 +26,15 @@ benchmarks/results/cpu_speed.json with the load average.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections import defaultdict
 from pathlib import Path
-from unittest import mock
 
 from common import (
     RESULTS,
     HFGenerate,
     load_average,
+    load_smollm2,
     log,
     preset_llama_cpp,
     prompt_groups,
@@ -46,7 +45,6 @@ from common import (
 from fastforward.api import build_decoder
 from fastforward.decoders import Generation
 from fastforward.evaluate import format_table
-from fastforward.model import load_model
 
 # (label, model key, decoder name, knobs); the model keys are loaded once each.
 OURS = [
@@ -82,11 +80,6 @@ MODELS = {
 ATEN = {"int4 aten", "int4 aten compiled"}
 
 
-def _load(key: str):
-    with mock.patch.dict(os.environ, {"FASTFORWARD_INT4_KERNEL": "pytorch" if key in ATEN else "native"}):
-        return load_model("smollm2-135m", **MODELS[key])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=6, help="prompts per group")
@@ -110,7 +103,9 @@ def main() -> None:
     if args.only:
         contenders = {label: c for label, c in contenders.items() if label in args.only or label == "hf fp32"}
     needed = {"fp32"} | {key for key, _ in contenders.values()}
-    models = {key: _load(key) for key in MODELS if key in needed}
+    models = {
+        key: load_smollm2("pytorch" if key in ATEN else "native", **MODELS[key]) for key in MODELS if key in needed
+    }
     groups = prompt_groups(models["fp32"], args.n)
     warmup: dict[str, float] = {}
     for label, (key, decoder) in contenders.items():

@@ -1,14 +1,15 @@
-"""Prefill time of SmolLM2-135M int4: the int4 kernel against the bfloat16 weights a prefill uses.
+"""Prefill time of SmolLM2-135M int4, by int4 kernel, against llama.cpp's.
 
 The prompts of `cpu_speed.py` (chat questions, `pycode` and `humaneval` problems), each prefilled
-into an empty cache by the int4 `--exact` model of `load_model` in two ways, interleaved prompt by
-prompt: "int4 kernel", every linear through `_weight_int4pack_mm_for_cpu` (what a prefill did before
-`quantize.prefill_kernels`), and "bf16 weights", the same forward inside `prefill_kernels` (what
-`Model.run` does for a prefill now, on CPUs with native bfloat16). With `llama-cpp-python`
-installed, llama.cpp's prefill of the same ids (`Llama.eval`) is timed beside them. Prints the
-fastest of `--repeats` per prompt, summed over each group, and writes JSON with the load average.
+into an empty cache by the int4 `--exact` model of `load_model`, in three ways, interleaved prompt by
+prompt: "native int4", the int4 x int8 kernel of fastforward.w4a8 (what int4 uses where it builds);
+"pytorch int4", every linear through PyTorch's `_weight_int4pack_mm_for_cpu`; "pytorch int4, bf16
+weights", the same model inside `quantize.prefill_kernels` (what `Model.run` does for a prefill on
+PyTorch's kernel, on CPUs with native bfloat16). With `llama-cpp-python` installed, llama.cpp's
+prefill of the same ids (`Llama.eval`) is timed beside them. Prints the fastest of `--repeats` per
+prompt, summed over each group, and writes JSON with the load average.
 
-    python benchmarks/prefill.py          # 4 prompts per group, 3 repeats, about a minute
+    python benchmarks/prefill.py          # 4 prompts per group, 3 repeats, about two minutes
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import RESULTS, load_average, log, preset_llama_cpp, prompt_groups, set_threads, write_report
+from common import RESULTS, load_average, load_smollm2, log, preset_llama_cpp, prompt_groups, set_threads, write_report
 
 from fastforward.evaluate import format_table
-from fastforward.model import load_model
+from fastforward.model import Model
 from fastforward.quantize import prefill_kernels
 
 
@@ -37,21 +38,22 @@ def main() -> None:
     args = parser.parse_args()
     threads = set_threads(args.threads)
     load_before = load_average()
-    model = load_model("smollm2-135m", quantize="int4", exact=True)
+    native, aten = (load_smollm2(kernel, quantize="int4", exact=True) for kernel in ("native", "pytorch"))
     llama_cpp = preset_llama_cpp(threads)
 
-    def ours(prompt: list[int], dense: bool) -> None:
+    def ours(model: Model, prompt: list[int], dense: bool = False) -> None:
         ids = torch.tensor([prompt])
         with torch.inference_mode(), prefill_kernels() if dense else contextlib.nullcontext():
             model.hf(input_ids=ids, past_key_values=model.new_cache(), use_cache=True, logits_to_keep=1)
 
     contenders: dict[str, Callable[[list[int]], None]] = {
-        "int4 kernel": lambda prompt: ours(prompt, dense=False),
-        "bf16 weights": lambda prompt: ours(prompt, dense=True),
+        "native int4": lambda prompt: ours(native, prompt),
+        "pytorch int4": lambda prompt: ours(aten, prompt),
+        "pytorch int4, bf16 weights": lambda prompt: ours(aten, prompt, dense=True),
     }
     if llama_cpp is not None:
         contenders["llama.cpp"] = lambda prompt: (llama_cpp.llm.reset(), llama_cpp.llm.eval(prompt))
-    groups = prompt_groups(model, args.n)
+    groups = prompt_groups(native, args.n)
     for run in contenders.values():  # kernels picked, buffers allocated
         run(groups["chat"][0])
     seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))

@@ -3,7 +3,8 @@
 For `pycode` test examples (prompt, then the reference continuation), one forward of the fp32 model
 and of each quantized variant over the whole text; over the reference's tokens, the share where the
 variant's argmax equals fp32's and the mean KL(fp32 || variant). Variants: int8 without smoothing,
-int8 smoothed as `load_model` does it (calibrated on the `pycode` train split), and int4. A cheap,
+int8 smoothed as `load_model` does it (calibrated on the `pycode` train split), and int4 on each
+int4 kernel (the native one of fastforward.w4a8 where it builds, and PyTorch's). A cheap,
 smooth proxy for the greedy agreement and accuracy that `benchmarks/agreement.py` reports from
 whole decodes, and the seconds quantizing took (calibration included). Writes JSON with the load
 average.
@@ -14,8 +15,10 @@ average.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from common import RESULTS, load_average, log, set_threads, write_report
@@ -26,7 +29,13 @@ from fastforward.quantize import quantize
 from fastforward.smoothing import calibration_ids
 from fastforward.tasks import get_task
 
-VARIANTS = {"int8 unsmoothed": ("int8", False), "int8 smoothed": ("int8", True), "int4": ("int4", True)}
+# label: (scheme, smoothed, int4 kernel: fastforward.w4a8's "native" or "pytorch")
+VARIANTS = {
+    "int8 unsmoothed": ("int8", False, "native"),
+    "int8 smoothed": ("int8", True, "native"),
+    "int4": ("int4", True, "native"),
+    "int4 pytorch kernel": ("int4", True, "pytorch"),
+}
 
 
 def main() -> None:
@@ -51,10 +60,11 @@ def main() -> None:
 
     wanted = [logits(reference.hf, *text) for text in texts]
     rows = []
-    for label, (scheme, smoothed) in VARIANTS.items():
+    for label, (scheme, smoothed, kernel) in VARIANTS.items():
         model = load_model("smollm2-135m")
         started = time.perf_counter()  # what quantizing costs at load, calibration included
-        quantize(model.hf, scheme, calibration=calibration_ids(tokenizer) if smoothed else None)
+        with mock.patch.dict(os.environ, {"FASTFORWARD_INT4_KERNEL": kernel}):
+            quantize(model.hf, scheme, calibration=calibration_ids(tokenizer) if smoothed else None)
         quantize_s = time.perf_counter() - started
         agree = total = 0
         divergence = 0.0
