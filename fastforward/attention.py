@@ -7,28 +7,33 @@ the call (block sizes, a different path for one query than for several), so a to
 int8 activations such a difference can flip a rounding and grow (measured on SmolLM2-135M: logits
 up to 5.9 apart, a different argmax).
 
-Here a query's computation is fixed by its own visible keys alone. Its visible keys, in key order,
-are laid out from index 0 of a key buffer `width` = `length` rounded up to a multiple of `CHUNK`
-(the rest zeros or later keys, masked); the query sits at row `(length - 1) % CHUNK` of a
-`CHUNK`-row query buffer; one SDPA call computes the buffer. The call's shapes and the query's row
-depend only on how many keys it sees, so a kernel that computes each row from that row's inputs
-alone gives it the same bits in a 1-token forward (greedy AR) and in a block of drafts. Masked keys
-contribute exact zeros, whatever they hold. Queries of one forward that see nested prefixes of the
+Here a query's computation is fixed by its own visible keys alone. Where fastforward's native
+kernels run (`fastforward.native`: x86 with AVX-512 VNNI), `fastforward::exact_attention` computes
+each (query, head) as one task over exactly its visible keys, in key order, with the same
+instructions whatever else is in the call: nothing is padded or copied, so it costs about what SDPA
+does. Elsewhere (or with FASTFORWARD_EXACT_ATTENTION=chunked), chunked SDPA calls give the same
+guarantee: a query's visible keys, in key order, are laid out from index 0 of a key buffer `width` =
+`length` rounded up to a multiple of `CHUNK` (the rest zeros, masked); the query sits at row
+`(length - 1) % CHUNK` of a `CHUNK`-row query buffer; one SDPA call computes the buffer. The call's
+shapes and the query's row depend only on how many keys it sees, so a kernel that computes each row
+from that row's inputs alone gives it the same bits in a 1-token forward (greedy AR) and in a block
+of drafts. Masked keys contribute exact zeros. Queries of one forward that see nested prefixes of the
 same keys (a causal block: every verifying decoder) share calls, one per `CHUNK` of lengths, so a
 16-token block costs two or three calls per layer rather than sixteen. A query whose visible keys are
 not one contiguous range (a candidate beside others, in `jacobi-mr`) has its keys gathered and a
-call of its own. Together with `quantize.Int8Linear` / `Int4Linear` (row-invariant matmuls) a
-token's logits are the same bits whatever else shares its forward: verifying decoders give greedy
-AR's tokens exactly.
+call of its own. Together with row-invariant matmuls (`quantize.Int8Linear`, `Int4Linear`,
+`w4a8.W4A8Linear`) a token's logits are the same bits whatever else shares its forward: verifying
+decoders give greedy AR's tokens exactly. The two paths round differently, so one is chosen per
+process (`native_kernel`).
 
-It costs a few small operations per call and layer on every forward against a cache, so it is
-chosen (`load_model(..., exact=True)`) rather than always on. A prefill (no cache yet) runs SDPA:
+It is chosen (`load_model(..., exact=True)`) rather than always on. A prefill (no cache yet) runs SDPA:
 AR and every decoder start from the same prefill of the same prompt, so it needs no invariance.
 Registered with transformers' `AttentionInterface` as "fastforward_exact": no modeling file is touched.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -37,6 +42,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from fastforward import native
 from fastforward.errors import FastForwardError
 
 NAME = "fastforward_exact"
@@ -59,8 +65,32 @@ def row_invariant_attention(
     length, dim, total = query.shape[2], query.shape[3], key.shape[2]
     if total == length:  # a prefill (nothing cached): shared by AR and every decoder, so SDPA's speed is kept
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    attend = _opaque_attention if torch.compiler.is_compiling() else _attend  # same calls, same bits
-    return attend(query, key, value, attention_mask, dim**-0.5 if scaling is None else scaling), None
+    scale = dim**-0.5 if scaling is None else scaling
+    if not torch.compiler.is_compiling():
+        return _attend(query, key, value, attention_mask, scale), None
+    if _native is True and _native_fits(query):  # the kernel itself in the graph: one opaque operation
+        return torch.ops.fastforward.exact_attention(query, key, value, attention_mask, scale).to(query.dtype), None
+    return _opaque_attention(query, key, value, attention_mask, scale), None  # same calls, same bits
+
+
+_native: bool | None = None  # whether the native kernel serves: decided at the first forward that needs it
+
+
+def native_kernel() -> bool:
+    """Whether `--exact` attention runs on the native kernel (`fastforward.native`): where it builds,
+    unless FASTFORWARD_EXACT_ATTENTION=chunked asks for the chunked SDPA calls (to compare the two).
+    Decided once per process, so that every forward of a model computes a query the same way."""
+    global _native
+    if _native is None:
+        choice = os.environ.get("FASTFORWARD_EXACT_ATTENTION", "native")
+        if choice not in ("native", "chunked"):
+            raise FastForwardError(f"FASTFORWARD_EXACT_ATTENTION={choice!r}: choose native or chunked")
+        _native = choice == "native" and native.available()
+    return _native
+
+
+def _native_fits(query: torch.Tensor) -> bool:
+    return query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16) and query.shape[-1] % 16 == 0
 
 
 CHUNK = 8  # query rows per call; key buffers are whole multiples of it (8 measured faster than 4 or 16)
@@ -170,6 +200,15 @@ _plans = _PlanMemo()
 def _attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
+    if native_kernel() and _native_fits(query):
+        return torch.ops.fastforward.exact_attention(query, key, value, attention_mask, scale).to(query.dtype)
+    return _chunked(query, key, value, attention_mask, scale)
+
+
+def _chunked(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Where the native kernel does not run: chunked SDPA calls whose shapes depend on a query's key count."""
     batch, heads, length, dim = query.shape
     kv_heads, total = key.shape[1], key.shape[2]
     groups = heads // kv_heads

@@ -11,42 +11,27 @@ prefills, which it runs faster than a bfloat16 GEMM (docs/results.md).
 
 Weights: groups of 32 inputs, w ≈ s · c + m with codes c in 0..15 and float16 s, m per group.
 
-The kernel is built with torch's C++ extension builder (a C++ compiler and ninja; `setup.sh` builds
-it ahead of first use). Where it cannot be built (said once, with the reason) or the CPU lacks
-AVX-512 VNNI, `--quantize int4` keeps PyTorch's int4 kernel (`quantize.Int4Linear`); so does
-FASTFORWARD_INT4_KERNEL=pytorch.
+The kernel is one of fastforward's native kernels (`fastforward.native`, compiled once per machine).
+Where they cannot be built or the CPU lacks AVX-512 VNNI, `--quantize int4` keeps PyTorch's int4
+kernel (`quantize.Int4Linear`); so does FASTFORWARD_INT4_KERNEL=pytorch.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import sys
-import threading
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from fastforward import native
 from fastforward.errors import FastForwardError
 
 GROUP = 32  # inputs per scale, in weights and activations alike
-TILE = 16  # output columns per kernel register: out_features must be a multiple
-SOURCE = Path(__file__).parent / "csrc" / "w4a8.cpp"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-fopenmp"]
-FLAGS += ["-ffp-contract=off"]  # no fused multiply-adds: tests/test_w4a8.py recomputes the bits in PyTorch
-
-_lock = threading.Lock()
+TILE = native.TILE  # output columns per kernel register: out_features must be a multiple
 
 
 def fits(in_features: int, out_features: int) -> bool:
     return in_features % GROUP == 0 and out_features % TILE == 0
-
-
-def supported_cpu() -> bool:
-    """AVX-512 with VNNI (torch's private CPU probes; a torch without them answers no)."""
-    probes = ("_is_avx512_supported", "_is_vnni_supported")
-    return all(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
 def enabled() -> bool:
@@ -55,52 +40,7 @@ def enabled() -> bool:
     choice = os.environ.get("FASTFORWARD_INT4_KERNEL", "native")
     if choice not in ("native", "pytorch"):
         raise FastForwardError(f"FASTFORWARD_INT4_KERNEL={choice!r}: choose native or pytorch")
-    return choice == "native" and available()
-
-
-@functools.cache
-def available() -> bool:
-    """Whether `torch.ops.fastforward.w4a8_linear` runs here: builds it on first call (about 30 s, then
-    cached by torch under ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR)."""
-    if not supported_cpu():
-        return False
-    with _lock:
-        try:
-            _build()
-        except Exception as error:  # a missing compiler or ninja, a failed build: the other int4 kernel serves
-            print(f"fastforward: int4 keeps PyTorch's kernel; building {SOURCE.name} failed: {error}", file=sys.stderr)
-            return False
-    return True
-
-
-def _build() -> None:
-    from torch.utils import cpp_extension
-
-    try:  # the ninja wheel's binary, where the environment's bin folder is not on PATH
-        import ninja
-
-        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-    except ImportError:
-        pass
-    build = _build_directory()
-    build.mkdir(parents=True, exist_ok=True)
-    if not any(build.glob("*.so")):
-        print(f"fastforward: compiling the int4 kernel {SOURCE.name} (once per machine, about 30 s)", file=sys.stderr)
-    cpp_extension.load(
-        "fastforward_w4a8",
-        [str(SOURCE)],
-        extra_cflags=FLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build),
-        is_python_module=False,
-    )
-
-
-def _build_directory() -> Path:
-    """Per torch version (the extension is built against its headers), under $TORCH_EXTENSIONS_DIR or
-    ~/.cache/fastforward."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "fastforward"
-    return Path(root) / f"w4a8-torch{torch.__version__}"
+    return choice == "native" and native.available()
 
 
 def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -144,17 +84,3 @@ class W4A8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
-
-
-# The schema and its shape function live here; csrc/w4a8.cpp registers the CPU kernel once built.
-_library = torch.library.Library("fastforward", "FRAGMENT")
-_library.define("w4a8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor")
-
-
-@torch.library.register_fake("fastforward::w4a8_linear", lib=_library)
-def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], codes.shape[0] * TILE)
-
-
-if __name__ == "__main__":  # `python -m fastforward.w4a8`: build the kernel now (setup.sh), say whether it runs
-    print("int4 kernel:", "fastforward w4a8 (AVX-512 VNNI)" if available() else "PyTorch's int4 (no AVX-512 VNNI here)")

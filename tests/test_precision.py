@@ -6,7 +6,7 @@ from unittest import mock
 import pytest
 import torch
 
-from fastforward import attention, w4a8
+from fastforward import attention, native, w4a8
 from fastforward import quantize as quantization
 from fastforward.api import build_decoder
 from fastforward.cache import truncate
@@ -19,7 +19,8 @@ from fastforward.tiny import tiny_model
 LOSSLESS = sorted(name for name, spec in registry.specs().items() if spec.lossless)
 # int4 runs on the native kernel where it builds (fastforward.w4a8), and on PyTorch's when asked
 PRECISIONS = [("float32", "int8"), ("float32", "int4"), ("float32", "int4/pytorch"), ("bfloat16", "none")]
-INT4_KINDS = [Int4Linear] + ([w4a8.W4A8Linear] if w4a8.available() else [])
+INT4_KINDS = [Int4Linear] + ([w4a8.W4A8Linear] if native.available() else [])
+ATTENTION_KERNELS = (["native"] if native.available() else []) + ["chunked"]
 
 
 def _model(dtype: str, scheme: str, exact: bool = True, smoothed: bool = True):
@@ -109,9 +110,16 @@ def test_quantize_replaces_every_linear_and_unties_the_embedding():
         quantize(model.hf, "int3")
 
 
+@pytest.fixture(params=ATTENTION_KERNELS)
+def exact_kernel(request, monkeypatch):
+    """Run `--exact` attention on the native kernel, or on the chunked SDPA calls that serve without it."""
+    monkeypatch.setattr(attention, "_native", request.param == "native")
+    return request.param
+
+
 @pytest.mark.parametrize(("dtype", "scheme"), PRECISIONS)
 @pytest.mark.parametrize("exact", [True, False])
-def test_exact_attention_makes_block_logits_equal_one_token_logits(dtype, scheme, exact):
+def test_exact_attention_makes_block_logits_equal_one_token_logits(dtype, scheme, exact, exact_kernel):
     # Without row-invariant attention the two differ in the last bits (a 40-token prompt shows it here).
     model = _model(dtype, scheme, exact, smoothed=exact)  # unsmoothed int8 shows the flip below
     prompt, block = list(range(3, 43)), torch.tensor([[5, 17, 99, 3, 42, 7, 8, 120]])
@@ -138,6 +146,16 @@ def test_lossless_decoders_equal_ar_bit_for_bit_at_low_precision(prompts, dtype,
     for prompt in prompts:
         ar = ARDecoder().generate(model, [prompt], max_new_tokens=30)[0]
         assert decoder.generate(model, [prompt], max_new_tokens=30)[0].token_ids == ar.token_ids
+
+
+def test_lossless_decoders_equal_ar_on_chunked_exact_attention(prompts, monkeypatch):
+    # The path of CPUs without the native kernel (the test above uses the native one where it runs).
+    monkeypatch.setattr(attention, "_native", False)
+    model = _model("float32", "int8")
+    for name in LOSSLESS:
+        for prompt in prompts:
+            ar = ARDecoder().generate(model, [prompt], max_new_tokens=30)[0]
+            assert build_decoder(name).generate(model, [prompt], max_new_tokens=30)[0].token_ids == ar.token_ids
 
 
 def test_exact_attention_shares_calls_and_fixes_each_querys_row_by_its_key_count():

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
+from fastforward import native, w4a8
 from fastforward import quantize as quantization
-from fastforward import w4a8
 from fastforward.quantize import Int4Linear, quantize
 from fastforward.tiny import tiny_model
 
-native = pytest.mark.skipif(not w4a8.available(), reason="the w4a8 kernel needs x86 AVX-512 VNNI and a C++ compiler")
+needs_native = pytest.mark.skipif(not native.available(), reason="needs x86 AVX-512 VNNI and a C++ compiler")
 
 
 def _recomputed(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -28,7 +28,7 @@ def _recomputed(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
     return y
 
 
-@native
+@needs_native
 @pytest.mark.parametrize(("rows", "width", "out"), [(1, 32, 16), (3, 96, 48), (19, 160, 32), (8, 64, 160)])
 def test_kernel_gives_the_bits_of_its_recomputation(rows, width, out):
     # 19 rows take the kernel's 8-, 2- and 1-row paths; every path must give the same bits.
@@ -56,7 +56,7 @@ def test_pack_keeps_codes_that_dequantize_close_to_the_weights():
     assert torch.equal(dequantized[3, 0], torch.full((32,), 0.25))
 
 
-@native
+@needs_native
 def test_native_int4_layers_compile_without_a_graph_break():
     model = tiny_model(seed=0)
     quantize(model.hf, "int4")
@@ -75,14 +75,14 @@ def test_int4_falls_back_to_pytorchs_kernel(monkeypatch, capsys):
         w4a8.enabled()
     # A failed build is said once, with the reason, and leaves PyTorch's kernel in place.
     monkeypatch.delenv("FASTFORWARD_INT4_KERNEL")
-    monkeypatch.setattr(w4a8, "supported_cpu", lambda: True)
-    monkeypatch.setattr(w4a8, "_build", _failing_build)
-    w4a8.available.cache_clear()
+    monkeypatch.setattr(native, "supported_cpu", lambda: True)
+    monkeypatch.setattr(native, "_build", _failing_build)
+    native.available.cache_clear()
     try:
         assert not w4a8.enabled() and not w4a8.enabled()
     finally:
-        w4a8.available.cache_clear()
-    assert capsys.readouterr().err.count("building w4a8.cpp failed: no compiler") == 1
+        native.available.cache_clear()
+    assert capsys.readouterr().err.count("building w4a8.cpp, exact_attention.cpp failed: no compiler") == 1
 
 
 def _failing_build() -> None:

@@ -114,5 +114,5 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 
 }  // namespace
 
-// The schema is defined in fastforward/w4a8.py, beside its shape function for torch.compile.
+// The schema is defined in fastforward/native.py, beside its shape function for torch.compile.
 TORCH_LIBRARY_IMPL(fastforward, CPU, m) { m.impl("w4a8_linear", &w4a8_linear); }

@@ -1,0 +1,104 @@
+"""fastforward's own CPU kernels (`csrc/`), compiled once per machine, for x86 CPUs with AVX-512 VNNI.
+
+Two operators, both computing each row (a token) with the same instructions whatever else shares the
+call, which is what makes a block's logits the same bits as its tokens' 1-token logits:
+
+- `fastforward::w4a8_linear`: int4 weights times int8 activations (`w4a8.W4A8Linear`);
+- `fastforward::exact_attention`: attention of each query over its own visible keys, in key order
+  (`attention.row_invariant_attention`, the `--exact` path).
+
+They are built with torch's C++ extension builder (a C++ compiler and ninja; `setup.sh` builds them
+ahead of first use). Where they cannot be built (said once, with the reason) or the CPU lacks AVX-512
+VNNI, int4 keeps PyTorch's kernel and `--exact` attention its chunked SDPA calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("w4a8.cpp", "exact_attention.cpp")]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-fopenmp"]
+FLAGS += ["-ffp-contract=off"]  # no fused multiply-adds: the tests recompute the kernels' bits in PyTorch
+
+_lock = threading.Lock()
+
+
+def supported_cpu() -> bool:
+    """AVX-512 with VNNI (torch's private CPU probes; a torch without them answers no)."""
+    probes = ("_is_avx512_supported", "_is_vnni_supported")
+    return all(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the `fastforward::` operators run here: builds them on first call (about 20 s, then
+    cached under ~/.cache/fastforward or $TORCH_EXTENSIONS_DIR)."""
+    if not supported_cpu():
+        return False
+    with _lock:
+        try:
+            _build()
+        except Exception as error:  # a missing compiler or ninja, a failed build: the PyTorch paths serve
+            names = ", ".join(source.name for source in SOURCES)
+            print(f"fastforward: PyTorch's kernels serve; building {names} failed: {error}", file=sys.stderr)
+            return False
+    return True
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    try:  # the ninja wheel's binary, where the environment's bin folder is not on PATH
+        import ninja
+
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    except ImportError:
+        pass
+    build = _build_directory()
+    build.mkdir(parents=True, exist_ok=True)
+    if not any(build.glob("*.so")):
+        print("fastforward: compiling its CPU kernels (once per machine, about 20 s)", file=sys.stderr)
+    cpp_extension.load(
+        "fastforward_native",
+        [str(source) for source in SOURCES],
+        extra_cflags=FLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        is_python_module=False,
+    )
+
+
+def _build_directory() -> Path:
+    """Per torch version (the extension is built against its headers), under $TORCH_EXTENSIONS_DIR or
+    ~/.cache/fastforward."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "fastforward"
+    return Path(root) / f"native-torch{torch.__version__}"
+
+
+# The schemas and their shape functions live here; csrc/ registers the CPU kernels once built.
+library = torch.library.Library("fastforward", "FRAGMENT")
+library.define("w4a8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor")
+library.define("exact_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor")
+
+TILE = 16  # output columns per w4a8 kernel register
+
+
+@torch.library.register_fake("fastforward::w4a8_linear", lib=library)
+def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], codes.shape[0] * TILE)
+
+
+@torch.library.register_fake("fastforward::exact_attention", lib=library)
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float):
+    batch, heads, length, dim = query.shape
+    return query.new_empty(batch, length, heads, dim, dtype=torch.float32)
+
+
+if __name__ == "__main__":  # `python -m fastforward.native`: build the kernels now (setup.sh), say whether they run
+    print("native CPU kernels:", "built (AVX-512 VNNI)" if available() else "not here: PyTorch's kernels serve")
