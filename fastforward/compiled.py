@@ -9,8 +9,9 @@ a graph, tens of seconds on a 2-core CPU, less when inductor's on-disk cache alr
 The prefill stays eager: it runs once per prompt at that prompt's length, and AR and every decoder
 share it. Compiled kernels round differently from eager ones, so a compiled model's tokens are its
 own (as a dtype's are). With `exact`, attention stays one operation that the compiler does not look
-into (`attention._opaque_attention`) and a token's logits are the same bits in a one-token and in a
-block forward of the compiled model (tested), so verifying decoders still give greedy AR's tokens.
+into (the native `fastforward::exact_attention`, or `attention._opaque_attention` without it) and a
+token's logits are the same bits in a one-token and in a block forward of the compiled model
+(tested), so verifying decoders still give greedy AR's tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import Cache
 
+from fastforward import attention
 from fastforward.errors import FastForwardError
 
 if TYPE_CHECKING:  # fastforward.model imports this module
@@ -48,6 +50,10 @@ def compile_forward(hf: torch.nn.Module) -> Callable:
     # Graphs differ by kind, not by length: one token or a block, with or without a dense mask, one row
     # or several, a cache of one entry (a one-token prompt). Far fewer than this limit.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    if hf.config._attn_implementation == attention.NAME:
+        # Decided now, not in the first trace: a decision made there changes a global that the graph
+        # guards on, so the second step would compile the graph again (about twice the warm-up).
+        attention.native_kernel()
     # Without these the generated wrapper checks every intermediate's shape and alignment in Python,
     # hundreds of calls per step, for shapes the graph itself fixes.
     return torch.compile(hf, dynamic=True, options=NO_ASSERTS)
