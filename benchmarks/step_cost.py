@@ -6,6 +6,7 @@ forwards (NFE). Also prints each decoder's decode speed (generated tokens / wall
 
     python benchmarks/step_cost.py                          # demo-shaped model (random init), 1 thread
     python benchmarks/step_cost.py --model smollm2-135m --dtype bfloat16 --threads 2 --max-new-tokens 64
+    python benchmarks/step_cost.py --model smollm2-135m --quantize int4 --exact --compile --threads 2 --decoders ar
     python benchmarks/step_cost.py --model smollm2-135m --against /tmp/before   # before/after, one run
 
 `--against DIR` names a checkout of another commit: each repeat runs this script once on this tree
@@ -71,8 +72,9 @@ def measure(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     examples = get_task("arithmetic").examples("test", args.n, seed=0)
     texts = [e.prompt for e in examples]
-    model = demo_shaped(texts) if args.model == "demo-shaped" else load_model(args.model, dtype=args.dtype)
-    if model.mask_token_id is None:
+    options = {"dtype": args.dtype, "quantize": args.quantize, "exact": args.exact, "compile": args.compile}
+    model = demo_shaped(texts) if args.model == "demo-shaped" else load_model(args.model, **options)
+    if model.mask_token_id is None and args.quantize == "none":  # a quantized output layer cannot grow
         torch.manual_seed(0)  # the new embedding is drawn at random (mean resizing): the same in every run
         model.add_mask_token()  # untrained: SBD's tokens are meaningless here, its step cost is not
     prompts = [model.encode_prompt(t, chat_template=args.model != "demo-shaped") for t in texts]
@@ -125,7 +127,8 @@ def run_child(args: argparse.Namespace, pythonpath: str | None) -> dict:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, str(HERE / "step_cost.py"), "--child", "--model", args.model, "--dtype", args.dtype]
     cmd += ["--threads", str(args.threads), "--n", str(args.n), "--max-new-tokens", str(args.max_new_tokens)]
-    cmd += ["--decoders", args.decoders]
+    cmd += ["--decoders", args.decoders, "--quantize", args.quantize]
+    cmd += ["--exact"] * args.exact + ["--compile"] * args.compile
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -149,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo-shaped", help="demo-shaped (random init), a preset or a directory")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantize", default="none", choices=["none", "int8", "int4"], help="a preset or directory only")
+    ap.add_argument("--exact", action="store_true", help="row-invariant attention (a preset or directory only)")
+    ap.add_argument("--compile", action="store_true", help="compiled steps (a preset or directory only)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n", type=int, default=24, help="arithmetic test prompts")
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -169,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             theirs.append(run_child(args, str(Path(args.against).resolve())))
     rows = median_runs(ours)
     other = median_runs(theirs) if theirs else None
-    print(f"model {args.model}, {args.dtype}, {args.threads} thread(s), {args.n} prompts, batch 1, block 16")
+    flags = f"quantize {args.quantize}" + ", exact" * args.exact + ", compiled" * args.compile
+    print(f"model {args.model}, {args.dtype}, {flags}, {args.threads} thread(s), {args.n} prompts, batch 1, block 16")
     print(table(rows, other))
     result = {
         "args": {k: v for k, v in vars(args).items() if k != "child"},

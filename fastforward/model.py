@@ -123,6 +123,11 @@ class Model:
         """
         if self.mask_token_id is not None:
             return self.mask_token_id
+        if not hasattr(self.hf.get_output_embeddings(), "weight"):  # checked before anything changes
+            raise FastForwardError(
+                "cannot add a mask token to a quantized model (its output layer is packed): add it before "
+                "quantizing, e.g. load with --quantize none"
+            )
         existing = self.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
         if existing is None or existing == self.tokenizer.unk_token_id:
             self.tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})

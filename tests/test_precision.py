@@ -100,6 +100,15 @@ def test_smoothing_keeps_int8_row_invariant_and_tames_an_outlier_channel():
         assert (together - reference).abs().mean() < 0.5 * (plain(x) - reference).abs().mean()
 
 
+def test_a_quantized_model_refuses_a_new_mask_token_and_keeps_its_vocabulary():
+    model = tiny_model(seed=0)
+    quantize(model.hf, "int8")
+    vocabulary = len(model.tokenizer)
+    with pytest.raises(FastForwardError, match="before quantizing"):
+        model.add_mask_token()
+    assert len(model.tokenizer) == vocabulary and model.mask_token_id is None
+
+
 def test_quantize_replaces_every_linear_and_unties_the_embedding():
     model = tiny_model(seed=0)
     embedding = model.hf.get_input_embeddings().weight.clone()
