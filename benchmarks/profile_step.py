@@ -21,7 +21,7 @@ import torch
 from common import RESULTS, load_average, log, set_threads, write_report
 from torch.profiler import ProfilerActivity, profile
 
-from fastforward.compiled import make_contiguous
+from fastforward.compiled import prepare_cache
 from fastforward.model import load_model
 
 
@@ -48,8 +48,8 @@ def main() -> None:
         def step() -> None:
             nonlocal token
             position = torch.tensor([[cache.get_seq_length()]])
-            if args.compile:
-                make_contiguous(cache)
+            if args.compile:  # as `Model.run` prepares a compiled step
+                prepare_cache(cache, cache.get_seq_length() + 1)
             out = forward(
                 input_ids=token, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1
             )

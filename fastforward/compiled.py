@@ -23,9 +23,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from torch.fx.experimental import _config as fx_config
 from transformers import Cache
 
 from fastforward import attention
+from fastforward.cache import GrowingLayer, reserve
 from fastforward.errors import FastForwardError
 
 if TYPE_CHECKING:  # fastforward.model imports this module
@@ -50,6 +52,10 @@ def compile_forward(hf: torch.nn.Module) -> Callable:
     # Graphs differ by kind, not by length: one token or a block, with or without a dense mask, one row
     # or several, a cache of one entry (a one-token prompt). Far fewer than this limit.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    # Without duck sizing, a size that happens to equal another (a cache buffer's capacity and a head
+    # size, both 64) is not traced as one symbol, whose guard would fail, and compile again, when the
+    # buffer grows.
+    fx_config.use_duck_shape = False
     if hf.config._attn_implementation == attention.NAME:
         # Decided now, not in the first trace: a decision made there changes a global that the graph
         # guards on, so the second step would compile the graph again (about twice the warm-up).
@@ -59,14 +65,15 @@ def compile_forward(hf: torch.nn.Module) -> Callable:
     return torch.compile(hf, dynamic=True, options=NO_ASSERTS)
 
 
-def make_contiguous(cache: Cache) -> None:
-    """Store keys and values contiguously, as every append does: a prefill's come out of a transpose
-    and a truncated cache is a view, and a compiled step given a new memory layout compiles a new
-    graph. A no-op for a cache that is already contiguous (after any append)."""
-    if cache.layers[0].keys.is_contiguous():
-        return
+def prepare_cache(cache: Cache, entries: int) -> None:
+    """Get a cache ready for a compiled step that leaves it `entries` long: room in its growing
+    layers (`cache.reserve`: a graph cannot grow them without a branch it would guard on), and the
+    keys and values of transformers' own layers stored contiguously (a prefill's come out of a
+    transpose and a truncated cache is a view; a new memory layout would compile a new graph)."""
+    reserve(cache, entries)
     for layer in cache.layers:
-        layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+        if not isinstance(layer, GrowingLayer) and not layer.keys.is_contiguous():
+            layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
 
 
 WARM_UP_TEXT = "one two three, one two three, one two three, one two three"  # repeats: drafting decoders draft

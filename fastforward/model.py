@@ -26,8 +26,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from transformers.utils import logging as hf_logging
 
 from fastforward import attention, smoothing
-from fastforward.cache import truncate
-from fastforward.compiled import compile_forward, make_contiguous
+from fastforward.cache import new_cache, truncate
+from fastforward.compiled import compile_forward, prepare_cache
 from fastforward.errors import FastForwardError
 from fastforward.quantize import check_scheme, prefill_kernels, uses_int8
 from fastforward.quantize import quantize as quantize_linears
@@ -169,7 +169,7 @@ class Model:
 
     # ---- layouts ------------------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.hf.config)
+        return new_cache(self.hf.config)
 
     def run(self, layout: Layout, cache: DynamicCache | None) -> torch.Tensor | None:
         """Execute a layout against `cache` (appending, then dropping all but `keep` new entries).
@@ -185,7 +185,7 @@ class Model:
         read = layout.read if layout.read is not None else torch.zeros(0, dtype=torch.long, device=self.device)
         forward, tokens, positions = self.hf, layout.tokens, layout.positions
         if self.compiled_forward is not None and past > 0:  # a step: one memory layout, one graph per kind
-            make_contiguous(cache)
+            prepare_cache(cache, past + length)
             forward, tokens, positions = self.compiled_forward, tokens.contiguous(), positions.contiguous()
         # A prefill (an empty cache) is shared by AR and every decoder: it may take faster kernels that
         # are not row-invariant (`quantize.prefill_kernels`).

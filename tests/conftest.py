@@ -79,3 +79,17 @@ def decode_and_check_cache(tiny, cache_is_prefill):
         return session
 
     return run
+
+
+@pytest.fixture
+def cached_step():
+    """step(model, cache, tokens): one causal forward of `tokens` after the cache's entries, all of
+    them kept; returns the last token's logits [1, 1, V]."""
+
+    def step(model, cache, tokens: list[int]) -> torch.Tensor:
+        past = cache.get_seq_length()
+        positions = torch.arange(past, past + len(tokens))[None]
+        read = torch.tensor([len(tokens) - 1])
+        return model.run(Layout(torch.tensor([tokens]), positions, None, read, keep=len(tokens)), cache)
+
+    return step

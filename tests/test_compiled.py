@@ -55,6 +55,24 @@ def test_lossless_decoders_equal_compiled_ar(compiled, prompts, name):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - compiled.graphs_before <= 5
 
 
+def test_a_growing_cache_compiles_no_new_graph(cached_step):
+    """150 one-token steps: the cache's buffers double twice (past 64 and 128 entries) and fill up to
+    their spare entry; one graph serves them all. Head size 64, as the first capacity: sizes that
+    coincide must not be traced as one (duck sizing)."""
+    model = tiny_model(seed=0, init_std=0.5, hidden_size=256)
+    quantize(model.hf, "int4")
+    model.hf.config._attn_implementation = attention.NAME
+    model.compile_steps()
+    cache, graphs = model.new_cache(), torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    with torch.inference_mode():
+        logits = cached_step(model, cache, [1, 2, 3])
+        for _ in range(150):
+            logits = cached_step(model, cache, [int(logits[0, -1].argmax())])
+    assert cache.get_seq_length() == 153
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+
+
 def test_warm_up_compiles_one_row_and_a_batch(compiled, monkeypatch):
     seen = compiled_inputs(compiled, monkeypatch)
     assert warm_up(compiled, ARDecoder()) > 0

@@ -1,0 +1,92 @@
+"""`fastforward.cache`: growing KV layers hold what transformers' concatenating ones hold."""
+
+import torch
+from transformers import DynamicCache, MistralConfig
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from fastforward.cache import MIN_CAPACITY, GrowingLayer, gather_entries, new_cache, reserve, truncate
+
+
+def entries(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(2, 3, n, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def test_growing_layer_appends_crops_and_grows_like_a_concatenation():
+    layer, expected = GrowingLayer(), torch.zeros(2, 3, 0, 16)
+    for step, n in enumerate([5, 1, 1, 40, 30, 1, 90]):  # past 64 and 128 entries: the buffers grow
+        new = entries(n, step)
+        keys, values = layer.update(new, -new)
+        expected = torch.cat([expected, new], dim=2)
+        assert torch.equal(keys, expected) and torch.equal(values, -expected)
+        if step == 3:  # drop the last 7: the next append overwrites them
+            layer.crop(-7)
+            expected = expected[:, :, :-7]
+            assert torch.equal(layer.keys, expected) and layer.get_seq_length() == expected.shape[2]
+    assert layer.key_buffer.shape[2] == 4 * MIN_CAPACITY > layer.get_seq_length()
+
+
+def test_reserve_leaves_a_spare_entry_and_keeps_the_entries():
+    layer = GrowingLayer()
+    layer.update(entries(10, 0), entries(10, 1))
+    before = layer.keys.clone()
+    layer.reserve(MIN_CAPACITY)  # exactly the capacity: one more is needed
+    assert layer.key_buffer.shape[2] == 2 * MIN_CAPACITY and torch.equal(layer.keys, before)
+
+
+def test_batch_selection_and_reset():
+    layer = GrowingLayer()
+    layer.update(entries(4, 0), entries(4, 1))
+    kept = layer.keys[[1]].clone()
+    layer.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(layer.keys, kept)
+    layer.reset()
+    assert layer.get_seq_length() == 0 and layer.keys is None
+
+
+def test_cached_steps_equal_a_concatenating_cache_bit_for_bit(tiny, prompts, cached_step):
+    """Prefill, one-token steps across two buffer growths, a rollback, a block: the same logits and
+    entries as transformers' DynamicCache."""
+    growing, concatenating = tiny.new_cache(), DynamicCache(config=tiny.hf.config)
+    assert all(type(layer) is GrowingLayer for layer in growing.layers)
+    prompt = prompts[2]
+
+    def run(cache, tokens: list[int]) -> torch.Tensor:
+        return cached_step(tiny, cache, tokens)
+
+    with torch.inference_mode():
+        pairs = [(run(growing, prompt), run(concatenating, prompt))]
+        for step in range(140):
+            token = int(pairs[-1][0][0, -1].argmax())
+            pairs.append((run(growing, [token]), run(concatenating, [token])))
+            if step == 70:
+                truncate(growing, growing.get_seq_length() - 5)
+                truncate(concatenating, concatenating.get_seq_length() - 5)
+        pairs.append((run(growing, [3, 4, 5, 6]), run(concatenating, [3, 4, 5, 6])))
+    assert growing.get_seq_length() == concatenating.get_seq_length() == len(prompt) + 140 - 5 + 4 > 2 * MIN_CAPACITY
+    assert all(torch.equal(a, b) for a, b in pairs)
+    for a, b in zip(growing.layers, concatenating.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_gather_entries_moves_entries_within_the_buffers(tiny):
+    cache = tiny.new_cache()
+    layer = cache.layers[0]
+    for other in cache.layers:
+        other.update(entries(6, 0), entries(6, 1))
+    before = layer.keys.clone()
+    gather_entries(cache, 2, torch.tensor([[3, 1], [0, 2]]))  # row 0 keeps entries 5, 3; row 1 entries 2, 4
+    assert torch.equal(layer.keys[0, :, 2:4], before[0, :, [5, 3]])
+    assert torch.equal(layer.keys[1, :, 2:4], before[1, :, [2, 4]])
+
+
+def test_reserve_makes_room_in_every_growing_layer(tiny):
+    cache = tiny.new_cache()
+    for layer in cache.layers:
+        layer.update(entries(3, 0), entries(3, 1))
+    reserve(cache, 200)
+    assert all(layer.key_buffer.shape[2] > 200 for layer in cache.layers)
+
+
+def test_sliding_window_layers_stay_transformers_own():
+    config = MistralConfig(num_hidden_layers=2, sliding_window=8, hidden_size=32, num_attention_heads=2)
+    assert [type(layer) for layer in new_cache(config).layers] == [DynamicSlidingWindowLayer] * 2
