@@ -8,6 +8,11 @@ Writes JSON with the load average.
 
     python benchmarks/profile_step.py                       # int4 --exact, eager, about 20 s
     python benchmarks/profile_step.py --compile             # compiled steps, a minute or more of warm-up
+    python benchmarks/profile_step.py --compile --context 300 --cache dynamic   # transformers' own cache
+
+`--context` sets the cache's length before the steps (the prompt repeated); `--cache dynamic` uses
+transformers' `DynamicCache`, which concatenates the whole cache at every step, instead of
+fastforward's (`fastforward.cache`, which appends in place).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 import torch
 from common import RESULTS, load_average, log, set_threads, write_report
 from torch.profiler import ProfilerActivity, profile
+from transformers import DynamicCache
 
 from fastforward.compiled import prepare_cache
 from fastforward.model import load_model
@@ -33,6 +39,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed one-token steps")
     parser.add_argument("--steps", type=int, default=10, help="profiled one-token steps")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=0, help="cache entries before the steps (at least the prompt)")
+    parser.add_argument("--cache", choices=["growing", "dynamic"], default="growing")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--out", type=Path, default=RESULTS / "profile_step.json")
     args = parser.parse_args()
@@ -40,8 +48,9 @@ def main() -> None:
     load_before = load_average()
     model = load_model("smollm2-135m", quantize=args.quantize, exact=args.exact, compile=args.compile)
     forward = model.hf if model.compiled_forward is None else model.compiled_forward
-    cache = model.new_cache()
-    prompt = torch.tensor([model.encode_prompt("Explain how a hash map works in Python.")])
+    cache = model.new_cache() if args.cache == "growing" else DynamicCache(config=model.hf.config)
+    ids = model.encode_prompt("Explain how a hash map works in Python.")
+    prompt = torch.tensor([(ids * (1 + args.context // len(ids)))[: max(args.context, len(ids))]])
     with torch.inference_mode():
         token = model.hf(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
 
@@ -88,6 +97,8 @@ def main() -> None:
         quantize=args.quantize,
         exact=args.exact,
         compile=args.compile,
+        cache=args.cache,
+        context=prompt.shape[1],
         fastest_ms=1e3 * min(times),
         median_ms=1e3 * statistics.median(times),
         warm_up_s=warm_up,

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from torch.fx.experimental import _config as fx_config
 from transformers import Cache
 
 from fastforward import attention
@@ -52,10 +51,6 @@ def compile_forward(hf: torch.nn.Module) -> Callable:
     # Graphs differ by kind, not by length: one token or a block, with or without a dense mask, one row
     # or several, a cache of one entry (a one-token prompt). Far fewer than this limit.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-    # Without duck sizing, a size that happens to equal another (a cache buffer's capacity and a head
-    # size, both 64) is not traced as one symbol, whose guard would fail, and compile again, when the
-    # buffer grows.
-    fx_config.use_duck_shape = False
     if hf.config._attn_implementation == attention.NAME:
         # Decided now, not in the first trace: a decision made there changes a global that the graph
         # guards on, so the second step would compile the graph again (about twice the warm-up).

@@ -58,7 +58,7 @@ def test_lossless_decoders_equal_compiled_ar(compiled, prompts, name):
 def test_a_growing_cache_compiles_no_new_graph(cached_step):
     """150 one-token steps: the cache's buffers double twice (past 64 and 128 entries) and fill up to
     their spare entry; one graph serves them all. Head size 64, as the first capacity: sizes that
-    coincide must not be traced as one (duck sizing)."""
+    coincide must not be traced as one symbol (dynamo's duck sizing)."""
     model = tiny_model(seed=0, init_std=0.5, hidden_size=256)
     quantize(model.hf, "int4")
     model.hf.config._attn_implementation = attention.NAME
