@@ -52,7 +52,8 @@ class GrowingLayer(CacheLayerMixin):
         like = like if self.key_buffer is None else self.key_buffer
         if like is None:
             return  # nothing appended yet: the first append makes the buffers
-        batch, heads, capacity, dim = like.shape[0], like.shape[1], self._capacity(), like.shape[3]
+        capacity = MIN_CAPACITY if self.key_buffer is None else self.key_buffer.shape[2]
+        batch, heads, dim = like.shape[0], like.shape[1], like.shape[3]
         while capacity <= entries:
             capacity *= 2
         buffers = []
@@ -66,9 +67,6 @@ class GrowingLayer(CacheLayerMixin):
                 new[:, :, : self.length] = old[:, :, : self.length]
             buffers.append(new)
         self.key_buffer, self.value_buffer = buffers
-
-    def _capacity(self) -> int:
-        return MIN_CAPACITY if self.key_buffer is None else self.key_buffer.shape[2]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:

@@ -1,5 +1,7 @@
 """`fastforward.cache`: growing KV layers hold what transformers' concatenating ones hold."""
 
+import functools
+
 import torch
 from transformers import DynamicCache, MistralConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
@@ -50,9 +52,7 @@ def test_cached_steps_equal_a_concatenating_cache_bit_for_bit(tiny, prompts, cac
     assert all(type(layer) is GrowingLayer for layer in growing.layers)
     prompt = prompts[2]
 
-    def run(cache, tokens: list[int]) -> torch.Tensor:
-        return cached_step(tiny, cache, tokens)
-
+    run = functools.partial(cached_step, tiny)
     with torch.inference_mode():
         pairs = [(run(growing, prompt), run(concatenating, prompt))]
         for step in range(140):
