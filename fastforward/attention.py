@@ -90,7 +90,10 @@ def native_kernel() -> bool:
 
 
 def _native_fits(query: torch.Tensor) -> bool:
-    return query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16) and query.shape[-1] % 16 == 0
+    """What the kernel takes: CPU tensors in float32 or bfloat16, head sizes in multiples of 16 up to 256."""
+    dim = query.shape[-1]
+    fits_dtype = query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
+    return fits_dtype and dim % 16 == 0 and dim <= 256
 
 
 CHUNK = 8  # query rows per call; key buffers are whole multiples of it (8 measured faster than 4 or 16)

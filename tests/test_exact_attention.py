@@ -90,3 +90,11 @@ def test_the_kernel_choice_is_made_once_and_checked(monkeypatch):
     assert attention.native_kernel() is False  # decided: every forward of the process computes alike
     monkeypatch.setattr(attention, "_native", None)
     assert attention.native_kernel() is native.available()
+
+
+def test_head_sizes_the_kernel_cannot_take_go_to_the_chunked_calls():
+    """A head size past 256 (or not a multiple of 16) takes the chunked calls instead of failing."""
+    fits = attention._native_fits
+    assert fits(torch.zeros(1, 2, 3, 256)) and fits(torch.zeros(1, 2, 3, 64, dtype=torch.bfloat16))
+    assert not fits(torch.zeros(1, 2, 3, 512)) and not fits(torch.zeros(1, 2, 3, 40))
+    assert not fits(torch.zeros(1, 2, 3, 64, dtype=torch.float16))
