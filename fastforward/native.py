@@ -1,4 +1,4 @@
-"""fastforward's own CPU kernels (`csrc/`), compiled once per machine, for x86 CPUs with AVX-512 VNNI.
+"""fastforward's own CPU kernels (`csrc/`), compiled once per machine, for x86 CPUs with AVX2 or AVX-512.
 
 Two operators, both computing each row (a token) with the same instructions whatever else shares the
 call, which is what makes a block's logits the same bits as its tokens' 1-token logits:
@@ -7,9 +7,11 @@ call, which is what makes a block's logits the same bits as its tokens' 1-token 
 - `fastforward::exact_attention`: attention of each query over its own visible keys, in key order
   (`attention.row_invariant_attention`, the `--exact` path).
 
-They are built with torch's C++ extension builder (a C++ compiler and ninja; `setup.sh` builds them
-ahead of first use). Where they cannot be built (said once, with the reason) or the CPU lacks AVX-512
-VNNI, int4 keeps PyTorch's kernel and `--exact` attention its chunked SDPA calls.
+They are written once against `csrc/simd.h` and built for the widest instruction set the CPU has:
+AVX-512 with VNNI (16 lanes, VPDPBUSD), else AVX2 (8 lanes; Haswell and Zen onwards). Built with
+torch's C++ extension builder (a C++ compiler and ninja; `setup.sh` builds them ahead of first use).
+Where they cannot be built (said once, with the reason) or the CPU has neither, int4 keeps PyTorch's
+kernel and `--exact` attention its chunked SDPA calls.
 """
 
 from __future__ import annotations
@@ -23,27 +25,36 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("w4a8.cpp", "exact_attention.cpp")]
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-fopenmp"]
-FLAGS += ["-ffp-contract=off"]  # no fused multiply-adds: the tests recompute the kernels' bits in PyTorch
+COMMON = ["-O3", "-mf16c", "-fopenmp", "-ffp-contract=off"]  # no fused multiply-adds: the tests recompute the bits
+FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", *COMMON],
+    "avx2": ["-mavx2", "-mfma", *COMMON],
+}
 
 _lock = threading.Lock()
 
 
-def supported_cpu() -> bool:
-    """AVX-512 with VNNI (torch's private CPU probes; a torch without them answers no)."""
-    probes = ("_is_avx512_supported", "_is_vnni_supported")
-    return all(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+def instruction_set() -> str | None:
+    """The widest instruction set the kernels are built for here: "avx512" (with VNNI), "avx2" or None
+    (torch's private CPU probes; a torch without them answers None). FASTFORWARD_NATIVE_ISA=avx2 asks
+    for the narrower build on an AVX-512 CPU (to compare the two)."""
+    probe = {name: getattr(torch.cpu, f"_is_{name}_supported", lambda: False)() for name in ("avx512", "vnni", "avx2")}
+    found = "avx512" if probe["avx512"] and probe["vnni"] else "avx2" if probe["avx2"] else None
+    if found == "avx512" and os.environ.get("FASTFORWARD_NATIVE_ISA") == "avx2":
+        return "avx2"
+    return found
 
 
 @functools.cache
 def available() -> bool:
     """Whether the `fastforward::` operators run here: builds them on first call (about 20 s, then
     cached under ~/.cache/fastforward or $TORCH_EXTENSIONS_DIR)."""
-    if not supported_cpu():
+    isa = instruction_set()
+    if isa is None:
         return False
     with _lock:
         try:
-            _build()
+            _build(isa)
         except Exception as error:  # a missing compiler or ninja, a failed build: the PyTorch paths serve
             names = ", ".join(source.name for source in SOURCES)
             print(f"fastforward: PyTorch's kernels serve; building {names} failed: {error}", file=sys.stderr)
@@ -51,7 +62,7 @@ def available() -> bool:
     return True
 
 
-def _build() -> None:
+def _build(isa: str) -> None:
     from torch.utils import cpp_extension
 
     try:  # the ninja wheel's binary, where the environment's bin folder is not on PATH
@@ -60,25 +71,25 @@ def _build() -> None:
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
     except ImportError:
         pass
-    build = _build_directory()
+    build = _build_directory(isa)
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         print("fastforward: compiling its CPU kernels (once per machine, about 20 s)", file=sys.stderr)
     cpp_extension.load(
         "fastforward_native",
         [str(source) for source in SOURCES],
-        extra_cflags=FLAGS,
+        extra_cflags=FLAGS[isa],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build),
         is_python_module=False,
     )
 
 
-def _build_directory() -> Path:
-    """Per torch version (the extension is built against its headers), under $TORCH_EXTENSIONS_DIR or
-    ~/.cache/fastforward."""
+def _build_directory(isa: str) -> Path:
+    """Per torch version (the extension is built against its headers) and instruction set, under
+    $TORCH_EXTENSIONS_DIR or ~/.cache/fastforward."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "fastforward"
-    return Path(root) / f"native-torch{torch.__version__}"
+    return Path(root) / f"native-torch{torch.__version__}-{isa}"
 
 
 # The schemas and their shape functions live here; csrc/ registers the CPU kernels once built.
@@ -86,7 +97,7 @@ library = torch.library.Library("fastforward", "FRAGMENT")
 library.define("w4a8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor")
 library.define("exact_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor")
 
-TILE = 16  # output columns per w4a8 kernel register
+TILE = 16  # output columns per w4a8 kernel tile
 
 
 @torch.library.register_fake("fastforward::w4a8_linear", lib=library)
@@ -101,4 +112,4 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.T
 
 
 if __name__ == "__main__":  # `python -m fastforward.native`: build the kernels now (setup.sh), say whether they run
-    print("native CPU kernels:", "built (AVX-512 VNNI)" if available() else "not here: PyTorch's kernels serve")
+    print("native CPU kernels:", f"built ({instruction_set()})" if available() else "not here: PyTorch's kernels serve")

@@ -7,7 +7,7 @@ import torch
 from fastforward import attention, native
 from fastforward.errors import FastForwardError
 
-needs_native = pytest.mark.skipif(not native.available(), reason="the kernel needs x86 AVX-512 VNNI and a C++ compiler")
+needs_native = pytest.mark.skipif(not native.available(), reason="needs x86 AVX2 or AVX-512 and a C++ compiler")
 HEADS, KV_HEADS, DIM, SCALE = 6, 2, 32, 0.2
 
 

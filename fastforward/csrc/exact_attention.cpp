@@ -1,4 +1,4 @@
-// Row-invariant attention for x86 CPUs with AVX-512: fastforward::exact_attention.
+// Row-invariant attention for x86 CPUs with AVX2 or AVX-512: fastforward::exact_attention.
 //
 // Each (batch row, query, head) is one task that reads only the keys its query may see, in key order,
 // and computes scores, softmax and the weighted sum of values with the same instructions in the same
@@ -11,43 +11,17 @@
 // exp(score - max) (a polynomial, vectorized), their sum and the values weighted by them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-constexpr int64_t LANES = 16;  // floats per 512-bit register; the head size must be a multiple
-
-inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load(const at::BFloat16* p) {  // bfloat16 is the top half of a float32
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-// exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial, times 2^n.
-// Inputs below -87 give 0 (a weight e^-87 is below float32's normal range).
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 floor_x = _mm512_set1_ps(-87.0f);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, floor_x, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, floor_x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i power = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~tiny), p, _mm512_castsi512_ps(power));
-}
+using simd::Floats;
+using simd::LANES;  // floats per register; the head size must be a multiple of 16 (both widths)
 
 struct Workspace {  // per thread, reused across tasks
   std::vector<int64_t> keys;
@@ -64,35 +38,35 @@ void attend_one(const T* q, const T* k, const T* v, int64_t key_stride, const st
     return;
   }
   weights.resize(((count + LANES - 1) / LANES) * LANES);
-  __m512 query[16];
-  for (int64_t c = 0; c < chunks; ++c) query[c] = load(q + c * LANES);
-  const __m512 scale_v = _mm512_set1_ps(scale);
+  Floats query[256 / LANES];
+  for (int64_t c = 0; c < chunks; ++c) query[c] = simd::load(q + c * LANES);
+  const Floats scale_v = simd::broadcast(scale);
   float top = -INFINITY;
   for (int64_t n = 0; n < count; ++n) {
     const T* key = k + keys[n] * key_stride;
-    __m512 dot = _mm512_mul_ps(query[0], load(key));
-    for (int64_t c = 1; c < chunks; ++c) dot = _mm512_add_ps(dot, _mm512_mul_ps(query[c], load(key + c * LANES)));
-    const float score = _mm512_reduce_add_ps(_mm512_mul_ps(dot, scale_v));
+    Floats dot = simd::mul(query[0], simd::load(key));
+    for (int64_t c = 1; c < chunks; ++c) dot = simd::add(dot, simd::mul(query[c], simd::load(key + c * LANES)));
+    const float score = simd::sum(simd::mul(dot, scale_v));
     weights[n] = score;
     top = score > top ? score : top;
   }
   for (int64_t n = count; n < static_cast<int64_t>(weights.size()); ++n) weights[n] = -INFINITY;
-  const __m512 top_v = _mm512_set1_ps(top);
-  __m512 total = _mm512_setzero_ps();
+  const Floats top_v = simd::broadcast(top);
+  Floats total = simd::zeros();
   for (int64_t n = 0; n < static_cast<int64_t>(weights.size()); n += LANES) {
-    const __m512 w = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(&weights[n]), top_v));
-    _mm512_storeu_ps(&weights[n], w);
-    total = _mm512_add_ps(total, w);
+    const Floats w = simd::exp_nonpositive(simd::sub(simd::load(&weights[n]), top_v));
+    simd::store(&weights[n], w);
+    total = simd::add(total, w);
   }
-  const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-  __m512 acc[16];
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+  const Floats inverse = simd::broadcast(1.0f / simd::sum(total));
+  Floats acc[256 / LANES];
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = simd::zeros();
   for (int64_t n = 0; n < count; ++n) {
     const T* value = v + keys[n] * key_stride;
-    const __m512 w = _mm512_set1_ps(weights[n]);
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(w, load(value + c * LANES)));
+    const Floats w = simd::broadcast(weights[n]);
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = simd::add(acc[c], simd::mul(w, simd::load(value + c * LANES)));
   }
-  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + c * LANES, _mm512_mul_ps(acc[c], inverse));
+  for (int64_t c = 0; c < chunks; ++c) simd::store(out + c * LANES, simd::mul(acc[c], inverse));
 }
 
 template <typename T>
@@ -136,7 +110,7 @@ at::Tensor exact_attention(const at::Tensor& query, const at::Tensor& key, const
               "query, key and value need one dtype");
   TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
   const int64_t dim = query.size(3);
-  TORCH_CHECK(dim % LANES == 0 && dim <= 16 * LANES, "head size must be a multiple of 16, at most 256");
+  TORCH_CHECK(dim % 16 == 0 && dim <= 256, "head size must be a multiple of 16, at most 256");
   TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1, "last dimension must be contiguous");
   TORCH_CHECK(key.strides() == value.strides() && key.sizes() == value.sizes(), "key and value need one layout");
   TORCH_CHECK(query.size(1) % key.size(1) == 0 && key.size(2) >= query.size(2), "heads or lengths do not match");

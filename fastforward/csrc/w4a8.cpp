@@ -1,49 +1,63 @@
-// int4 weights x int8 activations for x86 CPUs with AVX-512 VNNI: fastforward::w4a8_linear.
+// int4 weights x int8 activations for x86 CPUs with AVX2 or AVX-512 VNNI: fastforward::w4a8_linear.
 //
 // Weights: 4-bit codes c in groups of 32 inputs, w = s * c + m with an fp16 scale s and minimum m per
 // group. Activations: each row is quantized in blocks of 32, x = d * q with int8 q and a float d per
 // block. The product of one group and one block is s * d * sum(c * q) + m * d * sum(q): an exact
-// integer dot product (VPDPBUSD: unsigned codes times signed activations) and two multiplications.
+// integer dot product (unsigned codes times signed activations: VPDPBUSD with VNNI, else VPMADDUBSW
+// and VPMADDWD) and two multiplications.
 //
 // Why it exists: a row's result is computed by the same instructions in the same order whatever the
 // number of rows in the call (rows are independent, each output column belongs to one thread), so a
 // token's logits are the same bits in a 1-token and a 16-token forward, and the integer dot product
-// makes each extra row cost a fraction of the first, which reads the weights.
+// makes each extra row cost a fraction of the first, which reads the weights. The integer sums are
+// exact and the float operations per column run in one order, so both instruction sets give the
+// same bits.
 //
 // Layout, for each tile of 16 output columns and each group of 32 inputs: 4 x 64 bytes of codes, byte
-// 4 * column + j of register i holding input 4 * i + j in its low nibble and input 4 * (i + 4) + j in
+// 4 * column + j of block i holding input 4 * i + j in its low nibble and input 4 * (i + 4) + j in
 // its high one; then 32 fp16 values, the 16 columns' scales and their 16 minimums.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <cstdint>
 
+#include "simd.h"
+
 namespace {
 
+using simd::Floats;
+
 constexpr int64_t BLOCK = 32;        // inputs per weight group and per activation block
-constexpr int64_t TILE = 16;         // output columns per 512-bit register
+constexpr int64_t TILE = 16;         // output columns per tile
 constexpr int64_t GROUP_BYTES = 256; // codes of one tile and one group
 
 // q = round-half-even(x / d) with d = max|x| / 127, clamped to [-127, 127]; dsum = d * sum(q).
 void quantize_row(const float* x, int64_t blocks, int8_t* q, float* d, float* dsum) {
-  const __m512 sign = _mm512_set1_ps(-0.0f), low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
-  constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  constexpr int64_t parts = BLOCK / simd::LANES;
+  const Floats low = simd::broadcast(-127.0f), high = simd::broadcast(127.0f);
   for (int64_t b = 0; b < blocks; ++b) {
-    const __m512 x0 = _mm512_loadu_ps(x + b * BLOCK), x1 = _mm512_loadu_ps(x + b * BLOCK + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
-    const float scale = amax / 127.0f;
-    const __m512 inverse = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
-    const __m512 r0 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(x0, inverse), nearest), low), high);
-    const __m512 r1 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(x1, inverse), nearest), low), high);
-    const __m512i i0 = _mm512_cvtps_epi32(r0), i1 = _mm512_cvtps_epi32(r1);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * BLOCK), _mm512_cvtsepi32_epi8(i0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * BLOCK + 16), _mm512_cvtsepi32_epi8(i1));
+    Floats v[parts], amax = simd::zeros();
+    for (int64_t i = 0; i < parts; ++i) {
+      v[i] = simd::load(x + b * BLOCK + i * simd::LANES);
+      amax = simd::max(amax, simd::abs(v[i]));
+    }
+    const float scale = simd::largest(amax) / 127.0f;
+    const Floats inverse = simd::broadcast(scale > 0.0f ? 1.0f / scale : 0.0f);
+    Floats total = simd::zeros();  // integers below 2^24: summed exactly in any order
+    for (int64_t i = 0; i < parts; ++i) {
+      const Floats r = simd::min(simd::max(simd::round_even(simd::mul(v[i], inverse)), low), high);
+      simd::store_int8(q + b * BLOCK + i * simd::LANES, r);
+      total = simd::add(total, r);
+    }
     d[b] = scale;
-    dsum[b] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
+    dsum[b] = scale * simd::sum(total);
   }
 }
+
+#if defined(__AVX512VNNI__)
+
+constexpr int MAX_ROWS = 8;
 
 // R rows times one tile: each group's codes are unpacked once and used for every row.
 template <int R>
@@ -60,8 +74,7 @@ void tile_rows(const uint8_t* codes, const uint16_t* scales, int64_t groups, con
       c[i] = _mm512_and_si512(p, nibble);
       c[i + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), nibble);
     }
-    const __m256i* sm = reinterpret_cast<const __m256i*>(scales + g * 2 * TILE);
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(sm)), m = _mm512_cvtph_ps(_mm256_loadu_si256(sm + 1));
+    const __m512 s = simd::load_half(scales + g * 2 * TILE), m = simd::load_half(scales + g * 2 * TILE + TILE);
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int i = 0; i < 8; ++i)  // rows innermost: R independent chains hide VPDPBUSD's latency
@@ -78,6 +91,51 @@ void tile_rows(const uint8_t* codes, const uint16_t* scales, int64_t groups, con
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, acc[r]);
 }
+
+#else  // AVX2
+
+constexpr int MAX_ROWS = 4;  // sixteen registers: 8 of codes, R sums and the rest
+
+// R rows times one tile, one half of 8 columns after the other (a tile's codes stay in L1 between
+// them). Products of codes and activations are summed in pairs by VPMADDUBSW into 16 bits, which
+// cannot overflow (8 x 2 x 15 x 127 < 32768), then widened by VPMADDWD against ones.
+template <int R>
+void tile_rows(const uint8_t* codes, const uint16_t* scales, int64_t groups, const int8_t* q, const float* d,
+               const float* dsum, int64_t k, float* y, int64_t n) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t half = 0; half < 2; ++half) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* packed = codes + g * GROUP_BYTES + 32 * half;
+      __m256i c[8];
+      for (int i = 0; i < 4; ++i) {
+        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 64 * i));
+        c[i] = _mm256_and_si256(p, nibble);
+        c[i + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), nibble);
+      }
+      const uint16_t* sm = scales + g * 2 * TILE + 8 * half;
+      const __m256 s = simd::load_half(sm), m = simd::load_half(sm + TILE);
+      __m256i pairs[R];
+      for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
+      for (int i = 0; i < 8; ++i)
+        for (int r = 0; r < R; ++r) {
+          const int32_t* quad = reinterpret_cast<const int32_t*>(q + r * k + g * BLOCK);
+          pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(c[i], _mm256_set1_epi32(quad[i])));
+        }
+      for (int r = 0; r < R; ++r) {
+        const int64_t block = r * (k / BLOCK) + g;
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r], ones));
+        const __m256 u = _mm256_mul_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(d[block])));
+        const __m256 v = _mm256_mul_ps(m, _mm256_set1_ps(dsum[block]));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_add_ps(u, v));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * n + 8 * half, acc[r]);
+  }
+}
+
+#endif
 
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [rows, in]");
@@ -103,7 +161,8 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
       const uint16_t* s = sp + t * groups * 2 * TILE;
       float* out = yp + t * TILE;
       int64_t r = 0;
-      for (; r + 8 <= rows; r += 8) tile_rows<8>(c, s, groups, qp + r * k, dp + r * groups, sump + r * groups, k, out + r * n, n);
+      if constexpr (MAX_ROWS >= 8)
+        for (; r + 8 <= rows; r += 8) tile_rows<8>(c, s, groups, qp + r * k, dp + r * groups, sump + r * groups, k, out + r * n, n);
       for (; r + 4 <= rows; r += 4) tile_rows<4>(c, s, groups, qp + r * k, dp + r * groups, sump + r * groups, k, out + r * n, n);
       for (; r + 2 <= rows; r += 2) tile_rows<2>(c, s, groups, qp + r * k, dp + r * groups, sump + r * groups, k, out + r * n, n);
       for (; r < rows; ++r) tile_rows<1>(c, s, groups, qp + r * k, dp + r * groups, sump + r * groups, k, out + r * n, n);
