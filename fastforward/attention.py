@@ -8,7 +8,7 @@ int8 activations such a difference can flip a rounding and grow (measured on Smo
 up to 5.9 apart, a different argmax).
 
 Here a query's computation is fixed by its own visible keys alone. Where fastforward's native
-kernels run (`fastforward.native`: x86 with AVX-512 VNNI), `fastforward::exact_attention` computes
+kernels run (`fastforward.native`: x86 with AVX2 or AVX-512), `fastforward::exact_attention` computes
 each (query, head) as one task over exactly its visible keys, in key order, with the same
 instructions whatever else is in the call: nothing is padded or copied, so it costs about what SDPA
 does. Elsewhere (or with FASTFORWARD_EXACT_ATTENTION=chunked), chunked SDPA calls give the same

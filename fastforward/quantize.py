@@ -15,7 +15,7 @@ channels into the weights (`fastforward.smoothing`, calibrated on built-in text)
 int8 model's greedy choices much closer to fp32's.
 
 `int4`: int4 weights in groups of 32 with a scale and offset each (asymmetric). On x86 CPUs with
-AVX-512 VNNI, `fastforward.w4a8.W4A8Linear`: activations quantized to int8 per block of 32 and an
+AVX2 or AVX-512, `fastforward.w4a8.W4A8Linear`: activations quantized to int8 per block of 32 and an
 integer dot product in a native kernel, whose extra rows cost a fraction of the first (blocks and
 prefills are cheap) and whose rows are independent (row-invariant). Elsewhere, or where that kernel
 cannot be built, or with FASTFORWARD_INT4_KERNEL=pytorch, `Int4Linear`: PyTorch's CPU kernel

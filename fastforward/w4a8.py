@@ -1,18 +1,18 @@
-"""int4 weights times int8 activations, on x86 CPUs with AVX-512 VNNI: `W4A8Linear`.
+"""int4 weights times int8 activations, on x86 CPUs with AVX2 or AVX-512 VNNI: `W4A8Linear`.
 
 PyTorch's CPU int4 kernel (`quantize.Int4Linear`) dequantizes every weight for every row it
 multiplies, so a 16-token block cost about 5 times a 1-token forward, and Jacobi and lookup blocks
 paid for it. This kernel (`csrc/w4a8.cpp`, compiled here once per machine) quantizes each row's
 activations to int8 in blocks of 32 and takes an exact integer dot product with the 4-bit codes
-(VPDPBUSD), as llama.cpp does: the weights are read and unpacked once per call, and each further row
-costs a fraction of the first. A row's result is the same bits whatever the number of rows (tested),
+(VPDPBUSD, or VPMADDUBSW on AVX2; both give the same bits), as llama.cpp does: the weights are read
+and unpacked once per call, and each further row costs a fraction of the first. A row's result is the same bits whatever the number of rows (tested),
 so every lossless decoder equals greedy AR at int4; and it needs no bfloat16 copy of the weights for
 prefills, which it runs faster than a bfloat16 GEMM (docs/results.md).
 
 Weights: groups of 32 inputs, w ≈ s · c + m with codes c in 0..15 and float16 s, m per group.
 
 The kernel is one of fastforward's native kernels (`fastforward.native`, compiled once per machine).
-Where they cannot be built or the CPU lacks AVX-512 VNNI, `--quantize int4` keeps PyTorch's int4
+Where they cannot be built or the CPU lacks AVX2, `--quantize int4` keeps PyTorch's int4
 kernel (`quantize.Int4Linear`); so does FASTFORWARD_INT4_KERNEL=pytorch.
 """
 
