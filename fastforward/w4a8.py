@@ -5,9 +5,10 @@ multiplies, so a 16-token block cost about 5 times a 1-token forward, and Jacobi
 paid for it. This kernel (`csrc/w4a8.cpp`, compiled here once per machine) quantizes each row's
 activations to int8 in blocks of 32 and takes an exact integer dot product with the 4-bit codes
 (VPDPBUSD, or VPMADDUBSW on AVX2; both give the same bits), as llama.cpp does: the weights are read
-and unpacked once per call, and each further row costs a fraction of the first. A row's result is the same bits whatever the number of rows (tested),
-so every lossless decoder equals greedy AR at int4; and it needs no bfloat16 copy of the weights for
-prefills, which it runs faster than a bfloat16 GEMM (docs/results.md).
+and unpacked once per call, and each further row costs a fraction of the first. A row's result is
+the same bits whatever the number of rows (tested), so every lossless decoder equals greedy AR at
+int4; and it needs no bfloat16 copy of the weights for prefills, which it runs faster than a
+bfloat16 GEMM (docs/results.md).
 
 Weights: groups of 32 inputs, w ≈ s · c + m with codes c in 0..15 and float16 s, m per group.
 
