@@ -1,17 +1,19 @@
 """What fusing the projections that read one input is worth (`fastforward.fusion`), per forward.
 
-Builds SmolLM2-135M at int8 with `--exact` twice, with fused projections ("fused", what
-`load_model` does) and with separate ones ("separate"), and times forwards of 1, 4 and 16
-tokens against a 256-token cache for each (`roofline.measure_block_cost`), the two interleaved
-round by round in one process. Whole decodes on this noisy 2-core machine varied more than the
-difference; the fastest of many forwards does not. Also checks that `ar` decodes of chat, `pycode`
+Builds SmolLM2-135M at int8 (or `--quantize int4`) with `--exact` twice, with fused projections
+("fused", what `load_model` does) and with separate ones ("separate"), and times forwards of 1, 4
+and 16 tokens against a 256-token cache for each (`roofline.measure_block_cost`), the two
+interleaved round by round in one process; `--compile` compiles both models' steps first. Whole
+decodes on this noisy 2-core machine varied more than the difference; the fastest of many forwards
+does not. Also checks that `ar` decodes of chat, `pycode`
 and `humaneval` prompts give the same tokens both ways (fusing must not move a bit). Prints the
 fastest and median times and writes JSON with the load average.
 
     python benchmarks/step_overhead.py              # 6 rounds of 7 repeats, about 2 min
+    python benchmarks/step_overhead.py --quantize int4 --compile    # a few minutes of warm-up more
 
-int4 layers are not fused: at commit 1e5d2cd, which fused them too, this script measured fused int4
-forwards no faster (docs/results.md).
+int4 layers on PyTorch's int4 kernel are not fused: at commit 1e5d2cd this script measured them no
+faster fused (docs/results.md). The native int4 kernel's layers are.
 """
 
 from __future__ import annotations
@@ -32,14 +34,16 @@ from fastforward.roofline import measure_block_cost
 VARIANTS = ("fused", "separate")
 
 
-def variant_model(scheme: str, variant: str) -> Model:
-    model = load_model("smollm2-135m", exact=True)
+def variant_model(scheme: str, variant: str, compile_steps: bool) -> Model:
+    model = load_model("smollm2-135m", exact=True, compile=compile_steps)  # compiles at the first step
     quantize(model.hf, scheme, fuse=variant == "fused")
     return model
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quantize", choices=["int8", "int4"], default="int8")
+    parser.add_argument("--compile", action="store_true", help="compiled steps (fastforward.compiled)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=7, help="timed forwards of each size per round")
     parser.add_argument("--threads", type=int, default=2)
@@ -47,7 +51,9 @@ def main() -> None:
     args = parser.parse_args()
     threads = set_threads(args.threads)
     load_before = load_average()
-    models = {("int8", variant): variant_model("int8", variant) for variant in VARIANTS}
+    models = {(args.quantize, v): variant_model(args.quantize, v, args.compile) for v in VARIANTS}
+    for model in models.values():  # compile (or allocate) before the timed rounds
+        measure_block_cost(model, ks=(1, 4, 16), cache_len=256, repeats=1)
     fastest: dict[tuple, list[float]] = defaultdict(list)
     medians: dict[tuple, list[float]] = defaultdict(list)
     for round_ in range(args.rounds):
@@ -82,7 +88,16 @@ def main() -> None:
         ("same tokens", "same_tokens", str),
     ]
     log(format_table(table, columns))
-    write_report(args.out, load_before, threads, rounds=args.rounds, repeats=args.repeats, cache_len=256, rows=table)
+    write_report(
+        args.out,
+        load_before,
+        threads,
+        compiled=args.compile,
+        rounds=args.rounds,
+        repeats=args.repeats,
+        cache_len=256,
+        rows=table,
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from transformers import Cache
 
 from fastforward import attention
@@ -57,7 +58,47 @@ def compile_forward(hf: torch.nn.Module) -> Callable:
         attention.native_kernel()
     # Without these the generated wrapper checks every intermediate's shape and alignment in Python,
     # hundreds of calls per step, for shapes the graph itself fixes.
-    return torch.compile(hf, dynamic=True, options=NO_ASSERTS)
+    return torch.compile(hf, dynamic=True, options={**NO_ASSERTS, "post_grad_custom_pre_pass": MergeRepeatedCalls()})
+
+
+class MergeRepeatedCalls(CustomGraphPass):
+    """Repeated calls of the native int4 kernel on one input, and the views leading to them, made once.
+
+    A fused layer (`fastforward.fusion`) is called by each of its members, so a traced step calls its
+    kernel two or three times on the very same tensors. Inductor does not merge calls of a custom
+    operator; this pass (an inductor post-grad pass) does. The kernel is pure and views alias, so the
+    merged graph computes the same bits.
+    """
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        targets = {
+            torch.ops.aten.view.default,
+            torch.ops.aten.reshape.default,
+            torch.ops.aten._unsafe_view.default,
+            torch.ops.fastforward.w4a8_linear.default,
+        }
+        first: dict[tuple, torch.fx.Node] = {}
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in targets:
+                continue
+            key = (node.target, _frozen(node.args), _frozen(node.kwargs))
+            if key in first:
+                node.replace_all_uses_with(first[key])
+                graph.erase_node(node)
+            else:
+                first[key] = node
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))
+
+
+def _frozen(value: object) -> object:
+    """Arguments as a hashable key (lists of sizes become tuples)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    return value
 
 
 def prepare_cache(cache: Cache, entries: int) -> None:

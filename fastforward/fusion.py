@@ -2,10 +2,12 @@
 
 A decoder layer reads one normalised hidden state into its query, key and value projections, and
 another into its gate and up projections: seven matmuls per layer where three calls would do. On a
-CPU decoding one token at a time each call has a fixed cost, and the int8 path quantizes the input
-again for every one. Fused, an int8 forward of SmolLM2-135M took 4-8 % less time at 1 token over
-three runs and an int4 one no less, so `quantize` fuses int8 layers only
-(`benchmarks/step_overhead.py`, docs/results.md).
+CPU decoding one token at a time each call has a fixed cost, and the int8 and native int4 paths
+quantize the input again for every one. Measured with `benchmarks/step_overhead.py`
+(docs/results.md): fused, an eager int8 forward of SmolLM2-135M took 4-8 % less time at 1 token,
+and a compiled native int4 one 19-23 % less (an eager int4 one no less), so `load_model` fuses
+int8 layers in eager steps and native int4 layers in compiled ones. PyTorch's int4 kernel's layers
+are never fused (no faster either way).
 
 `shared_input_groups` finds the groups by running a three-token forward and noting which linear
 layers receive the very same input tensor. `fuse` quantizes a group's concatenated weights as one
@@ -14,8 +16,8 @@ with an input computes the whole group's output, and the others take their slice
 are called with that same tensor (another input is computed afresh, so a model that calls them
 differently stays correct). Rows of a weight matrix are quantized independently and the kernels
 compute each output column from its own row, so the fused layers give the same bits as the
-separate ones (tested). `load_model(..., compile=True)` keeps the layers separate (fusing was not
-measured with compiled steps); a fused model that is compiled anyway computes the same.
+separate ones (tested). Compiled, every member's trace calls the fused layer and
+`compiled.MergeRepeatedCalls` leaves one call of its kernel in the graph.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class SharedInput:
         self._last = threading.local()
 
     def output(self, x: torch.Tensor, member: int) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # a traced graph holds no state; its compiler merges the repeats
+        if torch.compiler.is_compiling():  # a graph holds no state; compiled.MergeRepeatedCalls merges the calls
             return self.fused(x).split(self.widths, dim=-1)[member]
         last = self._last
         if getattr(last, "input", None) is not x:  # holding `x` keeps its identity from being reused

@@ -393,7 +393,8 @@ def load_model(
         hf.to(device)
     hf.eval()
     calibration = smoothing.calibration_ids(tokenizer) if uses_int8(hf, quantize) else None
-    quantize_linears(hf, quantize, fuse=not compile, calibration=calibration)  # compiled steps trace separate layers
+    # Fused where it measured faster (benchmarks/step_overhead.py): int8 eager, native int4 compiled.
+    quantize_linears(hf, quantize, fuse=compile if quantize == "int4" else not compile, calibration=calibration)
     model = Model(hf, tokenizer, name=name_or_path)
     if compile:
         model.compile_steps()

@@ -2,14 +2,17 @@
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from fastforward import attention
+from fastforward import attention, native
 from fastforward.api import build_decoder
-from fastforward.compiled import warm_up
+from fastforward.compiled import MergeRepeatedCalls, warm_up
 from fastforward.decoders import ARDecoder
 from fastforward.errors import FastForwardError
+from fastforward.fusion import FusedMember
 from fastforward.quantize import quantize
 from fastforward.tiny import tiny_model
+from fastforward.w4a8 import W4A8Linear
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +56,34 @@ def test_lossless_decoders_equal_compiled_ar(compiled, prompts, name):
     # graphs per kind of forward, not per length: {one token, a block} x {a one-entry cache (the
     # one-token prompt), longer} + a masked block (jacobi-mr)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - compiled.graphs_before <= 5
+
+
+@pytest.mark.skipif(not native.available(), reason="fused int4 layers need the native kernel")
+def test_fused_projections_run_once_per_step(compiled, cached_step):
+    """Query, key and value (gate and up) are one fused layer that each member's trace calls; the
+    compiled graph calls its kernel once (`compiled.MergeRepeatedCalls`)."""
+    kernels = {id(m) for m in compiled.hf.modules() if isinstance(m, W4A8Linear)}
+    assert len(kernels) < sum(isinstance(m, (W4A8Linear, FusedMember)) for m in compiled.hf.modules())
+    cache = compiled.new_cache()
+    with torch.inference_mode():
+        cached_step(compiled, cache, [1, 2, 3])  # the prefill, eager
+        with profile(activities=[ProfilerActivity.CPU]) as trace:
+            cached_step(compiled, cache, [4])
+    calls = sum(event.count for event in trace.key_averages() if event.key == "fastforward::w4a8_linear")
+    assert calls == len(kernels)
+
+
+def test_repeated_kernel_calls_are_merged_and_others_kept():
+    graph = torch.fx.Graph()
+    x, y, codes, scales = (graph.placeholder(name) for name in ("x", "y", "codes", "scales"))
+    view = torch.ops.aten.view.default
+    kernel = torch.ops.fastforward.w4a8_linear.default
+    calls = [graph.call_function(kernel, (graph.call_function(view, (t, [-1, 32])), codes, scales)) for t in (x, x, y)]
+    graph.output(tuple(calls))
+    MergeRepeatedCalls()(graph)
+    kept = [node for node in graph.nodes if node.target is kernel]
+    assert [call.args[0].args[0] for call in kept] == [x, y]
+    assert [node.target for node in graph.nodes].count(view) == 2
 
 
 def test_a_growing_cache_compiles_no_new_graph(cached_step):

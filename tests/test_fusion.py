@@ -1,9 +1,12 @@
+import pytest
 import torch
 
+from fastforward import native
 from fastforward.fusion import FusedMember, shared_input_groups
-from fastforward.quantize import quantize
+from fastforward.quantize import _fusable, quantize
 from fastforward.smoothing import CALIBRATION_EXAMPLES, CALIBRATION_TOKENS, calibration_ids, smoothing_factors
 from fastforward.tiny import tiny_model
+from fastforward.w4a8 import W4A8Linear
 
 
 def test_the_projections_that_read_one_input_are_found_per_layer():
@@ -38,10 +41,31 @@ def test_calibration_text_is_built_in():
     assert len(ids) == CALIBRATION_EXAMPLES and all(0 < len(i) <= CALIBRATION_TOKENS for i in ids)
 
 
-def test_int4_layers_stay_separate():
+@pytest.mark.skipif(not native.available(), reason="needs x86 AVX2 or AVX-512 and a C++ compiler")
+def test_fused_native_int4_projections_give_the_separate_layers_bits():
+    fused, separate = tiny_model(seed=0, hidden_size=64), tiny_model(seed=0, hidden_size=64)
+    quantize(fused.hf, "int4")
+    quantize(separate.hf, "int4", fuse=False)
+    assert isinstance(fused.hf.model.layers[0].mlp.up_proj, FusedMember)
+    assert isinstance(fused.hf.model.layers[0].mlp.gate_proj.fused, W4A8Linear)
+    ids = torch.tensor([list(range(3, 40))])
+    with torch.inference_mode():
+        assert torch.equal(fused.hf(input_ids=ids).logits, separate.hf(input_ids=ids).logits)
+
+
+def test_int4_on_pytorchs_kernel_stays_separate(monkeypatch):
+    monkeypatch.setenv("FASTFORWARD_INT4_KERNEL", "pytorch")  # measured no faster fused
     model = tiny_model(seed=0, hidden_size=64)
     quantize(model.hf, "int4")
     assert not any(isinstance(m, FusedMember) for m in model.hf.modules())
+
+
+def test_layers_whose_concatenation_takes_another_kernel_stay_separate():
+    # Separately, a 576-wide and a 40-wide projection are int4 and int8 (40 is no multiple of 16);
+    # their 616-wide concatenation would be int8 throughout: other bits, so no fusing.
+    layers = [torch.nn.Linear(64, 576), torch.nn.Linear(64, 40)]
+    assert not _fusable(layers, "int4")
+    assert _fusable(layers, "int8")
 
 
 def test_smoothing_factors_are_shared_by_the_layers_that_read_one_input():
