@@ -39,7 +39,11 @@ NO_ASSERTS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts
 
 
 def compile_forward(hf: torch.nn.Module) -> Callable:
-    """The compiled forward; one graph serves every block length and cache length (dynamic shapes)."""
+    """The compiled forward; one graph serves every block length and cache length (dynamic shapes).
+
+    The model must not change once compiled: its graphs skip the guards on its modules, parameters
+    and configuration (`Model.add_mask_token` compiles again), and keep them apart from any other
+    model's graphs."""
     compilers = [os.environ.get("CXX"), "c++", "g++", "clang++"]
     if next(hf.parameters()).device.type == "cpu" and not any(c and shutil.which(c) for c in compilers):
         raise FastForwardError(
@@ -56,9 +60,17 @@ def compile_forward(hf: torch.nn.Module) -> Callable:
         # Decided now, not in the first trace: a decision made there changes a global that the graph
         # guards on, so the second step would compile the graph again (about twice the warm-up).
         attention.native_kernel()
-    # Without these the generated wrapper checks every intermediate's shape and alignment in Python,
-    # hundreds of calls per step, for shapes the graph itself fixes.
-    return torch.compile(hf, dynamic=True, options={**NO_ASSERTS, "post_grad_custom_pre_pass": MergeRepeatedCalls()})
+    options = {
+        # Without these the generated wrapper checks every intermediate's shape and alignment in
+        # Python, hundreds of calls per step, for shapes the graph itself fixes.
+        **NO_ASSERTS,
+        "post_grad_custom_pre_pass": MergeRepeatedCalls(),
+        # Checking the guards on every module attribute and parameter (thousands) before each step cost
+        # 12-15 % of a one-token int4 step (benchmarks/profile_step.py). Graphs of this call are kept
+        # apart from other compiled models' (isolate_recompiles), which those guards told apart.
+        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+    }
+    return torch.compile(hf, dynamic=True, options=options, isolate_recompiles=True)
 
 
 class MergeRepeatedCalls(CustomGraphPass):

@@ -142,6 +142,8 @@ class Model:
                     weight[old:] = weight[:old].mean(dim=0)
         self.mask_token_id = int(existing)
         setattr(self.hf.config, MASK_CONFIG_KEY, self.mask_token_id)
+        if self.compiled_forward is not None:  # its graphs do not check the embeddings they were traced with
+            self.compile_steps()
         return self.mask_token_id
 
     def require_mask_token(self, decoder: str) -> int:

@@ -104,6 +104,26 @@ def test_a_growing_cache_compiles_no_new_graph(cached_step):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
 
 
+def test_each_compiled_model_runs_its_own_graphs(cached_step):
+    """Compiled graphs skip the guards on a model's parameters, so two models of one class but of
+    other sizes must not share them; and a model changed by `add_mask_token` compiles again."""
+    models = [tiny_model(seed=0, init_std=0.5, hidden_size=width) for width in (64, 128)]
+    for model in models:
+        model.compile_steps()
+    with torch.inference_mode():
+        for model in models:
+            eager = cached_step(model, model.new_cache(), [1, 2, 3])  # against an empty cache: eager
+            cache = model.new_cache()
+            cached_step(model, cache, [1, 2])
+            assert torch.allclose(cached_step(model, cache, [3]), eager, atol=1e-4)  # a compiled step
+        model = models[0]
+        vocab = model.hf.get_input_embeddings().num_embeddings
+        model.add_mask_token()
+        cache = model.new_cache()
+        cached_step(model, cache, [1, 2])
+        assert cached_step(model, cache, [model.mask_token_id]).shape[-1] == vocab + 1
+
+
 def test_warm_up_compiles_one_row_and_a_batch(compiled, monkeypatch):
     seen = compiled_inputs(compiled, monkeypatch)
     assert warm_up(compiled, ARDecoder()) > 0
