@@ -84,3 +84,43 @@ def test_draft_length_grows_shrinks_and_pauses_after_failed_one_token_drafts():
     length.update(3, 0)
     length.update(1, 0)
     assert [length.next(), length.next()] == [0, 1]
+
+
+def test_draft_length_pauses_where_drafted_steps_cost_more_than_they_commit():
+    length = DraftLength(10)
+    length.update(4, 1, cost=1.5)  # 2 tokens for the time of 1.5 one-token steps: paid
+    assert length.next() == 9
+    length.update(3, 0, cost=1.2)  # 1 token for 1.2: drafting pauses a step, and halves
+    assert [length.next(), length.next()] == [0, 4]
+    length.update(1, 0, cost=0.97)  # no dearer than a one-token step: no pause
+    assert length.next() == 4
+
+
+@pytest.mark.parametrize("drafted_cost", [1.0, 3.0])
+def test_lookup_times_its_steps_and_pauses_drafts_that_do_not_pay(tiny, prompts, monkeypatch, drafted_cost):
+    """Every draft's first token is right and its second wrong: 2 tokens per drafted step. Where a
+    drafted step takes 3 one-token steps' time that does not pay, and drafting pauses."""
+    prompt = prompts[0]
+    truth = ARDecoder().generate(tiny, [prompt], max_new_tokens=40)[0].token_ids
+
+    def oracle(index, length):
+        done = len(index.text) - len(prompt)
+        return [t if i == 0 else (t + 1) % 200 for i, t in enumerate(truth[done : done + length])]
+
+    clock, drafted, verify = [0.0], [0], lookup_module.verify
+
+    def timed_verify(session, last, chain, cands, tail):
+        verdict = verify(session, last, chain, cands, tail)
+        clock[0] += drafted_cost if cands else 1.0
+        drafted[0] += bool(cands)
+        return verdict
+
+    monkeypatch.setattr(lookup_module.NgramIndex, "draft", oracle)
+    monkeypatch.setattr(lookup_module, "verify", timed_verify)
+    monkeypatch.setattr(lookup_module, "perf_counter", lambda: clock[0])
+    out = PromptLookupDecoder(lookup_tokens=4).generate(tiny, [prompt], max_new_tokens=40)[0]
+    assert out.token_ids == truth
+    if drafted_cost == 1.0:  # paid: every step drafts but the first, which times a one-token step
+        assert drafted[0] == out.stats.nfe - 1 and out.stats.nfe <= len(truth) // 2 + 1
+    else:  # drafting pauses 1, 2, 4, 8, 16 steps
+        assert drafted[0] <= 6 and out.stats.nfe > 30
