@@ -9,17 +9,10 @@ greedy AR decoding.
 
 A draft that stops paying costs little: with no n-gram match and nothing carried, a step is a
 one-token forward on the model's own causal path (an AR step), and the draft length adapts
-(`DraftLength`). Whether a drafted step paid is measured, not assumed: it did if it committed at
-least as many tokens as one-token steps would have in its time. How much more a block forward
-costs than a one-token one depends on the CPU, the kernels and compilation (1.0-2.4× for 1-16
-tokens on the machines of docs/results.md), so the decoder times its own steps.
+(`DraftLength`).
 """
 
 from __future__ import annotations
-
-import statistics
-from collections import deque
-from time import perf_counter
 
 from fastforward.decoders.base import Decoder
 from fastforward.decoders.multiblock_jacobi import verify
@@ -57,12 +50,10 @@ class DraftLength:
     """How many draft tokens the next step may verify (0: none, an AR step).
 
     As `transformers`' assistant does: two longer after a draft is accepted whole, one shorter
-    otherwise, half as long when none of it was right. And where drafted steps stop paying,
-    drafting pauses for 1, 2, 4, ... up to `MAX_PAUSE` steps: each such step made a block forward
-    where an AR step's one-token forward would have done as well. A step that pays ends the backing
-    off. It paid if it committed at least as many tokens (accepted + 1) as its time would have
-    bought in one-token steps (`cost`: its seconds over a one-token step's); where that time is not
-    known yet, if any draft token was accepted or the draft was longer than one token.
+    otherwise, half as long when none of it was right. And where even one-token drafts keep
+    failing (chat-like text whose n-grams recur with other continuations), drafting pauses for 1,
+    2, 4, ... up to `MAX_PAUSE` steps: each failed draft made a block forward where an AR step's
+    one-token forward would have done. Any accepted draft token ends the backing off.
     """
 
     MAX_PAUSE = 16
@@ -77,35 +68,18 @@ class DraftLength:
             return 0
         return self.want
 
-    def update(self, drafted: int, won: int, cost: float | None = None) -> None:
-        """After a step that verified `drafted` draft tokens, accepted the first `won`, and took
-        `cost` times a one-token step's time (None: not known)."""
+    def update(self, drafted: int, won: int) -> None:
+        """After a step that verified `drafted` draft tokens and accepted the first `won`."""
+        if won:
+            self.backoff = 1
         if won == drafted:
             self.want = min(self.want + 2, self.longest)
         elif won:
             self.want = max(self.want - 1, 1)
         elif drafted > 1:
             self.want = max(self.want // 2, 1)
-        paid = won + 1 >= cost if cost is not None else won > 0 or drafted > 1
-        if paid:
-            self.backoff = 1
         else:
             self.pause, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_PAUSE)
-
-
-class OneTokenTime:
-    """Seconds of a one-token step: the median of the last few (a compile or a stall moves it
-    little)."""
-
-    def __init__(self, window: int = 9):
-        self.recent: deque[float] = deque(maxlen=window)
-
-    def add(self, seconds: float) -> None:
-        self.recent.append(seconds)
-
-    def ratio(self, seconds: float) -> float | None:
-        """`seconds` in one-token steps (None: none timed yet)."""
-        return seconds / statistics.median(self.recent) if self.recent else None
 
 
 class PromptLookupDecoder(Decoder):
@@ -132,19 +106,15 @@ class PromptLookupDecoder(Decoder):
         session.append([[last]])
         index.extend([last])
         chain: list[int] = []
-        length, one_token = DraftLength(self.lookup_tokens), OneTokenTime()
+        length = DraftLength(self.lookup_tokens)
         while not session.finished:
-            want = length.next() if one_token.recent else 0  # the first step times a one-token forward
+            want = length.next()
             draft = index.draft(want) if want else []
-            started = perf_counter()  # verify reads its result back: the forward is done when it returns
             verdict = verify(session, last, chain, [draft] if draft else [], tail=0)
-            seconds = perf_counter() - started
             index.extend(verdict.committed)
             last = verdict.committed[-1]
             if draft:
-                length.update(len(draft), verdict.accepted if verdict.winner == 1 else 0, one_token.ratio(seconds))
-            elif not chain:
-                one_token.add(seconds)
+                length.update(len(draft), verdict.accepted if verdict.winner == 1 else 0)
             chain = verdict.ahead[: self.jacobi_drafts]
 
 
