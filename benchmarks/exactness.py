@@ -31,12 +31,14 @@ PRECISIONS = {
 def compare(model, prompt: list[int], block: torch.Tensor) -> dict:
     with torch.inference_mode():
         cache = model.new_cache()
-        model.hf(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        together = model.hf(input_ids=block, past_key_values=cache, use_cache=True).logits[0].float()
+        model.hf(input_ids=torch.tensor([prompt]), **{model.cache_argument: cache}, use_cache=True, logits_to_keep=1)
+        together = model.hf(input_ids=block, **{model.cache_argument: cache}, use_cache=True).logits[0].float()
         truncate(cache, len(prompt))
         alone = torch.stack(
             [
-                model.hf(input_ids=block[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0, 0].float()
+                model.hf(input_ids=block[:, i : i + 1], **{model.cache_argument: cache}, use_cache=True)
+                .logits[0, 0]
+                .float()
                 for i in range(block.shape[1])
             ]
         )

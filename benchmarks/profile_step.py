@@ -52,7 +52,7 @@ def main() -> None:
     ids = model.encode_prompt("Explain how a hash map works in Python.")
     prompt = torch.tensor([(ids * (1 + args.context // len(ids)))[: max(args.context, len(ids))]])
     with torch.inference_mode():
-        token = model.hf(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model.hf(input_ids=prompt, **{model.cache_argument: cache}, use_cache=True).logits[:, -1:].argmax(-1)
 
         def step() -> None:
             nonlocal token
@@ -60,7 +60,11 @@ def main() -> None:
             if args.compile:  # as `Model.run` prepares a compiled step
                 prepare_cache(cache, cache.get_seq_length() + 1)
             out = forward(
-                input_ids=token, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1
+                input_ids=token,
+                position_ids=position,
+                **{model.cache_argument: cache},
+                use_cache=True,
+                logits_to_keep=1,
             )
             token = out.logits[:, -1:].argmax(-1)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -75,6 +76,9 @@ class Model:
         self.name = name
         self.mask_token_id: int | None = getattr(hf.config, MASK_CONFIG_KEY, None)
         self.compiled_forward: Callable | None = None  # forwards against a cache, when compiled (`compile_steps`)
+        # transformers 5.2x renamed the forwards' `past_key_values` to `cache` (the old name warns, and is
+        # to go in 5.40); models written for older releases keep the old name.
+        self.cache_argument = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
         if hf.config._attn_implementation == "eager":
             raise FastForwardError(
                 "eager attention adds boolean masks instead of applying them (silently wrong); "
@@ -196,7 +200,7 @@ class Model:
                 input_ids=tokens,
                 position_ids=positions,
                 attention_mask=None if layout.visibility is None else layout.visibility[:, None],
-                past_key_values=cache,
+                **{self.cache_argument: cache},
                 use_cache=cache is not None,
                 logits_to_keep=read,
             )

@@ -78,7 +78,7 @@ def test_lossless_decoders_equal_ar_after_a_bfloat16_prefill(monkeypatch):
     with torch.inference_mode():
         run_cache, kernel_cache = model.new_cache(), model.new_cache()
         model.run(layout, run_cache)
-        model.hf(input_ids=ids, past_key_values=kernel_cache, use_cache=True)
+        model.hf(input_ids=ids, **{model.cache_argument: kernel_cache}, use_cache=True)
     assert not torch.equal(run_cache.layers[0].keys, kernel_cache.layers[0].keys)  # the prefill took the other path
     ar = ARDecoder().generate(model, [prompt], max_new_tokens=30)[0]
     for name in LOSSLESS:
@@ -134,11 +134,11 @@ def test_exact_attention_makes_block_logits_equal_one_token_logits(dtype, scheme
     prompt, block = list(range(3, 43)), torch.tensor([[5, 17, 99, 3, 42, 7, 8, 120]])
     with torch.inference_mode():
         cache = model.new_cache()
-        model.hf(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
-        together = model.hf(input_ids=block, past_key_values=cache, use_cache=True).logits[0]
+        model.hf(input_ids=torch.tensor([prompt]), **{model.cache_argument: cache}, use_cache=True)
+        together = model.hf(input_ids=block, **{model.cache_argument: cache}, use_cache=True).logits[0]
         truncate(cache, len(prompt))
         alone = [
-            model.hf(input_ids=block[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0, 0]
+            model.hf(input_ids=block[:, i : i + 1], **{model.cache_argument: cache}, use_cache=True).logits[0, 0]
             for i in range(8)
         ]
     if exact:
