@@ -3,10 +3,12 @@
 import functools
 
 import torch
-from transformers import DynamicCache, MistralConfig
+from transformers import DynamicCache, LlamaForCausalLM, MistralConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from fastforward.cache import MIN_CAPACITY, GrowingLayer, gather_entries, new_cache, reserve, truncate
+from fastforward.model import Model
+from fastforward.tiny import tiny_model
 
 
 def entries(n: int, seed: int) -> torch.Tensor:
@@ -90,3 +92,25 @@ def test_reserve_makes_room_in_every_growing_layer(tiny):
 def test_sliding_window_layers_stay_transformers_own():
     config = MistralConfig(num_hidden_layers=2, sliding_window=8, hidden_size=32, num_attention_heads=2)
     assert [type(layer) for layer in new_cache(config).layers] == [DynamicSlidingWindowLayer] * 2
+
+
+def test_a_model_that_takes_past_key_values_gets_its_cache_there(cached_step):
+    """transformers 5.2x names the forward's cache argument `cache`; models written for older
+    releases (remote code) still take `past_key_values`."""
+
+    class OlderModel(LlamaForCausalLM):
+        def forward(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None, **kwargs):
+            return super().forward(input_ids, attention_mask, position_ids, cache=past_key_values, **kwargs)
+
+    current = tiny_model(seed=0)
+    older = Model(OlderModel(current.hf.config), current.tokenizer)
+    older.hf.load_state_dict(current.hf.state_dict())
+    assert (current.cache_argument, older.cache_argument) == ("cache", "past_key_values")
+    with torch.inference_mode():
+        logits = []
+        for model in (current, older):
+            cache = model.new_cache()
+            cached_step(model, cache, [1, 2, 3])
+            logits.append(cached_step(model, cache, [4]))
+            assert cache.get_seq_length() == 4
+    assert torch.equal(*logits)
