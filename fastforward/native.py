@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from fastforward.errors import FastForwardError
+
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("w4a8.cpp", "exact_attention.cpp")]
 COMMON = ["-O3", "-mf16c", "-fopenmp", "-ffp-contract=off"]  # no fused multiply-adds: the tests recompute the bits
 FLAGS = {
@@ -38,11 +40,12 @@ def instruction_set() -> str | None:
     """The widest instruction set the kernels are built for here: "avx512" (with VNNI), "avx2" or None
     (torch's private CPU probes; a torch without them answers None). FASTFORWARD_NATIVE_ISA=avx2 asks
     for the narrower build on an AVX-512 CPU (to compare the two)."""
+    asked = os.environ.get("FASTFORWARD_NATIVE_ISA")
+    if asked not in (None, "", "avx2"):
+        raise FastForwardError(f"FASTFORWARD_NATIVE_ISA={asked!r}: only avx2 may be asked for (or leave it unset)")
     probe = {name: getattr(torch.cpu, f"_is_{name}_supported", lambda: False)() for name in ("avx512", "vnni", "avx2")}
     found = "avx512" if probe["avx512"] and probe["vnni"] else "avx2" if probe["avx2"] else None
-    if found == "avx512" and os.environ.get("FASTFORWARD_NATIVE_ISA") == "avx2":
-        return "avx2"
-    return found
+    return "avx2" if found and asked else found
 
 
 @functools.cache

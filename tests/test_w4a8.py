@@ -87,3 +87,12 @@ def test_int4_falls_back_to_pytorchs_kernel(monkeypatch, capsys):
 
 def _failing_build(isa: str) -> None:
     raise RuntimeError("no compiler")
+
+
+def test_the_narrow_build_may_be_asked_for_and_nothing_else(monkeypatch):
+    found = native.instruction_set()
+    monkeypatch.setenv("FASTFORWARD_NATIVE_ISA", "avx2")
+    assert native.instruction_set() == (None if found is None else "avx2")
+    monkeypatch.setenv("FASTFORWARD_NATIVE_ISA", "sse2")
+    with pytest.raises(quantization.FastForwardError, match="only avx2 may be asked for"):
+        native.instruction_set()
