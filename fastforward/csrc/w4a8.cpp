@@ -146,8 +146,9 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t rows = x.size(0), k = x.size(1), tiles = codes.size(0), n = tiles * TILE, groups = k / BLOCK;
   TORCH_CHECK(k % BLOCK == 0 && codes.numel() == tiles * groups * GROUP_BYTES && scales.numel() == tiles * groups * 2 * TILE,
               "codes and scales do not match an input width of ", k);
-  // The quantized rows live in the calling thread's scratch, which only grows: a one-token step
-  // calls this 211 times for SmolLM2-135M, and two tensor allocations each were 3 % of its time.
+  // The quantized rows live in the calling thread's scratch, which only grows: a one-token step of
+  // SmolLM2-135M calls this 211 times, and its profile (benchmarks/profile_step.py) showed the
+  // tensor allocations.
   thread_local std::vector<int8_t> quantized;
   thread_local std::vector<float> block_scales;
   quantized.resize(std::max<size_t>(quantized.size(), rows * k));
