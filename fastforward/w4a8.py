@@ -89,8 +89,8 @@ class W4A8Linear(nn.Module):
         else:
             rows = x.reshape(-1, self.in_features).float().contiguous()
         y = _KERNEL(rows, self.codes, self.scales)
-        if x.dtype != torch.float32:
-            y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
+        if y.dtype != x.dtype:  # float32 out of the kernel; the input's dtype out of the layer
+            y = y.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)

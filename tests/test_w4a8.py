@@ -42,6 +42,25 @@ def test_kernel_gives_the_bits_of_its_recomputation(rows, width, out):
         assert torch.equal(torch.ops.fastforward.w4a8_linear(x[r : r + 1].contiguous(), packed, scales), y[r : r + 1])
 
 
+@needs_native
+def test_layer_takes_any_layout_and_dtype_of_its_input():
+    # float32 contiguous input goes to the kernel as is; anything else is converted first
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(64, 32)
+    layer = w4a8.W4A8Linear(linear)
+    x = torch.randn(2, 3, 64)
+    kernel = torch.ops.fastforward.w4a8_linear
+    expected = (kernel(x.reshape(6, 64), layer.codes, layer.scales) + linear.bias).reshape(2, 3, 32)
+    assert torch.equal(layer(x), expected)
+    assert torch.equal(layer(x.transpose(0, 1).contiguous().transpose(0, 1)), expected)  # not contiguous
+    half = x.bfloat16()
+    rows = half.float().reshape(6, 64)
+    y = layer(half)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 32)
+    direct = (kernel(rows, layer.codes, layer.scales) + linear.bias).bfloat16()
+    assert torch.equal(y, direct.reshape(2, 3, 32))
+
+
 def test_pack_keeps_codes_that_dequantize_close_to_the_weights():
     torch.manual_seed(0)
     weight = torch.randn(32, 64)
