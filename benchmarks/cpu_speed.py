@@ -142,6 +142,12 @@ def main() -> None:
                 "contender": label,
                 "tok_s": rate(label),
                 "tpf": sum(g.stats.tokens for g in gens) / max(sum(g.stats.nfe for g in gens), 1),
+                # ours only: transformers' and llama.cpp's forwards are not counted
+                "queries_per_token": (
+                    sum(g.stats.queries for g in gens) / sum(g.stats.tokens for g in gens)
+                    if label in OUR_LABELS
+                    else None
+                ),
                 "vs_llama_cpp": rate(label) / rate("llama.cpp") if "llama.cpp" in by_label else None,
                 "vs_hf_fp32": rate(label) / rate("hf fp32"),
                 "equal_own_ar": _equal(gens, by_label[same_ar]) if same_ar else None,
@@ -153,6 +159,7 @@ def main() -> None:
         ("contender", "contender", str),
         ("tok/s", "tok_s", lambda v: f"{v:.1f}"),
         ("TPF", "tpf", lambda v: f"{v:.2f}"),
+        ("queries/tok", "queries_per_token", lambda v: "—" if v is None else f"{v:.2f}"),
         ("vs llama.cpp", "vs_llama_cpp", lambda v: "—" if v is None else f"{v:.2f}x"),
         ("vs hf fp32", "vs_hf_fp32", lambda v: f"{v:.2f}x"),
         ("= own AR", "equal_own_ar", lambda v: "—" if v is None else v),

@@ -6,6 +6,9 @@ Metrics follow DESIGN.md (Metrics) and `fastforward.metrics`:
 - NFE: decoding forwards (prefill excluded), summed over examples; `nfe_mean` per example;
 - TPF: generated tokens (up to and including the stop token) ÷ decoding forwards, both summed over
   the examples (a ratio of sums, so long answers weigh more);
+- queries per token: tokens the decoding forwards ran (AR: one per forward; drafts, candidates and
+  masked positions add theirs) ÷ generated tokens: AR's is 1.0, and what a higher TPF costs in
+  work shows here (on a CPU each query adds to a forward's time);
 - TPS: generated tokens ÷ wall seconds of generation, prefill included, model load and grading
   excluded; prefill seconds are also reported on their own;
 - speedup: TPS ÷ TPS of AR decoding of the same model on the same prompts, measured in the same run;
@@ -67,6 +70,7 @@ class EvalResult:
     agree_tokens: float | None = None  # mean token match rate with it, in [0, 1]
     tokens_per_step: dict[int, int] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list, repr=False)
+    queries: int = 0  # tokens the decoding forwards ran, summed over examples (`runtime.Stats`)
 
     @property
     def tpf(self) -> float:
@@ -75,6 +79,10 @@ class EvalResult:
     @property
     def tps(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def queries_per_token(self) -> float:
+        return self.queries / self.tokens if self.tokens else 0.0
 
     @property
     def nfe_mean(self) -> float:
@@ -106,6 +114,8 @@ class EvalResult:
             "nfe_mean": r(self.nfe_mean, 3),
             "tokens": self.tokens,
             "tpf": r(self.tpf),
+            "queries": self.queries,
+            "queries_per_token": r(self.queries_per_token),
             "seconds": r(self.seconds),
             "prefill_seconds": r(self.prefill_seconds),
             "tps": r(self.tps, 3),
@@ -307,6 +317,7 @@ def _result(
                 "tokens": gen.stats.tokens,
                 "nfe": gen.stats.nfe,
                 "tpf": round(gen.stats.tpf, 4),
+                "queries": gen.stats.queries,
                 "agree_exact": same,
                 "agree_tokens": round(rate, 4),
             }
@@ -328,6 +339,7 @@ def _result(
         agree_tokens=sum(r for _, r in agreements) / n,
         tokens_per_step=steps,
         records=records,
+        queries=sum(g.stats.queries for g in gens),
     )
 
 
@@ -429,6 +441,7 @@ def results_table(results: Sequence[EvalResult]) -> str:
             ("score", "score", lambda x: f"{x:.3f}"),
             ("NFE/ex", "nfe_mean", lambda x: f"{x:.1f}"),
             ("TPF", "tpf", lambda x: f"{x:.2f}"),
+            ("queries/tok", "queries_per_token", lambda x: f"{x:.2f}"),
             ("TPS", "tps", lambda x: f"{x:.1f}"),
             ("speedup", "speedup", lambda x: f"{x:.2f}x"),
             ("same as AR %", "agree_exact", lambda x: f"{x:.1f}"),

@@ -44,17 +44,26 @@ from fastforward.model import Layout, Model
 
 @dataclass
 class Stats:
-    """Per-prompt decoding figures. NFE counts decoding forwards only (prefill is separate)."""
+    """Per-prompt decoding figures. NFE counts decoding forwards only (prefill is separate).
+
+    queries: the tokens those forwards ran through the model (AR: one per forward; drafts,
+    candidates and masks add theirs). On a CPU a forward's cost grows with them, so queries per
+    generated token says what a decoder's tokens per forward cost: 1.0 for AR."""
 
     nfe: int
     tokens: int
     seconds: float
     prefill_seconds: float
     tokens_per_step: dict[int, int] = field(default_factory=dict)
+    queries: int = 0
 
     @property
     def tpf(self) -> float:
         return self.tokens / self.nfe if self.nfe else float(self.tokens)
+
+    @property
+    def queries_per_token(self) -> float:
+        return self.queries / self.tokens if self.tokens else 0.0
 
     @property
     def tps(self) -> float:
@@ -68,6 +77,8 @@ class Stats:
             "seconds": round(self.seconds, 4),
             "prefill_seconds": round(self.prefill_seconds, 4),
             "tps": round(self.tps, 3),
+            "queries": self.queries,
+            "queries_per_token": round(self.queries_per_token, 4),
             "tokens_per_step": {str(k): v for k, v in sorted(self.tokens_per_step.items())},
         }
 
@@ -171,6 +182,7 @@ class Session:
         self.first_stops = list(self.limits)
         self.finished_rows = [False] * self.batch
         self.forwards = [0] * self.batch
+        self.queries = [0] * self.batch  # tokens run by the forwards each row took part in
         self._offsets = torch.arange(self.max_new_tokens + 1, device=device)
         self._reads: dict[tuple[int, int], torch.Tensor] = {}
         self._log: list[tuple[list[bool], list[int]]] = []  # per step: rows taking part, tokens committed
@@ -227,9 +239,10 @@ class Session:
         if self._step is not None:
             raise RuntimeError("the previous step is still open: call session.advance(keep) after each forward")
         taking_part = [not d for d in self.finished_rows] if rows is None else rows.tolist()
+        length = tokens.shape[1]
         for row, part in enumerate(taking_part):
             self.forwards[row] += part
-        length = tokens.shape[1]
+            self.queries[row] += part * length
         self._step = _Step(self.cache.get_seq_length(), length, taking_part, [0] * self.batch)
         if self.key_valid is not None:
             fresh = torch.ones(self.batch, length, dtype=torch.bool, device=self.device)
@@ -427,7 +440,7 @@ class Session:
         seconds = time.perf_counter() - self.start
         out = []
         for row, (ids, steps) in enumerate(zip(self.outputs, self.histograms(), strict=True)):
-            stats = Stats(self.forwards[row], len(ids), seconds, self.prefill_seconds, steps)
+            stats = Stats(self.forwards[row], len(ids), seconds, self.prefill_seconds, steps, self.queries[row])
             out.append(Generation(ids, self.model.decode(ids), stats, self.finish_reason(row)))
         return out
 

@@ -50,9 +50,15 @@ def test_good_drafts_are_committed_losslessly_and_bad_ones_cost_a_forward(
         return [t if (done + i) % 5 else (t + 1) % 200 for i, t in enumerate(draft)]
 
     monkeypatch.setattr(lookup_module.NgramIndex, "draft", oracle)
+    ran = []  # tokens of each decoding forward
+    run = tiny.run
+    monkeypatch.setattr(tiny, "run", lambda layout, cache: ran.append(layout.tokens.shape[1]) or run(layout, cache))
     session = decode_and_check_cache(PromptLookupDecoder(lookup_tokens=8), prompt, 40)
     assert session.outputs[0] == truth
     assert session.nfe.item() < len(truth) / 2
+    # every draft token was a query of some forward, the rejected ones included
+    decoding = ran[1:-1]  # not the prefill, nor the fresh prefill the cache is checked against
+    assert session.queries == [sum(decoding)] and sum(decoding) > len(truth)
 
 
 def test_bad_knobs_are_refused():

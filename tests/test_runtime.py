@@ -185,6 +185,13 @@ def test_stats_count_forwards_per_row_and_tokens_per_step(tiny, prompts):
         session.advance(0)
     assert session.nfe.tolist() == [1, 0]
     assert session.histograms() == [{3: 1}, {}]  # the second row took no part in that forward
+    assert session.queries == [2, 0]  # the two tokens of the forward it took part in
+
+
+def test_ar_runs_one_query_per_forward(tiny, prompts):
+    stats = ARDecoder().generate(tiny, prompts[:1], max_new_tokens=12)[0].stats
+    assert stats.queries == stats.nfe and stats.queries_per_token == stats.nfe / stats.tokens
+    assert stats.as_dict()["queries"] == stats.nfe
 
 
 # ---- per-row limits and why a row stopped -------------------------------------------------------

@@ -107,6 +107,6 @@ def report(args: argparse.Namespace, prompt: str, gen: Generation) -> None:
     ended = "" if gen.finish_reason != "interrupted" else ", interrupted"
     print(
         f"[{args.decoder}: {s.tokens} tokens, {s.nfe} forwards, {s.tpf:.2f} tokens/forward, "
-        f"{s.tps:.1f} tokens/s{ended}]",
+        f"{s.queries_per_token:.2f} queries/token, {s.tps:.1f} tokens/s{ended}]",
         file=sys.stderr,
     )
