@@ -7,8 +7,9 @@ Metrics follow DESIGN.md (Metrics) and `fastforward.metrics`:
 - TPF: generated tokens (up to and including the stop token) ÷ decoding forwards, both summed over
   the examples (a ratio of sums, so long answers weigh more);
 - queries per token: tokens the decoding forwards ran (AR: one per forward; drafts, candidates and
-  masked positions add theirs) ÷ generated tokens: AR's is 1.0, and what a higher TPF costs in
-  work shows here (on a CPU each query adds to a forward's time);
+  masked positions add theirs) ÷ generated tokens: AR's is just under 1.0 (its first token comes
+  from the prefill), and what a higher TPF costs in work shows here (on a CPU each query adds to a
+  forward's time);
 - TPS: generated tokens ÷ wall seconds of generation, prefill included, model load and grading
   excluded; prefill seconds are also reported on their own;
 - speedup: TPS ÷ TPS of AR decoding of the same model on the same prompts, measured in the same run;

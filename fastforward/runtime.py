@@ -48,7 +48,8 @@ class Stats:
 
     queries: the tokens those forwards ran through the model (AR: one per forward; drafts,
     candidates and masks add theirs). On a CPU a forward's cost grows with them, so queries per
-    generated token says what a decoder's tokens per forward cost: 1.0 for AR."""
+    generated token says what a decoder's tokens per forward cost: just under 1.0 for AR, whose first token comes
+    from the prefill."""
 
     nfe: int
     tokens: int
