@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -42,7 +43,27 @@ void attend_one(const T* q, const T* k, const T* v, int64_t key_stride, const st
   for (int64_t c = 0; c < chunks; ++c) query[c] = simd::load(q + c * LANES);
   const Floats scale_v = simd::broadcast(scale);
   float top = -INFINITY;
-  for (int64_t n = 0; n < count; ++n) {
+  int64_t n = 0;
+  // Four keys at a time, then one: four dot products side by side are independent chains of adds
+  // (a one-key loop waited on its own). Each key's operations keep their order, so the same bits.
+  // Written out key by key: GCC kept arrays of four in memory, which measured no faster.
+  for (; n + 4 <= count; n += 4) {
+    const T *key0 = k + keys[n] * key_stride, *key1 = k + keys[n + 1] * key_stride;
+    const T *key2 = k + keys[n + 2] * key_stride, *key3 = k + keys[n + 3] * key_stride;
+    Floats dot0 = simd::mul(query[0], simd::load(key0)), dot1 = simd::mul(query[0], simd::load(key1));
+    Floats dot2 = simd::mul(query[0], simd::load(key2)), dot3 = simd::mul(query[0], simd::load(key3));
+    for (int64_t c = 1; c < chunks; ++c) {
+      dot0 = simd::add(dot0, simd::mul(query[c], simd::load(key0 + c * LANES)));
+      dot1 = simd::add(dot1, simd::mul(query[c], simd::load(key1 + c * LANES)));
+      dot2 = simd::add(dot2, simd::mul(query[c], simd::load(key2 + c * LANES)));
+      dot3 = simd::add(dot3, simd::mul(query[c], simd::load(key3 + c * LANES)));
+    }
+    const float score0 = simd::sum(simd::mul(dot0, scale_v)), score1 = simd::sum(simd::mul(dot1, scale_v));
+    const float score2 = simd::sum(simd::mul(dot2, scale_v)), score3 = simd::sum(simd::mul(dot3, scale_v));
+    weights[n] = score0, weights[n + 1] = score1, weights[n + 2] = score2, weights[n + 3] = score3;
+    top = std::max({top, score0, score1, score2, score3});
+  }
+  for (; n < count; ++n) {
     const T* key = k + keys[n] * key_stride;
     Floats dot = simd::mul(query[0], simd::load(key));
     for (int64_t c = 1; c < chunks; ++c) dot = simd::add(dot, simd::mul(query[c], simd::load(key + c * LANES)));
