@@ -47,9 +47,9 @@ class Stats:
     """Per-prompt decoding figures. NFE counts decoding forwards only (prefill is separate).
 
     queries: the tokens those forwards ran through the model (AR: one per forward; drafts,
-    candidates and masks add theirs). On a CPU a forward's cost grows with them, so queries per
-    generated token says what a decoder's tokens per forward cost: just under 1.0 for AR, whose first token comes
-    from the prefill."""
+    candidates and masked positions add theirs). On a CPU a forward's cost grows with them, so
+    queries per generated token says what a decoder's tokens per forward cost: just under 1.0 for
+    AR, whose first token comes from the prefill."""
 
     nfe: int
     tokens: int
