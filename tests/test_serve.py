@@ -68,6 +68,7 @@ def test_completions_equal_generate_streamed_or_not(tiny, client, decoder, knobs
         out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, extra_body=extra)
         assert out.choices[0].text == alone(tiny, prompt, decoder, n=12, **knobs)
         assert out.usage.completion_tokens > 0 and out.usage.model_extra["nfe"] > 0
+        assert out.usage.model_extra["queries"] >= out.usage.model_extra["nfe"]
         chunks = list(
             client.completions.create(model="tiny", prompt=prompt, max_tokens=12, stream=True, extra_body=extra)
         )
@@ -94,6 +95,7 @@ def test_concurrent_requests_share_batches_and_equal_generate_alone(tiny, served
         assert out.choices[0].text == alone(tiny, prompt, "jacobi", n=14)
     text = httpx.get(served[1] + "/metrics").text
     assert "fastforward_requests_total" in text and "fastforward_tokens_per_forward_bucket" in text
+    assert "fastforward_queries_total" in text
 
 
 def test_stop_strings_cut_the_output(tiny, client):

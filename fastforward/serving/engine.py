@@ -158,14 +158,18 @@ class Engine:
         decoder.decode(session)
         results = session.results()
         for row, (job, gen) in enumerate(zip(batch, results, strict=True)):
-            self.metrics.observe(gen.stats.nfe, len(gen.token_ids), time.perf_counter() - job.created)
+            self.metrics.observe(
+                gen.stats.nfe, len(gen.token_ids), time.perf_counter() - job.created, gen.stats.queries
+            )
             if job.done:
                 continue
             self._emit(session, row, job, gen.token_ids, final=True)
             if not job.done:
                 job.done = True
                 reason = "stop" if gen.finish_reason == "stop" else "length"
-                job.send(Event(finish_reason=reason, usage=self._usage(job, gen.token_ids, gen.stats.nfe)))
+                job.send(
+                    Event(finish_reason=reason, usage=self._usage(job, gen.token_ids, gen.stats.nfe, gen.stats.queries))
+                )
 
     def _emit(self, session: Session, row: int, job: Job, ids: list[int], final: bool = False) -> None:
         """Send the text the row's tokens add; at a stop string, cut there, end the job and cancel the row.
@@ -182,14 +186,17 @@ class Engine:
         if cut >= 0:
             session.cancel(row)
             job.done = True
-            job.send(Event(finish_reason="stop", usage=self._usage(job, ids, session.forwards[row])))
+            job.send(
+                Event(finish_reason="stop", usage=self._usage(job, ids, session.forwards[row], session.queries[row]))
+            )
 
     @staticmethod
-    def _usage(job: Job, ids: list[int], nfe: int) -> dict[str, Any]:
+    def _usage(job: Job, ids: list[int], nfe: int, queries: int) -> dict[str, Any]:
         return {
             "prompt_tokens": len(job.prompt),
             "completion_tokens": len(ids),
             "total_tokens": len(job.prompt) + len(ids),
             "nfe": nfe,
             "tpf": round(len(ids) / nfe, 4) if nfe else 0.0,
+            "queries": queries,  # tokens the decoding forwards ran, drafts included (`runtime.Stats`)
         }

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 
 class Metrics:
-    """Requests, generated tokens, forwards, tokens per forward, queue depth, batch size, latency."""
+    """Requests, generated tokens, forwards, queries, tokens per forward, queue depth, batch size, latency."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -16,6 +16,9 @@ class Metrics:
         self.cancelled = Counter("fastforward_cancelled_requests", "requests whose client left early", registry=r)
         self.tokens = Counter("fastforward_generated_tokens", "tokens generated", registry=r)
         self.forwards = Counter("fastforward_forwards", "decoding forwards (per request)", registry=r)
+        self.queries = Counter(
+            "fastforward_queries", "tokens the decoding forwards ran, drafts included (per request)", registry=r
+        )
         self.queue_depth = Gauge("fastforward_queue_depth", "requests waiting for a batch", registry=r)
         self.batch_size = Gauge("fastforward_batch_size", "requests in the batch being decoded", registry=r)
         self.tpf = Histogram(
@@ -31,9 +34,10 @@ class Metrics:
             registry=r,
         )
 
-    def observe(self, nfe: int, tokens: int, seconds: float) -> None:
+    def observe(self, nfe: int, tokens: int, seconds: float, queries: int) -> None:
         self.tokens.inc(tokens)
         self.forwards.inc(nfe)
+        self.queries.inc(queries)
         if nfe:
             self.tpf.observe(tokens / nfe)
         self.latency.observe(seconds)
