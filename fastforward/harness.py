@@ -89,7 +89,15 @@ class FastForwardLM(TemplateLM):
         self.max_gen_toks = int(max_gen_toks)
         self.stats_path = Path(stats_path) if stats_path else None
         self.ar_baseline = str(ar_baseline).lower() in ("1", "true", "yes")
-        self.stats = {"requests": 0, "tokens": 0, "nfe": 0, "seconds": 0.0, "ar_tokens": 0, "ar_seconds": 0.0}
+        self.stats = {
+            "requests": 0,
+            "tokens": 0,
+            "nfe": 0,
+            "queries": 0,
+            "seconds": 0.0,
+            "ar_tokens": 0,
+            "ar_seconds": 0.0,
+        }
 
     # ---- tokens ---------------------------------------------------------------------------------
     @property
@@ -172,6 +180,7 @@ class FastForwardLM(TemplateLM):
         self.stats["requests"] += len(prompts)
         self.stats["tokens"] += sum(g.stats.tokens for g in generations)
         self.stats["nfe"] += sum(g.stats.nfe for g in generations)
+        self.stats["queries"] += sum(g.stats.queries for g in generations)
         if self.ar_baseline:
             started = time.perf_counter()
             baseline = ARDecoder().generate(self.model, prompts, budget)
@@ -180,10 +189,12 @@ class FastForwardLM(TemplateLM):
         return [g.text for g in generations]
 
     def summary(self) -> dict[str, Any]:
-        """Decoding figures so far: NFE, TPF, TPS (and AR's TPS and the speedup with ar_baseline)."""
+        """Decoding figures so far: NFE, TPF, queries per token, TPS (and AR's TPS and the speedup with
+        ar_baseline)."""
         s = self.stats
         out = {"decoder": self.decoder_name, **s}
         out["tpf"] = s["tokens"] / s["nfe"] if s["nfe"] else 0.0
+        out["queries_per_token"] = s["queries"] / s["tokens"] if s["tokens"] else 0.0
         out["tps"] = s["tokens"] / s["seconds"] if s["seconds"] else 0.0
         if s["ar_seconds"]:
             out["ar_tps"] = s["ar_tokens"] / s["ar_seconds"]

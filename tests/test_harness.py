@@ -39,6 +39,7 @@ def test_generate_until_equals_fastforward_generate(tiny, saved, decoder, knobs)
     ours = generate(tiny, PROMPTS, decoder, max_new_tokens=12, chat_template=False, block_size=4)
     assert got == [cut_at_stops(g.text, ["e"]) for g in ours]
     assert lm.summary()["tokens"] == sum(g.stats.tokens for g in ours) and lm.summary()["tpf"] > 0
+    assert lm.summary()["queries"] == sum(g.stats.queries for g in ours)
 
 
 def test_loglikelihoods_equal_a_direct_computation(tiny, saved):
