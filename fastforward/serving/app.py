@@ -4,8 +4,9 @@ Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/ch
 (both with `stream`), `GET /metrics` (Prometheus text). A request may choose its decoder and knobs
 with extra body fields (`decoder`, `block_size`, `gamma`, ...: the CLI's names and checks, from the
 decoder registry); anything it leaves out comes from the server's flags. `usage` carries prompt and
-completion tokens plus `nfe`, `tpf` and `queries`. Completions use the prompt as raw text (as `fastforward
-generate --no-chat-template`); chat applies the model's chat template (as `fastforward generate`).
+completion tokens plus `nfe`, `tpf` and `queries`. Completions use the prompt as raw text (as
+`fastforward generate --no-chat-template`); chat applies the model's chat template (as `fastforward
+generate`).
 """
 
 from __future__ import annotations
