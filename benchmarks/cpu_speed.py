@@ -45,6 +45,7 @@ from common import (
 from fastforward.api import build_decoder
 from fastforward.decoders import Generation
 from fastforward.evaluate import format_table
+from fastforward.metrics import queries_per_token
 
 # (label, model key, decoder name, knobs); the model keys are loaded once each.
 OURS = [
@@ -144,7 +145,7 @@ def main() -> None:
                 "tpf": sum(g.stats.tokens for g in gens) / max(sum(g.stats.nfe for g in gens), 1),
                 # ours only: transformers' and llama.cpp's forwards are not counted
                 "queries_per_token": (
-                    sum(g.stats.queries for g in gens) / sum(g.stats.tokens for g in gens)
+                    queries_per_token(sum(g.stats.queries for g in gens), sum(g.stats.tokens for g in gens))
                     if label in OUR_LABELS
                     else None
                 ),

@@ -83,7 +83,7 @@ class EvalResult:
 
     @property
     def queries_per_token(self) -> float:
-        return self.queries / self.tokens if self.tokens else 0.0
+        return metrics.queries_per_token(self.queries, self.tokens)
 
     @property
     def nfe_mean(self) -> float:

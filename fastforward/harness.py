@@ -35,6 +35,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from fastforward import metrics
 from fastforward.api import build_decoder
 from fastforward.decoders import ARDecoder, registry
 from fastforward.errors import FastForwardError
@@ -194,7 +195,7 @@ class FastForwardLM(TemplateLM):
         s = self.stats
         out = {"decoder": self.decoder_name, **s}
         out["tpf"] = s["tokens"] / s["nfe"] if s["nfe"] else 0.0
-        out["queries_per_token"] = s["queries"] / s["tokens"] if s["tokens"] else 0.0
+        out["queries_per_token"] = metrics.queries_per_token(s["queries"], s["tokens"])
         out["tps"] = s["tokens"] / s["seconds"] if s["seconds"] else 0.0
         if s["ar_seconds"]:
             out["ar_tps"] = s["ar_tokens"] / s["ar_seconds"]

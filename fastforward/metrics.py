@@ -23,6 +23,12 @@ def tpf(tokens: int, forwards: int) -> float:
     return tokens / forwards if forwards else 0.0
 
 
+def queries_per_token(queries: int, tokens: int) -> float:
+    """Tokens the decoding forwards ran ÷ generated tokens: what a decoder's TPF costs in work (AR: just
+    under 1, its first token coming from the prefill); 0 when nothing was generated."""
+    return queries / tokens if tokens else 0.0
+
+
 def speedup(tps: float, tps_ar: float) -> float:
     """Throughput relative to AR decoding measured in the same run; 0 when the AR figure is missing."""
     return tps / tps_ar if tps_ar > 0 else 0.0

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastforward import visibility
+from fastforward import metrics, visibility
 from fastforward.cache import gather_entries, truncate
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model
@@ -64,7 +64,7 @@ class Stats:
 
     @property
     def queries_per_token(self) -> float:
-        return self.queries / self.tokens if self.tokens else 0.0
+        return metrics.queries_per_token(self.queries, self.tokens)
 
     @property
     def tps(self) -> float:
