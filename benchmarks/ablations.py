@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 from common import RESULTS, machine_info, set_threads
 
-from fastforward import metrics
 from fastforward.api import build_decoder
-from fastforward.data import derive_seed
-from fastforward.demo import DemoConfig, finetune, pack_records
-from fastforward.evaluate import AR, compare, results_table, sweep_label, write_json
+from fastforward.decoding import metrics
+from fastforward.demo.pipeline import DemoConfig, finetune, pack_records
+from fastforward.evaluation.evaluate import AR, compare, results_table, sweep_label, write_json
+from fastforward.evaluation.plots import plot_curves
 from fastforward.model import Model, load_model
-from fastforward.objectives import NTP
-from fastforward.plots import plot_curves
+from fastforward.training.data import derive_seed
+from fastforward.training.objectives import NTP
 
 POLICY_VALUES = {
     "entropy": [0.0, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0, 2.0, 4.0],

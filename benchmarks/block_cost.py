@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from common import RESULTS, load_average
 
-from fastforward.evaluate import write_json
+from fastforward.evaluation.evaluate import write_json
+from fastforward.evaluation.roofline import format_block_cost, measure_block_cost
 from fastforward.model import DTYPES, load_model
-from fastforward.roofline import format_block_cost, measure_block_cost
 
 TARGET_K, TARGET_RATIO = 16, 1.3
 

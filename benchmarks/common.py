@@ -22,8 +22,8 @@ from unittest import mock
 import torch
 import transformers
 
-from fastforward.decoders import Decoder, Generation, Stats
-from fastforward.evaluate import write_json
+from fastforward.decoding.decoders import Decoder, Generation, Stats
+from fastforward.evaluation.evaluate import write_json
 from fastforward.model import PRESETS, Model, load_model
 from fastforward.tasks import get_task
 
@@ -37,16 +37,16 @@ def log(message: str) -> None:
 
 def set_threads(threads: int | None) -> int:
     """Set torch's intra-op threads to `threads`, or when that is 0 or None to the cores not already
-    busy (`fastforward.threads.auto_threads`); returns the count."""
-    from fastforward.threads import use_threads
+    busy (`fastforward.cpu.threads.auto_threads`); returns the count."""
+    from fastforward.cpu.threads import use_threads
 
     return use_threads(threads)
 
 
 def train_missing(out: Path, stages: list, config) -> dict[str, float]:
-    """Train each `fastforward.zoo.Stage` whose model is not yet in out/<name>, in order (a killed run
+    """Train each `fastforward.demo.zoo.Stage` whose model is not yet in out/<name>, in order (a killed run
     resumes); returns the seconds of each stage trained now."""
-    from fastforward import zoo
+    from fastforward.demo import zoo
 
     seconds: dict[str, float] = {}
     for stage in stages:
@@ -206,6 +206,6 @@ def preset_llama_cpp(threads: int) -> LlamaCpp | None:
 
 def load_smollm2(int4_kernel: str = "native", **options) -> Model:
     """SmolLM2-135M by `load_model(**options)`, its int4 layers on `int4_kernel`: "native"
-    (fastforward.w4a8, where it builds) or "pytorch" (FASTFORWARD_INT4_KERNEL)."""
+    (fastforward.cpu.w4a8, where it builds) or "pytorch" (FASTFORWARD_INT4_KERNEL)."""
     with mock.patch.dict(os.environ, {"FASTFORWARD_INT4_KERNEL": int4_kernel}):
         return load_model("smollm2-135m", **options)

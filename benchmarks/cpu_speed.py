@@ -13,7 +13,7 @@ One process, one run, batch 1, every contender interleaved prompt by prompt (the
   with SDPA attention (`--no-exact`: AR alone has no block forwards to agree with). Their compile
   time is spent in the warm-up, before the timed runs, and reported apart;
 - `ar` and `lookup` at int4 on PyTorch's int4 kernel (`aten`, FASTFORWARD_INT4_KERNEL=pytorch),
-  eager and compiled, against the native one (fastforward.w4a8) that int4 uses where it builds.
+  eager and compiled, against the native one (fastforward.cpu.w4a8) that int4 uses where it builds.
 
 Prompts: chat questions, `pycode` and `humaneval` problems. Prints tok/s (prefill included, as
 for every contender), TPF, the ratios against llama.cpp and against transformers fp32, and for each
@@ -43,9 +43,9 @@ from common import (
 )
 
 from fastforward.api import build_decoder
-from fastforward.decoders import Generation
-from fastforward.evaluate import format_table
-from fastforward.metrics import queries_per_token
+from fastforward.decoding.decoders import Generation
+from fastforward.decoding.metrics import queries_per_token
+from fastforward.evaluation.evaluate import format_table
 
 # (label, model key, decoder name, knobs); the model keys are loaded once each.
 OURS = [
@@ -77,7 +77,7 @@ MODELS = {
     "int4 aten": {"dtype": "float32", "quantize": "int4", "exact": True},
     "int4 aten compiled": {"dtype": "float32", "quantize": "int4", "exact": True, "compile": True},
 }
-# Models whose int4 layers use PyTorch's kernel rather than the native one (fastforward.w4a8)
+# Models whose int4 layers use PyTorch's kernel rather than the native one (fastforward.cpu.w4a8)
 ATEN = {"int4 aten", "int4 aten compiled"}
 
 

@@ -22,7 +22,7 @@ import torch
 from common import load_average
 
 from fastforward import ARDecoder, SBDDecoder, load_model, make_policy
-from fastforward.evaluate import write_json
+from fastforward.evaluation.evaluate import write_json
 from fastforward.tasks import get_task
 
 PROMPTS = [

@@ -24,11 +24,11 @@ from pathlib import Path
 
 from common import RESULTS, load_average, log, prompt_groups, set_threads, write_report
 
-from fastforward import attention, native
 from fastforward.api import build_decoder
-from fastforward.evaluate import format_table
+from fastforward.cpu import attention, native
+from fastforward.evaluation.evaluate import format_table
+from fastforward.evaluation.roofline import measure_block_cost
 from fastforward.model import load_model
-from fastforward.roofline import measure_block_cost
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument(
         "--variants", nargs="+", default=["native", "4", "8", "16"], help="native, or query rows per chunked call"
     )
-    parser.add_argument("--compile", action="store_true", help="compiled steps (fastforward.compiled)")
+    parser.add_argument("--compile", action="store_true", help="compiled steps (fastforward.cpu.compiled)")
     parser.add_argument("--block-cost", action="store_true", help="also time k = 1, 4, 16 causal forwards")
     parser.add_argument("--n", type=int, default=4, help="prompts per group")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -47,7 +47,7 @@ def main() -> None:
     threads = set_threads(args.threads)
     load_before = load_average()
     if "native" in args.variants and not native.available():
-        raise SystemExit("the native kernel does not run here (fastforward.native said why): drop 'native'")
+        raise SystemExit("the native kernel does not run here (fastforward.cpu.native said why): drop 'native'")
     model = load_model("smollm2-135m", quantize=args.quantize, exact=True, compile=args.compile)
     decoders = {name: build_decoder(name) for name in ("ar", "lookup")}
     groups = prompt_groups(model, args.n)

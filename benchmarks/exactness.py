@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from common import RESULTS, load_average, log, machine_info, set_threads
 
-from fastforward.cache import truncate
-from fastforward.evaluate import format_table, write_json
+from fastforward.evaluation.evaluate import format_table, write_json
 from fastforward.model import load_model
+from fastforward.model.cache import truncate
 
 PRECISIONS = {
     "float32": {"dtype": "float32"},

@@ -1,6 +1,6 @@
 """SmolLM2-135M's int4 linear layers on each int4 kernel, by rows per call, and whole causal blocks.
 
-Loads the int4 model twice: on the native int4 x int8 kernel (fastforward.w4a8, what int4 uses where
+Loads the int4 model twice: on the native int4 x int8 kernel (fastforward.cpu.w4a8, what int4 uses where
 it builds) and on PyTorch's `_weight_int4pack_mm_for_cpu` (FASTFORWARD_INT4_KERNEL=pytorch). Then,
 interleaved round by round in one process:
 
@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from common import RESULTS, load_average, load_smollm2, log, set_threads, write_report
 
-from fastforward.evaluate import format_table
-from fastforward.quantize import Int4Linear
-from fastforward.roofline import measure_block_cost
-from fastforward.w4a8 import W4A8Linear
+from fastforward.cpu.quantize import Int4Linear
+from fastforward.cpu.w4a8 import W4A8Linear
+from fastforward.evaluation.evaluate import format_table
+from fastforward.evaluation.roofline import measure_block_cost
 
 KERNELS = {"native": W4A8Linear, "pytorch": Int4Linear}
 LAYER_ROWS = (1, 2, 4, 8, 11, 16, 64)
@@ -58,7 +58,7 @@ def main() -> None:
     models = {kernel: load_smollm2(kernel, quantize="int4", exact=True) for kernel in KERNELS}
     layers = {kernel: [m for m in models[kernel].hf.modules() if isinstance(m, KERNELS[kernel])] for kernel in models}
     if not layers["native"]:
-        raise SystemExit("the native int4 kernel does not run here (fastforward.w4a8 said why): nothing to compare")
+        raise SystemExit("the native int4 kernel does not run here (fastforward.cpu.w4a8 said why): nothing to compare")
     seconds: dict[tuple[str, str, int], float] = defaultdict(lambda: float("inf"))
     for round_ in range(args.rounds):
         for kernel in list(KERNELS)[round_ % 2 :] + list(KERNELS)[: round_ % 2]:

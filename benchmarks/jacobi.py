@@ -15,11 +15,11 @@ Stages, all on one machine in one run:
 4. **multi-block + recycling vs plain Jacobi** on the same model (target: TPF ≥ 1.10 ×);
 5. **wall clock**: TPS of our AR, `jacobi`, `jacobi-mr`, transformers' greedy `generate` and its
    prompt-lookup decoding (`prompt_lookup_num_tokens`, lossless too) on the same model, prompts
-   and machine, interleaved prompt by prompt (`fastforward.evaluate.compare`), `--repeats` times;
+   and machine, interleaved prompt by prompt (`fastforward.evaluation.evaluate.compare`), `--repeats` times;
    the median of the repeats counts.
 
 The default model is the demo's NTP model (`runs/demo/ntp`, written by `fastforward demo`); when it
-is missing, a model is built the way the demo builds it (`fastforward.demo.pretrain` + `finetune`)
+is missing, a model is built the way the demo builds it (`fastforward.demo.pipeline.pretrain` + `finetune`)
 under `--work` and reused by later runs. Trained models and trajectories live under `--work` too,
 in a directory named after the settings, so a rerun with the same settings reuses (or resumes) them.
 
@@ -48,7 +48,7 @@ import torch
 from common import HFGenerate, load_average, log, machine_info, set_threads
 
 from fastforward.api import build_decoder
-from fastforward.evaluate import AR, compare, write_json
+from fastforward.evaluation.evaluate import AR, compare, write_json
 from fastforward.model import load_model
 from fastforward.tasks import get_task, parse_options
 
@@ -62,7 +62,7 @@ def demo_config(quick: bool, pretrain_steps: int = 0, finetune_steps: int = 0):
     """The demo's settings (smaller training budgets with --quick)."""
     from dataclasses import replace
 
-    from fastforward.demo import PRESETS
+    from fastforward.demo.pipeline import PRESETS
 
     # --quick: the demo's seconds-long smoke model (its accuracy is meaningless), a longer budget
     if quick:
@@ -94,7 +94,7 @@ def resolve_model(args) -> tuple[str, dict, int | None]:
         options = {k: saved[k] for k in TASK_KNOBS if k in saved}
         log(f"model: the demo's NTP model {DEMO_MODEL} (task options {options})")
         return str(DEMO_MODEL), options, demo_config(False).max_new_tokens
-    from fastforward.demo import finetune, pretrain
+    from fastforward.demo.pipeline import finetune, pretrain
 
     config = demo_config(args.quick, args.pretrain_steps, args.finetune_steps)
     name = "demo-model-quick" if args.quick else "demo-model"

@@ -36,11 +36,11 @@ from pathlib import Path
 from common import RESULTS, machine_info, set_threads, train_missing
 
 from fastforward.api import build_decoder
-from fastforward.demo import DemoConfig
-from fastforward.evaluate import AR, EvalResult, compare, format_table, write_json
-from fastforward.metrics import aup
+from fastforward.decoding.metrics import aup
+from fastforward.demo.pipeline import DemoConfig
+from fastforward.demo.zoo import Stage
+from fastforward.evaluation.evaluate import AR, EvalResult, compare, format_table, write_json
 from fastforward.model import load_model
-from fastforward.zoo import Stage
 
 ABLATIONS = {
     "multitf_systematic": {"layouts": "systematic"},

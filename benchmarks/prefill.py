@@ -2,7 +2,7 @@
 
 The prompts of `cpu_speed.py` (chat questions, `pycode` and `humaneval` problems), each prefilled
 into an empty cache by the int4 `--exact` model of `load_model`, in three ways, interleaved prompt by
-prompt: "native int4", the int4 x int8 kernel of fastforward.w4a8 (what int4 uses where it builds);
+prompt: "native int4", the int4 x int8 kernel of fastforward.cpu.w4a8 (what int4 uses where it builds);
 "pytorch int4", every linear through PyTorch's `_weight_int4pack_mm_for_cpu`; "pytorch int4, bf16
 weights", the same model inside `quantize.prefill_kernels` (what `Model.run` does for a prefill on
 PyTorch's kernel, on CPUs with native bfloat16). With `llama-cpp-python` installed, llama.cpp's
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from common import RESULTS, load_average, load_smollm2, log, preset_llama_cpp, prompt_groups, set_threads, write_report
 
-from fastforward.evaluate import format_table
+from fastforward.cpu.quantize import prefill_kernels
+from fastforward.evaluation.evaluate import format_table
 from fastforward.model import Model
-from fastforward.quantize import prefill_kernels
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ Writes JSON with the load average.
 
 `--context` sets the cache's length before the steps (the prompt repeated); `--cache dynamic` uses
 transformers' `DynamicCache`, which concatenates the whole cache at every step, instead of
-fastforward's (`fastforward.cache`, which appends in place).
+fastforward's (`fastforward.model.cache`, which appends in place).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from common import RESULTS, load_average, log, set_threads, write_report
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
-from fastforward.compiled import prepare_cache
 from fastforward.model import load_model
+from fastforward.model.cache import prepare_cache
 
 
 def main() -> None:

@@ -24,11 +24,10 @@ import sys
 
 import torch
 
-from fastforward import visibility
-from fastforward.decoders import ARDecoder
-from fastforward.evaluate import format_table, write_json
-from fastforward.model import load_model
-from fastforward.runtime import Session
+from fastforward.decoding.decoders import ARDecoder
+from fastforward.decoding.runtime import Session
+from fastforward.evaluation.evaluate import format_table, write_json
+from fastforward.model import load_model, visibility
 from fastforward.tasks import get_task
 
 BINS = ((0.999, "> 0.999"), (0.99, "0.99–0.999"), (0.9, "0.9–0.99"), (0.0, "≤ 0.9"))

@@ -1,6 +1,6 @@
 """SBD vs NTP fine-tuning with a longer budget than the demo: the issue's targets and Fig. 5's shape.
 
-Same pipeline as `fastforward demo` (fastforward.demo): a small llama pretrained with NTP on
+Same pipeline as `fastforward demo` (fastforward.demo.pipeline): a small llama pretrained with NTP on
 arithmetic word problems, then two copies fine-tuned for the same steps, one with NTP and one with
 SBD. Snapshots of both fine-tunes are saved along the way and each is evaluated: the NTP model with
 AR, the SBD model in NTP mode (AR), with SBD at γ_low and γ_high, and with lossless `sbd-verified`
@@ -29,10 +29,18 @@ from pathlib import Path
 
 from common import RESULTS, machine_info, set_threads
 
-from fastforward.demo import VERIFIED, DemoConfig, finetune, format_demo_table, pretrain, sbd_decoders, table_row
-from fastforward.evaluate import AR, compare, sweep_label, write_json
+from fastforward.demo.pipeline import (
+    VERIFIED,
+    DemoConfig,
+    finetune,
+    format_demo_table,
+    pretrain,
+    sbd_decoders,
+    table_row,
+)
+from fastforward.evaluation.evaluate import AR, compare, sweep_label, write_json
+from fastforward.evaluation.plots import plot_curves
 from fastforward.model import load_model
-from fastforward.plots import plot_curves
 
 
 def train_all(config: DemoConfig, out: Path, snapshots: list[int], retrain: bool) -> dict[str, float]:

@@ -33,12 +33,12 @@ from pathlib import Path
 from common import RESULTS, machine_info, set_threads, train_missing
 
 from fastforward.api import build_decoder
-from fastforward.demo import DemoConfig
-from fastforward.evaluate import EvalResult, compare, format_table, write_json
-from fastforward.metrics import aup
+from fastforward.decoding.metrics import aup
+from fastforward.demo.pipeline import DemoConfig
+from fastforward.demo.zoo import Stage
+from fastforward.evaluation.evaluate import EvalResult, compare, format_table, write_json
 from fastforward.model import load_model
 from fastforward.tasks import get_task
-from fastforward.zoo import Stage
 
 
 def stages(args: argparse.Namespace, config: DemoConfig) -> list[Stage]:

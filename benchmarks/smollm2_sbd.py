@@ -1,12 +1,12 @@
 """SmolLM2-135M before and after SBD fine-tuning on standard-library Python (issue 3, part 6).
 
-1. **train**: SBD fine-tuning (`fastforward.objectives.SBD`, which adds the `<|mask|>` token) of the
+1. **train**: SBD fine-tuning (`fastforward.training.objectives.SBD`, which adds the `<|mask|>` token) of the
    model on the `pycode` task's train-split files as plain text, packed into `--seq-len` rows. The run
    directory under `--work` is named after the settings: a finished run is reused, a killed one resumes.
 2. **evaluate**, on `pycode` (test split, next line, raw text) and `humaneval` (pass@1, chat template),
    the original model and the SBD model, each with our greedy AR, transformers' `generate`
    (`hf-generate`) and SBD decoding (entropy-bounded, block `--block-size`) at each of `--gammas`,
-   interleaved example by example (`fastforward.evaluate.compare`): accuracy, TPF, TPS, speedup over
+   interleaved example by example (`fastforward.evaluation.evaluate.compare`): accuracy, TPF, TPS, speedup over
    our AR and over `hf-generate` measured in the same run, and agreement (identical outputs, token
    match rate) with the *original* model's greedy AR output. The original model gets an untrained
    mask token (it never changes its greedy output), so its SBD rows show SBD decoding without SBD
@@ -37,15 +37,15 @@ import torch
 from common import HFGenerate, load_average, log, machine_info, set_threads
 
 from fastforward.api import build_decoder
-from fastforward.decoders import Decoder
-from fastforward.demo import pack_records
+from fastforward.decoding.decoders import Decoder
+from fastforward.decoding.metrics import token_agreement
+from fastforward.demo.pipeline import pack_records
 from fastforward.errors import FastForwardError
-from fastforward.evaluate import AR, EvalResult, compare, format_table, write_json, write_records
-from fastforward.metrics import token_agreement
+from fastforward.evaluation.evaluate import AR, EvalResult, compare, format_table, write_json, write_records
 from fastforward.model import Model, load_model
-from fastforward.objectives import SBD
 from fastforward.tasks import PyCodeTask, get_task
-from fastforward.train import RESUME_NEUTRAL, TrainConfig, latest_checkpoint, train
+from fastforward.training.objectives import SBD
+from fastforward.training.trainer import RESUME_NEUTRAL, TrainConfig, latest_checkpoint, train
 
 HF = "hf-generate"
 

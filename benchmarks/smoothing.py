@@ -1,10 +1,10 @@
-"""How close each quantization's next-token choices are to fp32's, teacher-forced (`fastforward.smoothing`).
+"""How close each quantization's next-token choices are to fp32's, teacher-forced (`fastforward.cpu.smoothing`).
 
 For `pycode` test examples (prompt, then the reference continuation), one forward of the fp32 model
 and of each quantized variant over the whole text; over the reference's tokens, the share where the
 variant's argmax equals fp32's and the mean KL(fp32 || variant). Variants: int8 without smoothing,
 int8 smoothed as `load_model` does it (calibrated on the `pycode` train split), and int4 on each
-int4 kernel (the native one of fastforward.w4a8 where it builds, and PyTorch's). A cheap,
+int4 kernel (the native one of fastforward.cpu.w4a8 where it builds, and PyTorch's). A cheap,
 smooth proxy for the greedy agreement and accuracy that `benchmarks/agreement.py` reports from
 whole decodes, and the seconds quantizing took (calibration included). Writes JSON with the load
 average.
@@ -23,13 +23,13 @@ from unittest import mock
 import torch
 from common import RESULTS, load_average, log, set_threads, write_report
 
-from fastforward.evaluate import format_table
+from fastforward.cpu.quantize import quantize
+from fastforward.cpu.smoothing import calibration_ids
+from fastforward.evaluation.evaluate import format_table
 from fastforward.model import load_model
-from fastforward.quantize import quantize
-from fastforward.smoothing import calibration_ids
 from fastforward.tasks import get_task
 
-# label: (scheme, smoothed, int4 kernel: fastforward.w4a8's "native" or "pytorch")
+# label: (scheme, smoothed, int4 kernel: fastforward.cpu.w4a8's "native" or "pytorch")
 VARIANTS = {
     "int8 unsmoothed": ("int8", False, "native"),
     "int8 smoothed": ("int8", True, "native"),

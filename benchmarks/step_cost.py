@@ -32,8 +32,8 @@ from common import HERE, RESULTS, load_average, machine_info
 
 from fastforward import build_decoder, load_model
 from fastforward.model import Model
+from fastforward.model.tiny import tiny_model
 from fastforward.tasks import get_task
-from fastforward.tiny import tiny_model
 
 DECODERS = {
     "ar": {},
@@ -45,7 +45,7 @@ DECODERS = {
 
 
 def demo_shaped(prompts: list[str]) -> Model:
-    """A random-init model of the demo's shape (fastforward.demo.DemoConfig), with a mask token."""
+    """A random-init model of the demo's shape (fastforward.demo.pipeline.DemoConfig), with a mask token."""
     model = tiny_model(prompts, vocab_size=512, hidden_size=192, layers=4, heads=6, kv_heads=6, seed=0)
     model.add_mask_token()
     return model

@@ -1,4 +1,4 @@
-"""What fusing the projections that read one input is worth (`fastforward.fusion`), per forward.
+"""What fusing the projections that read one input is worth (`fastforward.cpu.fusion`), per forward.
 
 Builds SmolLM2-135M at int8 (or `--quantize int4`) with `--exact` twice, with fused projections
 ("fused", what `load_model` does) and with separate ones ("separate"), and times forwards of 1, 4
@@ -25,11 +25,11 @@ from statistics import median
 
 from common import RESULTS, load_average, log, prompt_groups, set_threads, write_report
 
-from fastforward.decoders import ARDecoder
-from fastforward.evaluate import format_table
+from fastforward.cpu.quantize import quantize
+from fastforward.decoding.decoders import ARDecoder
+from fastforward.evaluation.evaluate import format_table
+from fastforward.evaluation.roofline import measure_block_cost
 from fastforward.model import Model, load_model
-from fastforward.quantize import quantize
-from fastforward.roofline import measure_block_cost
 
 VARIANTS = ("fused", "separate")
 
@@ -43,7 +43,7 @@ def variant_model(scheme: str, variant: str, compile_steps: bool) -> Model:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quantize", choices=["int8", "int4"], default="int8")
-    parser.add_argument("--compile", action="store_true", help="compiled steps (fastforward.compiled)")
+    parser.add_argument("--compile", action="store_true", help="compiled steps (fastforward.cpu.compiled)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=7, help="timed forwards of each size per round")
     parser.add_argument("--threads", type=int, default=2)

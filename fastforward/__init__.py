@@ -14,26 +14,26 @@ _EXPORTS = {
     "build_decoder": "fastforward.api",
     "generate": "fastforward.api",
     "infill": "fastforward.api",
-    "ARDecoder": "fastforward.decoders",
-    "Decoder": "fastforward.decoders",
-    "JacobiDecoder": "fastforward.decoders",
-    "MultiBlockJacobiDecoder": "fastforward.decoders",
-    "SBDDecoder": "fastforward.decoders",
-    "VerifiedSBDDecoder": "fastforward.decoders",
+    "ARDecoder": "fastforward.decoding.decoders",
+    "Decoder": "fastforward.decoding.decoders",
+    "JacobiDecoder": "fastforward.decoding.decoders",
+    "MultiBlockJacobiDecoder": "fastforward.decoding.decoders",
+    "SBDDecoder": "fastforward.decoding.decoders",
+    "VerifiedSBDDecoder": "fastforward.decoding.decoders",
     "FastForwardError": "fastforward.errors",
     "Layout": "fastforward.model",
     "Model": "fastforward.model",
     "load_model": "fastforward.model",
-    "ConfidenceBounded": "fastforward.policies",
-    "EntropyBounded": "fastforward.policies",
-    "Factor": "fastforward.policies",
-    "Threshold": "fastforward.policies",
-    "make_policy": "fastforward.policies",
-    "Generation": "fastforward.runtime",
-    "Prompt": "fastforward.runtime",
-    "Session": "fastforward.runtime",
-    "Stats": "fastforward.runtime",
-    "Sampler": "fastforward.sampling",
+    "ConfidenceBounded": "fastforward.decoding.policies",
+    "EntropyBounded": "fastforward.decoding.policies",
+    "Factor": "fastforward.decoding.policies",
+    "Threshold": "fastforward.decoding.policies",
+    "make_policy": "fastforward.decoding.policies",
+    "Generation": "fastforward.decoding.runtime",
+    "Prompt": "fastforward.decoding.runtime",
+    "Session": "fastforward.decoding.runtime",
+    "Stats": "fastforward.decoding.runtime",
+    "Sampler": "fastforward.decoding.sampling",
 }
 
 __all__ = [
@@ -64,7 +64,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from fastforward.api import build_decoder, generate, infill
-    from fastforward.decoders import (
+    from fastforward.decoding.decoders import (
         ARDecoder,
         Decoder,
         JacobiDecoder,
@@ -72,11 +72,11 @@ if TYPE_CHECKING:
         SBDDecoder,
         VerifiedSBDDecoder,
     )
+    from fastforward.decoding.policies import ConfidenceBounded, EntropyBounded, Factor, Threshold, make_policy
+    from fastforward.decoding.runtime import Generation, Prompt, Session, Stats
+    from fastforward.decoding.sampling import Sampler
     from fastforward.errors import FastForwardError
     from fastforward.model import Layout, Model, load_model
-    from fastforward.policies import ConfidenceBounded, EntropyBounded, Factor, Threshold, make_policy
-    from fastforward.runtime import Generation, Prompt, Session, Stats
-    from fastforward.sampling import Sampler
 
 
 def __getattr__(name: str) -> Any:

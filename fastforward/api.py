@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastforward.decoders import ARDecoder, Decoder, Generation, Prompt, registry
+from fastforward.decoding.decoders import ARDecoder, Decoder, Generation, Prompt, registry
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
 

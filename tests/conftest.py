@@ -3,10 +3,9 @@ import contextlib
 import pytest
 import torch
 
-from fastforward import visibility
-from fastforward.model import Layout
-from fastforward.runtime import Session
-from fastforward.tiny import tiny_model
+from fastforward.decoding.runtime import Session
+from fastforward.model import Layout, visibility
+from fastforward.model.tiny import tiny_model
 
 
 @pytest.fixture(autouse=True)

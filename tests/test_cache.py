@@ -1,4 +1,4 @@
-"""`fastforward.cache`: growing KV layers hold what transformers' concatenating ones hold."""
+"""`fastforward.model.cache`: growing KV layers hold what transformers' concatenating ones hold."""
 
 import functools
 
@@ -6,9 +6,9 @@ import torch
 from transformers import DynamicCache, LlamaForCausalLM, MistralConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from fastforward.cache import MIN_CAPACITY, GrowingLayer, gather_entries, new_cache, reserve, truncate
 from fastforward.model import Model
-from fastforward.tiny import tiny_model
+from fastforward.model.cache import MIN_CAPACITY, GrowingLayer, gather_entries, new_cache, reserve, truncate
+from fastforward.model.tiny import tiny_model
 
 
 def entries(n: int, seed: int) -> torch.Tensor:

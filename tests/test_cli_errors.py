@@ -13,12 +13,12 @@ from transformers.utils import logging as hf_logging
 from fastforward import model as model_module
 from fastforward.cli import generate as generate_cli
 from fastforward.cli import main
-from fastforward.decoders import ARDecoder
+from fastforward.decoding.decoders import ARDecoder
 from fastforward.errors import FastForwardError
-from fastforward.evaluate import compare
+from fastforward.evaluation.evaluate import compare
 from fastforward.model import load_model, resolve_model_path
+from fastforward.model.tiny import tiny_model
 from fastforward.tasks import get_task
-from fastforward.tiny import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_interrupt_while_decoding(saved, monkeypatch, capsys):
 
 
 def test_interrupt_mid_decoding_prints_what_was_generated(saved, monkeypatch, capsys):
-    from fastforward.runtime import Session
+    from fastforward.decoding.runtime import Session
 
     steps = []
     real = Session.advance

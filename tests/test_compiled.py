@@ -4,15 +4,16 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fastforward import attention, native
 from fastforward.api import build_decoder
-from fastforward.compiled import MergeRepeatedCalls, warm_up
-from fastforward.decoders import ARDecoder
+from fastforward.cpu import attention, native
+from fastforward.cpu.compiled import MergeRepeatedCalls
+from fastforward.cpu.fusion import FusedMember
+from fastforward.cpu.quantize import quantize
+from fastforward.cpu.w4a8 import W4A8Linear
+from fastforward.decoding.decoders import ARDecoder
 from fastforward.errors import FastForwardError
-from fastforward.fusion import FusedMember
-from fastforward.quantize import quantize
-from fastforward.tiny import tiny_model
-from fastforward.w4a8 import W4A8Linear
+from fastforward.model.tiny import tiny_model
+from fastforward.serving.engine import warm_up
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from fastforward.data import Example, PackedData, encode_record, load_examples, read_jsonl, split_examples
 from fastforward.errors import FastForwardError
-from fastforward.tiny import fit_tokenizer
+from fastforward.model.tiny import fit_tokenizer
+from fastforward.training.data import Example, PackedData, encode_record, load_examples, read_jsonl, split_examples
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|pad|>{{ m.role }}<|pad|>{{ m.content }}<|endoftext|>{% endfor %}"

@@ -4,12 +4,19 @@ import pytest
 import torch
 
 from fastforward.api import build_decoder
-from fastforward.decoders import ARDecoder, JacobiDecoder, SBDDecoder, Session, VerifiedSBDDecoder, multiblock_jacobi
-from fastforward.decoders.mbd import MultiBlockDiffusionDecoder
-from fastforward.decoders.multiblock_jacobi import MultiBlockJacobiDecoder
+from fastforward.decoding.decoders import (
+    ARDecoder,
+    JacobiDecoder,
+    SBDDecoder,
+    Session,
+    VerifiedSBDDecoder,
+    multiblock_jacobi,
+)
+from fastforward.decoding.decoders.mbd import MultiBlockDiffusionDecoder
+from fastforward.decoding.decoders.multiblock_jacobi import MultiBlockJacobiDecoder
+from fastforward.decoding.policies import EntropyBounded
+from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
-from fastforward.policies import EntropyBounded
-from fastforward.sampling import Sampler
 
 INF = float("inf")
 

@@ -8,12 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from fastforward import zoo
 from fastforward.cli import main
-from fastforward.demo import PRESETS, run_demo
+from fastforward.cpu.threads import auto_threads, busy_cores
+from fastforward.demo import zoo
+from fastforward.demo.pipeline import PRESETS, run_demo
 from fastforward.errors import FastForwardError
 from fastforward.model import SHIPPED_CHECKPOINTS
-from fastforward.threads import auto_threads, busy_cores
 
 
 def test_demo_trains_evaluates_and_reuses(tmp_path):

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from fastforward.decoders import registry
+from fastforward.decoding.decoders import registry
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 

@@ -6,10 +6,10 @@ import pytest
 
 from fastforward.api import build_decoder
 from fastforward.cli import main
-from fastforward.decoders import ARDecoder, SBDDecoder
+from fastforward.decoding.decoders import ARDecoder, SBDDecoder
 from fastforward.errors import FastForwardError
 from fastforward.model import load_model
-from fastforward.tiny import tiny_model
+from fastforward.model.tiny import tiny_model
 
 
 @pytest.fixture(scope="module")

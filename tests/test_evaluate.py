@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from fastforward import metrics
 from fastforward.api import build_decoder
 from fastforward.cli import main
+from fastforward.decoding import metrics
 from fastforward.errors import FastForwardError
-from fastforward.evaluate import compare, evaluate, parse_sweep, sweep
+from fastforward.evaluation.evaluate import compare, evaluate, parse_sweep, sweep
 from fastforward.model import load_model
+from fastforward.model.tiny import tiny_model
 from fastforward.tasks import get_task
-from fastforward.tiny import tiny_model
 
 PROMPTS = ["Tom has 3 apples", "def add(a, b):", "The quick brown fox", "0123", "jumps over the lazy"]
 

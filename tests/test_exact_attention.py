@@ -4,7 +4,7 @@ query's bits fixed by its own visible keys, and the choice between it and the ch
 import pytest
 import torch
 
-from fastforward import attention, native
+from fastforward.cpu import attention, native
 from fastforward.errors import FastForwardError
 
 needs_native = pytest.mark.skipif(not native.available(), reason="needs x86 AVX2 or AVX-512 and a C++ compiler")

@@ -1,12 +1,12 @@
 import pytest
 import torch
 
-from fastforward import native
-from fastforward.fusion import FusedMember, shared_input_groups
-from fastforward.quantize import _fusable, quantize
-from fastforward.smoothing import CALIBRATION_EXAMPLES, CALIBRATION_TOKENS, calibration_ids, smoothing_factors
-from fastforward.tiny import tiny_model
-from fastforward.w4a8 import W4A8Linear
+from fastforward.cpu import native
+from fastforward.cpu.fusion import FusedMember, shared_input_groups
+from fastforward.cpu.quantize import _fusable, quantize
+from fastforward.cpu.smoothing import CALIBRATION_EXAMPLES, CALIBRATION_TOKENS, calibration_ids, smoothing_factors
+from fastforward.cpu.w4a8 import W4A8Linear
+from fastforward.model.tiny import tiny_model
 
 
 def test_the_projections_that_read_one_input_are_found_per_layer():

@@ -14,8 +14,8 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from fastforward.api import generate  # noqa: E402
 from fastforward.errors import FastForwardError  # noqa: E402
-from fastforward.harness import FastForwardLM, cut_at_stops  # noqa: E402
-from fastforward.lm_eval_tasks import write_tasks  # noqa: E402
+from fastforward.evaluation.harness import FastForwardLM, cut_at_stops  # noqa: E402
+from fastforward.evaluation.lm_eval_tasks import write_tasks  # noqa: E402
 
 PROMPTS = ["def add(a, b):", "Tom has 3 apples", "The quick brown fox jumps over"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fastforward.api import build_decoder
-from fastforward.evaluate import compare, infill_rows
+from fastforward.evaluation.evaluate import compare, infill_rows
 from fastforward.tasks import ArithmeticTask, Example, get_task
 
 SMALL = dict(max_ops=3, max_number=20, max_factor=5)

@@ -13,14 +13,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastforward import data, jsonl
+from fastforward import jsonl
 from fastforward.cli import main
-from fastforward.decoders.jacobi_trajectories import Trajectory
 from fastforward.errors import FastForwardError
-from fastforward.objectives.trajectory_data import collect, read_prompts, read_trajectories
+from fastforward.model.tiny import tiny_model
 from fastforward.tasks import JsonlTask
 from fastforward.tasks.humaneval import load_problems
-from fastforward.tiny import tiny_model
+from fastforward.training import data
+from fastforward.training.jacobi_trajectories import Trajectory
+from fastforward.training.trajectories import collect, read_prompts, read_trajectories
 
 BOM = b"\xef\xbb\xbf"
 DIRECTORY = "directory"

@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from fastforward.cli import main
-from fastforward.decoders.jacobi_trajectories import Block, Trajectory
 from fastforward.errors import FastForwardError
 from fastforward.model import load_model
-from fastforward.objectives import JacobiForcing, make_objective
-from fastforward.objectives.base import IGNORE
-from fastforward.objectives.jacobi_forcing import choose_point, cut_after_stop, noise_ratios, pack
-from fastforward.objectives.trajectory_data import TrajectoryBatch, TrajectoryData, collect, read_trajectories
-from fastforward.tiny import tiny_model
-from fastforward.train import TrainConfig, train
-from fastforward.visibility import jacobi_forcing_train as jacobi_forcing_rule
+from fastforward.model.tiny import tiny_model
+from fastforward.model.visibility import jacobi_forcing_train as jacobi_forcing_rule
+from fastforward.training.jacobi_trajectories import Block, Trajectory
+from fastforward.training.objectives import JacobiForcing, make_objective
+from fastforward.training.objectives.base import IGNORE
+from fastforward.training.objectives.jacobi_forcing import choose_point, cut_after_stop, noise_ratios, pack
+from fastforward.training.trainer import TrainConfig, train
+from fastforward.training.trajectories import TrajectoryBatch, TrajectoryData, collect, read_trajectories
 
 
 # ---- schedule and trajectory points -------------------------------------------------------------

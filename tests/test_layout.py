@@ -2,8 +2,7 @@
 
 import torch
 
-from fastforward import visibility
-from fastforward.model import Layout
+from fastforward.model import Layout, visibility
 
 
 def _uncached_sbd(tiny, tokens, commit_end, block):

@@ -3,9 +3,9 @@
 import pytest
 
 from fastforward.api import build_decoder
-from fastforward.decoders import ARDecoder
-from fastforward.decoders import lookup as lookup_module
-from fastforward.decoders.lookup import DraftLength, NgramIndex, PromptLookupDecoder
+from fastforward.decoding.decoders import ARDecoder
+from fastforward.decoding.decoders import lookup as lookup_module
+from fastforward.decoding.decoders.lookup import DraftLength, NgramIndex, PromptLookupDecoder
 from fastforward.errors import FastForwardError
 
 

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from fastforward import visibility
 from fastforward.api import build_decoder
-from fastforward.decoders import SBDDecoder, Session
-from fastforward.decoders.mbd import MultiBlockDiffusionDecoder, _Block
+from fastforward.decoding.decoders import SBDDecoder, Session
+from fastforward.decoding.decoders.mbd import MultiBlockDiffusionDecoder, _Block
+from fastforward.decoding.policies import Threshold
 from fastforward.errors import FastForwardError
-from fastforward.policies import Threshold
+from fastforward.model import visibility
 
 
 def _ids(gens):

@@ -2,8 +2,8 @@ import math
 
 import pytest
 
+from fastforward.decoding.metrics import aup, aup_weight, speedup, token_agreement, tpf
 from fastforward.errors import FastForwardError
-from fastforward.metrics import aup, aup_weight, speedup, token_agreement, tpf
 
 
 def test_aup_hand_computed():

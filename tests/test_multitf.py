@@ -8,13 +8,12 @@ import pytest
 import torch
 from test_objectives import make_batch
 
-from fastforward import visibility
 from fastforward.cli import main
 from fastforward.errors import FastForwardError
-from fastforward.model import load_model
-from fastforward.objectives import SBD, MultiTF, make_objective
-from fastforward.objectives.multitf import draw_groups, group_ratios, random_groups, systematic_groups
-from fastforward.tiny import tiny_model
+from fastforward.model import load_model, visibility
+from fastforward.model.tiny import tiny_model
+from fastforward.training.objectives import SBD, MultiTF, make_objective
+from fastforward.training.objectives.multitf import draw_groups, group_ratios, random_groups, systematic_groups
 
 # L = 8, block 2, groups [0, 0, 1, 1]: rows are queries, columns keys; [clean x1..x8 ; noisy x̂1..x̂8].
 # Noisy block 0 sees itself; block 1 sees blocks 0-1 of the copy; blocks 2-3 (group 1) see clean

@@ -7,14 +7,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fastforward import visibility
-from fastforward.data import Batch
 from fastforward.errors import FastForwardError
-from fastforward.model import MASK_CONFIG_KEY
-from fastforward.objectives import NTP, SBD, make_objective
-from fastforward.objectives.base import IGNORE
-from fastforward.objectives.sbd import draw_block, draw_masked, sbd_layout
-from fastforward.tiny import tiny_model
+from fastforward.model import MASK_CONFIG_KEY, visibility
+from fastforward.model.tiny import tiny_model
+from fastforward.training.data import Batch
+from fastforward.training.objectives import NTP, SBD, make_objective
+from fastforward.training.objectives.base import IGNORE
+from fastforward.training.objectives.sbd import draw_block, draw_masked, sbd_layout
 
 # SBD paper Fig. 8: L = 8, k = 4. Rows are queries, columns keys; [clean x1..x8 ; copy x̂1..x̂8].
 FIG8 = """

@@ -9,8 +9,7 @@ import math
 import pytest
 import torch
 
-from fastforward.errors import FastForwardError
-from fastforward.policies import (
+from fastforward.decoding.policies import (
     ConfidenceBounded,
     EntropyBounded,
     Factor,
@@ -18,7 +17,8 @@ from fastforward.policies import (
     entropy_and_confidence,
     make_policy,
 )
-from fastforward.sampling import greedy
+from fastforward.decoding.sampling import greedy
+from fastforward.errors import FastForwardError
 
 NEG = -1e4  # a probability of exp(-1e4) is 0 in float32
 

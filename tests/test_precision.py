@@ -6,18 +6,18 @@ from unittest import mock
 import pytest
 import torch
 
-from fastforward import attention, native, w4a8
-from fastforward import quantize as quantization
 from fastforward.api import build_decoder
-from fastforward.cache import truncate
-from fastforward.decoders import ARDecoder, registry
+from fastforward.cpu import attention, native, w4a8
+from fastforward.cpu import quantize as quantization
+from fastforward.cpu.quantize import DENSE_ROWS, Int4Linear, Int8Linear, prefill_kernels, quantize
+from fastforward.decoding.decoders import ARDecoder, registry
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout
-from fastforward.quantize import DENSE_ROWS, Int4Linear, Int8Linear, prefill_kernels, quantize
-from fastforward.tiny import tiny_model
+from fastforward.model.cache import truncate
+from fastforward.model.tiny import tiny_model
 
 LOSSLESS = sorted(name for name, spec in registry.specs().items() if spec.lossless)
-# int4 runs on the native kernel where it builds (fastforward.w4a8), and on PyTorch's when asked
+# int4 runs on the native kernel where it builds (fastforward.cpu.w4a8), and on PyTorch's when asked
 PRECISIONS = [("float32", "int8"), ("float32", "int4"), ("float32", "int4/pytorch"), ("bfloat16", "none")]
 INT4_KINDS = [Int4Linear] + ([w4a8.W4A8Linear] if native.available() else [])
 ATTENTION_KERNELS = (["native"] if native.available() else []) + ["chunked"]

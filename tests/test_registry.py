@@ -7,10 +7,10 @@ import pytest
 
 from fastforward.api import build_decoder
 from fastforward.cli import build_parser, main
-from fastforward.decoders import registry
+from fastforward.decoding.decoders import registry
 from fastforward.errors import FastForwardError
-from fastforward.evaluate import parse_sweep
-from fastforward.tiny import tiny_model
+from fastforward.evaluation.evaluate import parse_sweep
+from fastforward.model.tiny import tiny_model
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

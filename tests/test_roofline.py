@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from fastforward import roofline
 from fastforward.cli import main
-from fastforward.tiny import tiny_model
+from fastforward.evaluation import roofline
+from fastforward.model.tiny import tiny_model
 
 # (batch, KV length, k) -> Table 3 as printed in the paper.
 TABLE_3 = {

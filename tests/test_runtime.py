@@ -3,12 +3,11 @@
 import pytest
 import torch
 
-from fastforward import visibility
 from fastforward.api import build_decoder
-from fastforward.decoders import ARDecoder
+from fastforward.decoding.decoders import ARDecoder
+from fastforward.decoding.runtime import Prompt, Session
 from fastforward.errors import FastForwardError
-from fastforward.model import Layout
-from fastforward.runtime import Prompt, Session
+from fastforward.model import Layout, visibility
 
 
 @pytest.fixture(autouse=True)
@@ -217,7 +216,7 @@ def test_generate_json_reports_finish_reason_and_warns_on_context_cuts(tmp_path,
     import json
 
     from fastforward.cli import main
-    from fastforward.tiny import tiny_model
+    from fastforward.model.tiny import tiny_model
 
     path = tmp_path / "tiny"
     tiny_model(seed=0, init_std=0.5, max_positions=24).save(path)

@@ -18,7 +18,7 @@ import uvicorn
 from openai import OpenAI
 
 from fastforward.api import build_decoder
-from fastforward.decoders.jacobi import JacobiDecoder
+from fastforward.decoding.decoders.jacobi import JacobiDecoder
 from fastforward.serving.app import Server
 
 CHAT = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"

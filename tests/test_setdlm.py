@@ -10,16 +10,15 @@ import pytest
 import torch
 from test_objectives import make_batch
 
-from fastforward import visibility
 from fastforward.api import build_decoder, infill
 from fastforward.cli import main
-from fastforward.decoders import ARDecoder, Prompt
-from fastforward.decoders.setdlm import SetDiffusionDecoder
+from fastforward.decoding.decoders import ARDecoder, Prompt
+from fastforward.decoding.decoders.setdlm import SetDiffusionDecoder
 from fastforward.errors import FastForwardError
-from fastforward.model import Layout
-from fastforward.objectives import SetDLM, make_objective
-from fastforward.objectives.setdlm import hitting_times, reveal_ranks
-from fastforward.tiny import tiny_model
+from fastforward.model import Layout, visibility
+from fastforward.model.tiny import tiny_model
+from fastforward.training.objectives import SetDLM, make_objective
+from fastforward.training.objectives.setdlm import hitting_times, reveal_ranks
 
 # Three clean tokens revealed in the order x2, x0, x1 (ranks 1, 2, 0), then their masks.
 # Rows are queries, columns keys: [clean x0 x1 x2 ; masks m0 m1 m2].

@@ -11,12 +11,12 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from fastforward.cli import main
-from fastforward.data import PackedData, encode_record
 from fastforward.errors import FastForwardError
 from fastforward.model import load_model
-from fastforward.objectives import NTP, SBD, MultiTF
-from fastforward.tiny import tiny_model
-from fastforward.train import TrainConfig, checkpoints, train
+from fastforward.model.tiny import tiny_model
+from fastforward.training.data import PackedData, encode_record
+from fastforward.training.objectives import NTP, SBD, MultiTF
+from fastforward.training.trainer import TrainConfig, checkpoints, train
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",

@@ -37,12 +37,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from fastforward import visibility
-from fastforward.data import Batch
-from fastforward.decoders.jacobi_trajectories import jacobi_trajectories
-from fastforward.model import Layout, Model
-from fastforward.objectives.jacobi_forcing import pack
-from fastforward.objectives.sbd import sbd_layout
+from fastforward.model import Layout, Model, visibility
+from fastforward.training.data import Batch
+from fastforward.training.jacobi_trajectories import jacobi_trajectories
+from fastforward.training.objectives.jacobi_forcing import pack
+from fastforward.training.objectives.sbd import sbd_layout
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 

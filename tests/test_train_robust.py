@@ -15,12 +15,12 @@ from safetensors.torch import load_file
 from test_train import Stop, crash_at
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fastforward.data import PackedData, encode_record
 from fastforward.errors import FastForwardError
 from fastforward.model import Model, load_model
-from fastforward.objectives import NTP, SBD
-from fastforward.tiny import fit_tokenizer, tiny_model
-from fastforward.train import LOCK, TrainConfig, checkpoint_problem, checkpoints, lock_run_dir, train
+from fastforward.model.tiny import fit_tokenizer, tiny_model
+from fastforward.training.data import PackedData, encode_record
+from fastforward.training.objectives import NTP, SBD
+from fastforward.training.trainer import LOCK, TrainConfig, checkpoint_problem, checkpoints, lock_run_dir, train
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",
@@ -112,7 +112,7 @@ def test_no_valid_checkpoint_starts_over_and_keeps_the_damaged_until_replaced(tm
 HOLDER = """
 import sys
 from pathlib import Path
-from fastforward.train import lock_run_dir
+from fastforward.training.trainer import lock_run_dir
 with lock_run_dir(Path(sys.argv[1])):
     print("locked", flush=True)
     sys.stdin.read()

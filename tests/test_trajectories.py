@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from fastforward.cli import main
-from fastforward.decoders import ARDecoder
-from fastforward.decoders.jacobi_trajectories import Block, Trajectory, jacobi_trajectories
+from fastforward.decoding.decoders import ARDecoder
 from fastforward.errors import FastForwardError
-from fastforward.objectives.trajectory_data import TrajectoryData, collect, fit, only_correct, read_trajectories
-from fastforward.tiny import tiny_model
+from fastforward.model.tiny import tiny_model
+from fastforward.training.jacobi_trajectories import Block, Trajectory, jacobi_trajectories
+from fastforward.training.trajectories import TrajectoryData, collect, fit, only_correct, read_trajectories
 
 
 def cut(response: list[int], stops: list[int], limit: int) -> list[int]:

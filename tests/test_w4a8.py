@@ -1,12 +1,12 @@
-"""The native int4 x int8 kernel (fastforward.w4a8): its bits recomputed in PyTorch, its packing, its fallbacks."""
+"""The native int4 x int8 kernel (fastforward.cpu.w4a8): its bits recomputed in PyTorch, its packing, its fallbacks."""
 
 import pytest
 import torch
 
-from fastforward import native, w4a8
-from fastforward import quantize as quantization
-from fastforward.quantize import Int4Linear, quantize
-from fastforward.tiny import tiny_model
+from fastforward.cpu import native, w4a8
+from fastforward.cpu import quantize as quantization
+from fastforward.cpu.quantize import Int4Linear, quantize
+from fastforward.model.tiny import tiny_model
 
 needs_native = pytest.mark.skipif(not native.available(), reason="needs x86 AVX2 or AVX-512 and a C++ compiler")
 

@@ -54,8 +54,8 @@ def add_precision_flags(
     p: argparse.ArgumentParser, dtype: str = "float32", quantize: str = "none", exact: bool = False
 ) -> None:
     """--dtype, --quantize and --exact / --no-exact, for every command that loads a model to decode."""
+    from fastforward.cpu.quantize import QUANTIZATIONS
     from fastforward.model import DTYPES
-    from fastforward.quantize import QUANTIZATIONS
 
     p.add_argument("--dtype", choices=sorted(DTYPES), default=dtype, help=f"weight dtype (default: {dtype})")
     p.add_argument(
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         command = f"fastforward {args.command}"
         if "threads" in vars(args):
-            from fastforward.threads import use_threads
+            from fastforward.cpu.threads import use_threads
 
             use_threads(args.threads)
         return args.run(args) or 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fastforward.decoders import registry
+from fastforward.decoding.decoders import registry
 
 
 def add_decoder_flags(

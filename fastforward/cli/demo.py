@@ -1,7 +1,7 @@
 """`fastforward demo`: every method's claim on this machine, in minutes.
 
 By default it evaluates the checkpoints shipped with fastforward (a small llama trained on
-arithmetic word problems with NTP, SBD, MultiTF and SetDLM; see `fastforward/checkpoints/*/provenance.json`)
+arithmetic word problems with NTP, SBD, MultiTF and SetDLM; see `fastforward/demo/checkpoints/*/provenance.json`)
 on held-out problems and prints one table: accuracy, NFE, TPF, TPS and wall speedup against AR of
 the same model, measured in the same run. `--retrain` trains every checkpoint again from scratch
 with the recorded recipe (about 85 min on 2 cores) and evaluates those; `--quick` runs the old
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from fastforward import showcase, zoo
 from fastforward.cli import add_precision_flags, add_threads_flag
-from fastforward.demo import PRESETS, DemoConfig, run_demo
+from fastforward.demo import showcase, zoo
+from fastforward.demo.pipeline import PRESETS, DemoConfig, run_demo
 from fastforward.model import SHIPPED_CHECKPOINTS
 
 

@@ -8,12 +8,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from fastforward import zoo
 from fastforward.api import build_decoder
 from fastforward.cli import add_compile_flag, add_precision_flags, add_threads_flag, positive_int, precision
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
-from fastforward.decoders import registry
-from fastforward.evaluate import (
+from fastforward.decoding.decoders import registry
+from fastforward.demo import zoo
+from fastforward.evaluation.evaluate import (
     AR,
     compare,
     parse_sweep,
@@ -102,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
         "results": [r.summary() for r in ordered],
     }
     if sweep_spec:
-        from fastforward.evaluate import SweepResult
-        from fastforward.plots import plot_sweep
+        from fastforward.evaluation.evaluate import SweepResult
+        from fastforward.evaluation.plots import plot_sweep
 
         name, values = sweep_spec
         curve = SweepResult(name, values, [results[label] for label in decoders], results[AR])

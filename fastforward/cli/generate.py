@@ -9,10 +9,10 @@ import sys
 from fastforward.api import build_decoder
 from fastforward.cli import add_compile_flag, add_precision_flags, add_threads_flag, positive_int, precision
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
-from fastforward.decoders import Generation, registry
+from fastforward.decoding.decoders import Generation, registry
+from fastforward.decoding.runtime import GenerationInterrupted
 from fastforward.errors import FastForwardError
 from fastforward.model import check_device, load_model
-from fastforward.runtime import GenerationInterrupted
 
 
 def register(sub: argparse._SubParsersAction) -> None:

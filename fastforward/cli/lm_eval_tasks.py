@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from fastforward.cli import positive_int
-from fastforward.lm_eval_tasks import write_tasks
+from fastforward.evaluation.lm_eval_tasks import write_tasks
 from fastforward.tasks import ArithmeticTask, parse_options, task_options
 
 

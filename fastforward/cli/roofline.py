@@ -7,9 +7,9 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from fastforward import roofline
 from fastforward.cli import add_compile_flag, add_precision_flags, precision
 from fastforward.errors import FastForwardError
+from fastforward.evaluation import roofline
 
 H100 = roofline.Hardware()
 LLAMA_8B = roofline.Transformer()

@@ -9,8 +9,8 @@ import signal
 from fastforward.api import build_decoder
 from fastforward.cli import add_compile_flag, add_precision_flags, add_threads_flag, positive_int, precision
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
-from fastforward.compiled import warm_up
 from fastforward.model import check_device, load_model
+from fastforward.serving.engine import warm_up
 
 
 def register(sub: argparse._SubParsersAction) -> None:

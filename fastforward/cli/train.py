@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 
 from fastforward.cli import add_threads_flag
-from fastforward.data import PackedData, load_examples, split_examples
 from fastforward.errors import FastForwardError
 from fastforward.model import DTYPES, load_model
-from fastforward.objectives import OBJECTIVES, SBD, JacobiForcing, MultiTF, SetDLM, make_objective
-from fastforward.objectives.multitf import LAYOUTS, SCHEDULES
-from fastforward.objectives.trajectory_data import trajectory_datasets
-from fastforward.train import TrainConfig, train
+from fastforward.training.data import PackedData, load_examples, split_examples
+from fastforward.training.objectives import OBJECTIVES, SBD, JacobiForcing, MultiTF, SetDLM, make_objective
+from fastforward.training.objectives.multitf import LAYOUTS, SCHEDULES
+from fastforward.training.trainer import TrainConfig, train
+from fastforward.training.trajectories import trajectory_datasets
 
 
 def register(sub: argparse._SubParsersAction) -> None:

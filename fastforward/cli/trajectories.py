@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from fastforward.cli import add_threads_flag
 from fastforward.errors import FastForwardError
-from fastforward.model import DTYPES, Model, load_model
-from fastforward.objectives.trajectory_data import (
+from fastforward.model import DTYPES, load_model
+from fastforward.tasks import parse_options
+from fastforward.training.trajectories import (
     DRAFT_INITS,
-    CollectSummary,
+    Collection,
     PromptSource,
-    collect,
+    collect_from,
+    describe,
     read_prompts,
     task_prompts,
 )
-from fastforward.tasks import parse_options
 
 
 def add_prompt_flags(p: argparse.ArgumentParser) -> None:
@@ -66,37 +66,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def collect_from(
-    model: Model, source: PromptSource, args: argparse.Namespace, path: str | Path, block_size: int
-) -> CollectSummary:
-    """`collect` with the collection flags of `add_collect_flags` (shared by both commands)."""
-    return collect(
-        model,
-        source.prompts,
-        path,
-        block_size=block_size,
-        max_new_tokens=args.max_new_tokens or source.max_new_tokens or 256,
+def collection(args: argparse.Namespace) -> Collection:
+    """The collection settings of `add_collect_flags` (shared by both commands) and --seed."""
+    return Collection(
+        max_new_tokens=args.max_new_tokens,
         init=args.init,
         batch_size=args.collect_batch_size,
         seed=args.seed,
         chat_template=not args.no_chat_template,
-        ids=source.ids,
-        grade=source.grade,
     )
-
-
-def describe(summary: CollectSummary, graded: bool) -> str:
-    """What a collection did: tokens per forward, and how many responses were graded correct."""
-    text = f"{summary.tokens_per_forward:.2f} tokens per Jacobi forward"
-    if graded and summary.written:
-        text += f"; {summary.correct} of {summary.written} responses graded correct"
-    return text
 
 
 def run(args: argparse.Namespace) -> int:
     source = load_prompt_source(args)
     model = load_model(args.model, dtype=args.dtype, device=args.device)
-    summary = collect_from(model, source, args, args.out, args.block_size)
+    summary = collect_from(model, source, collection(args), args.out, args.block_size)
     print(
         f"{summary.written} prompts written, {summary.skipped} already there → {args.out} "
         f"({describe(summary, source.grade is not None)} this run)",

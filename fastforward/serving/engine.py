@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from fastforward.decoders import Decoder
+from fastforward.decoding.decoders import Decoder
+from fastforward.decoding.runtime import Session
 from fastforward.model import Model
-from fastforward.runtime import Session
 from fastforward.serving.metrics import Metrics
 
 _ids = itertools.count()
@@ -200,3 +200,16 @@ class Engine:
             "tpf": round(len(ids) / nfe, 4) if nfe else 0.0,
             "queries": queries,  # tokens the decoding forwards ran, drafts included (`runtime.Stats`)
         }
+
+
+WARM_UP_TEXT = "one two three, one two three, one two three, one two three"  # repeats: drafting decoders draft
+
+
+def warm_up(model: Model, decoder: Decoder) -> float:
+    """Decode a short prompt alone and in a batch of two, so the graphs a server needs are compiled
+    before its first request; returns the seconds it took."""
+    started = time.perf_counter()
+    prompt = model.encode_prompt(WARM_UP_TEXT)
+    for batch in ([prompt], [prompt, prompt[1:]]):
+        decoder.generate(model, batch, max_new_tokens=24)
+    return time.perf_counter() - started

@@ -23,7 +23,7 @@ Grading: the output must start with exactly those newlines (one when `meta` does
 them, its first `lines` line(s), stripped of trailing whitespace, must equal the reference's (leading
 indentation counts). `score` is the fraction of those lines that match. How far a decoder agrees
 with the same model's greedy AR output is measured on token ids by
-`fastforward.metrics.token_agreement`, not here.
+`fastforward.decoding.metrics.token_agreement`, not here.
 
 Splits are disjoint by file: a file is in the test split when the hash of its path relative to the
 root falls below `test_fraction`.

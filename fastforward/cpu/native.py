@@ -1,0 +1,118 @@
+"""fastforward's own CPU kernels (`csrc/`), compiled once per machine, for x86 CPUs with AVX2 or AVX-512.
+
+Two operators, both computing each row (a token) with the same instructions whatever else shares the
+call, which is what makes a block's logits the same bits as its tokens' 1-token logits:
+
+- `fastforward::w4a8_linear`: int4 weights times int8 activations (`w4a8.W4A8Linear`);
+- `fastforward::exact_attention`: attention of each query over its own visible keys, in key order
+  (`attention.row_invariant_attention`, the `--exact` path).
+
+They are written once against `csrc/simd.h` and built for the widest instruction set the CPU has:
+AVX-512 with VNNI (16 lanes, VPDPBUSD), else AVX2 (8 lanes; Haswell and Zen onwards). Built with
+torch's C++ extension builder (a C++ compiler and ninja; `setup.sh` builds them ahead of first use).
+Where they cannot be built (said once, with the reason) or the CPU has neither, int4 keeps PyTorch's
+kernel and `--exact` attention its chunked SDPA calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from fastforward.errors import FastForwardError
+
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("w4a8.cpp", "exact_attention.cpp")]
+COMMON = ["-O3", "-mf16c", "-fopenmp", "-ffp-contract=off"]  # no fused multiply-adds: the tests recompute the bits
+FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", *COMMON],
+    "avx2": ["-mavx2", "-mfma", *COMMON],
+}
+
+_lock = threading.Lock()
+
+
+def instruction_set() -> str | None:
+    """The widest instruction set the kernels are built for here: "avx512" (with VNNI), "avx2" or None
+    (torch's private CPU probes; a torch without them answers None). FASTFORWARD_NATIVE_ISA=avx2 asks
+    for the narrower build on an AVX-512 CPU (to compare the two)."""
+    asked = os.environ.get("FASTFORWARD_NATIVE_ISA")
+    if asked not in (None, "", "avx2"):
+        raise FastForwardError(f"FASTFORWARD_NATIVE_ISA={asked!r}: only avx2 may be asked for (or leave it unset)")
+    probe = {name: getattr(torch.cpu, f"_is_{name}_supported", lambda: False)() for name in ("avx512", "vnni", "avx2")}
+    found = "avx512" if probe["avx512"] and probe["vnni"] else "avx2" if probe["avx2"] else None
+    return "avx2" if found and asked else found
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the `fastforward::` operators run here: builds them on first call (about 20 s, then
+    cached under ~/.cache/fastforward or $TORCH_EXTENSIONS_DIR)."""
+    isa = instruction_set()
+    if isa is None:
+        return False
+    with _lock:
+        try:
+            _build(isa)
+        except Exception as error:  # a missing compiler or ninja, a failed build: the PyTorch paths serve
+            names = ", ".join(source.name for source in SOURCES)
+            print(f"fastforward: PyTorch's kernels serve; building {names} failed: {error}", file=sys.stderr)
+            return False
+    return True
+
+
+def _build(isa: str) -> None:
+    from torch.utils import cpp_extension
+
+    try:  # the ninja wheel's binary, where the environment's bin folder is not on PATH
+        import ninja
+
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    except ImportError:
+        pass
+    build = _build_directory(isa)
+    build.mkdir(parents=True, exist_ok=True)
+    if not any(build.glob("*.so")):
+        print("fastforward: compiling its CPU kernels (once per machine, about 20 s)", file=sys.stderr)
+    cpp_extension.load(
+        "fastforward_native",
+        [str(source) for source in SOURCES],
+        extra_cflags=FLAGS[isa],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        is_python_module=False,
+    )
+
+
+def _build_directory(isa: str) -> Path:
+    """Per torch version (the extension is built against its headers) and instruction set, under
+    $TORCH_EXTENSIONS_DIR or ~/.cache/fastforward."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "fastforward"
+    return Path(root) / f"native-torch{torch.__version__}-{isa}"
+
+
+# The schemas and their shape functions live here; csrc/ registers the CPU kernels once built.
+library = torch.library.Library("fastforward", "FRAGMENT")
+library.define("w4a8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor")
+library.define("exact_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor")
+
+TILE = 16  # output columns per w4a8 kernel tile
+
+
+@torch.library.register_fake("fastforward::w4a8_linear", lib=library)
+def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], codes.shape[0] * TILE)
+
+
+@torch.library.register_fake("fastforward::exact_attention", lib=library)
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float):
+    batch, heads, length, dim = query.shape
+    return query.new_empty(batch, length, heads, dim, dtype=torch.float32)
+
+
+if __name__ == "__main__":  # `python -m fastforward.cpu.native`: build the kernels now (setup.sh), say whether they run
+    print("native CPU kernels:", f"built ({instruction_set()})" if available() else "not here: PyTorch's kernels serve")

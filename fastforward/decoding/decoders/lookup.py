@@ -1,0 +1,142 @@
+"""Prompt-lookup drafts: n-grams copied from the prompt and the text so far, no training, lossless.
+
+When the last few committed tokens occurred before (in the prompt or in the output), the tokens that
+followed them then are a draft for what follows now (prompt lookup decoding; `transformers`'
+`prompt_lookup_num_tokens` and vLLM's n-gram proposer do the same). The draft is verified as a
+candidate of a multi-block Jacobi forward (`multiblock_jacobi.verify`), next to a short Jacobi
+chain of the predictions the last forward made past its accepted tokens, so the output is exactly
+greedy AR decoding.
+
+A draft that stops paying costs little: with no n-gram match and nothing carried, a step is a
+one-token forward on the model's own causal path (an AR step), and the draft length adapts
+(`DraftLength`).
+"""
+
+from __future__ import annotations
+
+from fastforward.decoding.decoders.base import Decoder
+from fastforward.decoding.decoders.multiblock_jacobi import verify
+from fastforward.decoding.decoders.registry import Knob, register
+from fastforward.decoding.runtime import Session
+from fastforward.decoding.sampling import greedy
+from fastforward.errors import FastForwardError
+
+
+class NgramIndex:
+    """Where each n-gram (n ≤ max_match) of a growing text last occurred with a known next token."""
+
+    def __init__(self, max_match: int, min_match: int = 1):
+        self.max_match, self.min_match = max_match, min_match
+        self.text: list[int] = []
+        self.follower: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after its latest occurrence
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            end = len(self.text)  # the new token follows the n-grams that end just before it
+            self.text.append(token)
+            for n in range(1, min(self.max_match, end) + 1):
+                self.follower[tuple(self.text[end - n : end])] = end
+
+    def draft(self, length: int) -> list[int]:
+        """Up to `length` tokens that followed the longest recent match of the text's last tokens."""
+        for n in range(min(self.max_match, len(self.text)), self.min_match - 1, -1):
+            at = self.follower.get(tuple(self.text[-n:]))
+            if at is not None:
+                return self.text[at : at + length]
+        return []
+
+
+class DraftLength:
+    """How many draft tokens the next step may verify (0: none, an AR step).
+
+    As `transformers`' assistant does: two longer after a draft is accepted whole, one shorter
+    otherwise, half as long when none of it was right. And where even one-token drafts keep
+    failing (chat-like text whose n-grams recur with other continuations), drafting pauses for 1,
+    2, 4, ... up to `MAX_PAUSE` steps: each failed draft made a block forward where an AR step's
+    one-token forward would have done. Any accepted draft token ends the backing off.
+    """
+
+    MAX_PAUSE = 16
+
+    def __init__(self, longest: int):
+        self.longest, self.want = longest, longest
+        self.pause, self.backoff = 0, 1
+
+    def next(self) -> int:
+        if self.pause:
+            self.pause -= 1
+            return 0
+        return self.want
+
+    def update(self, drafted: int, won: int) -> None:
+        """After a step that verified `drafted` draft tokens and accepted the first `won`."""
+        if won:
+            self.backoff = 1
+        if won == drafted:
+            self.want = min(self.want + 2, self.longest)
+        elif won:
+            self.want = max(self.want - 1, 1)
+        elif drafted > 1:
+            self.want = max(self.want // 2, 1)
+        else:
+            self.pause, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_PAUSE)
+
+
+class PromptLookupDecoder(Decoder):
+    """Lossless prompt-lookup decoding with a carried Jacobi chain.
+
+    lookup_tokens: the longest draft; max_match / min_match: n-gram sizes tried, longest first;
+    jacobi_drafts: how many of the last forward's predictions past its accepted tokens are refined
+    again as a Jacobi chain (0: none).
+    """
+
+    name = "lookup"
+    rows_apart = True  # each row's draft has its own length and layout
+
+    def __init__(self, lookup_tokens: int = 10, max_match: int = 3, min_match: int = 2, jacobi_drafts: int = 0):
+        if lookup_tokens < 1 or jacobi_drafts < 0 or not 1 <= min_match <= max_match:
+            raise FastForwardError("need lookup_tokens >= 1, jacobi_drafts >= 0 and 1 <= min_match <= max_match")
+        self.lookup_tokens, self.jacobi_drafts = lookup_tokens, jacobi_drafts
+        self.max_match, self.min_match = max_match, min_match
+
+    def decode(self, session: Session) -> None:
+        index = NgramIndex(self.max_match, self.min_match)
+        index.extend(session.prefixes[0])
+        last = int(greedy(session.next_logits[0]))
+        session.append([[last]])
+        index.extend([last])
+        chain: list[int] = []
+        length = DraftLength(self.lookup_tokens)
+        while not session.finished:
+            want = length.next()
+            draft = index.draft(want) if want else []
+            verdict = verify(session, last, chain, [draft] if draft else [], tail=0)
+            index.extend(verdict.committed)
+            last = verdict.committed[-1]
+            if draft:
+                length.update(len(draft), verdict.accepted if verdict.winner == 1 else 0)
+            chain = verdict.ahead[: self.jacobi_drafts]
+
+
+@register(
+    "lookup",
+    knobs=(
+        Knob("lookup_tokens", int, 10, "lookup: longest n-gram draft", check=lambda v: v >= 1, rule=">= 1"),
+        Knob("max_match", int, 3, "lookup: longest n-gram matched", check=lambda v: v >= 1, rule=">= 1"),
+        Knob("min_match", int, 2, "lookup: shortest n-gram matched", check=lambda v: v >= 1, rule=">= 1"),
+        Knob(
+            "jacobi_drafts",
+            int,
+            0,
+            "lookup: carried predictions refined as a Jacobi chain",
+            check=lambda v: v >= 0,
+            rule=">= 0",
+        ),
+    ),
+    summary="prompt lookup: n-gram drafts from the prompt and output, verified with a Jacobi chain",
+    lossless=True,
+)
+def _build(lookup_tokens: int, max_match: int, min_match: int, jacobi_drafts: int) -> PromptLookupDecoder:
+    if min_match > max_match:
+        raise FastForwardError(f"min match ({min_match}) must be <= max match ({max_match})")
+    return PromptLookupDecoder(lookup_tokens, max_match, min_match, jacobi_drafts)

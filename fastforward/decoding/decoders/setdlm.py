@@ -1,0 +1,176 @@
+"""Set Diffusion sliding-window decoding (SW-SetDLM), batched, with an exact cache.
+
+Per row and step: the candidates are the still-masked positions from the row's first masked
+position up to `window` positions ahead (never past a revealed stop token or the budget). One
+forward reads a mask at each candidate; the row accepts its most confident candidate plus every
+candidate whose probability is at least `threshold`, committing them to the canvas at their
+positions.
+
+The forward is `[tokens accepted in the previous step ; candidate masks]` at true positions. The
+accepted tokens are causal among themselves in position order and see the whole cache; they are
+the only entries kept, so the cache grows by exactly what was accepted, in reveal order. A mask
+sees the cache, the accepted tokens and itself (`visibility.reveal_order`): the visibility
+`objectives.setdlm` trains with, where the tokens of one set are revealed in position order. Rows
+carry different numbers of tokens; shorter rows are padded with slots that see only themselves
+and are not kept.
+
+`window 1, threshold inf` decodes left to right, one token per forward. The mask token's own
+logit is never chosen.
+
+**Infilling** (a `Prompt` with a suffix `gap` positions after the prefix): the window slides over
+the gap only. `suffix_cache="promote"` (the default) brings each suffix token into the cache, as a
+carried token, in the forward whose window first reaches its position, so masks see the suffix no
+earlier than the reveal order of training would show it; `"upfront"` prefills it with the prefix.
+Promote is the default because it measured better (arithmetic-infill: 88.7 vs 65.3 % exact,
+docs/results.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fastforward.decoding.decoders.base import Decoder
+from fastforward.decoding.decoders.registry import Knob, register
+from fastforward.decoding.runtime import Session
+from fastforward.errors import FastForwardError
+from fastforward.model import visibility
+
+SUFFIX_CACHE = ("promote", "upfront")
+
+
+class SetDiffusionDecoder(Decoder):
+    """Sliding-window Set Diffusion decoding; see the module docstring."""
+
+    name = "setdlm"
+    infills = True
+
+    def __init__(self, window: int = 4, threshold: float = 0.9, suffix_cache: str = "promote"):
+        if window < 1:
+            raise FastForwardError(f"window must be >= 1, got {window}")
+        if not threshold >= 0:
+            raise FastForwardError(f"threshold must be >= 0 (inf: one token per forward), got {threshold}")
+        if suffix_cache not in SUFFIX_CACHE:
+            raise FastForwardError(f"unknown suffix cache {suffix_cache!r}; choose one of {', '.join(SUFFIX_CACHE)}")
+        self.window, self.threshold, self.suffix_cache = window, threshold, suffix_cache
+
+    def open_session(self, model, prompts, max_new_tokens) -> Session:
+        return Session(model, prompts, max_new_tokens, suffix_upfront=self.suffix_cache == "upfront")
+
+    def decode(self, session: Session) -> None:
+        mask_id = session.model.require_mask_token(self.name)
+        carried: list[list[tuple[int, int]]] = [[] for _ in range(session.batch)]  # (position, token) to cache
+        promoted = [0 if session.suffixes[row] and not session.suffix_upfront else -1 for row in range(session.batch)]
+        while not session.finished:
+            running = [not done for done in session.finished_rows]
+            candidates = [self._candidates(session, row) if running[row] else [] for row in range(session.batch)]
+            for row in range(session.batch):
+                if running[row] and promoted[row] >= 0:
+                    promoted[row] = self._promote(session, row, promoted[row], carried[row])
+            tokens, positions, rule, width = self._layout(session, carried, candidates, mask_id)
+            read = range(width, tokens.shape[1])
+            logits = session.forward(tokens, positions, rule, read, rows=torch.tensor(running))
+            logits[..., mask_id] = -math.inf
+            confidence, choice = torch.softmax(logits, dim=-1).max(dim=-1)
+            choices, confidences = torch.stack([choice.double(), confidence.double()]).tolist()
+            accepted = [self._accept(c, choices[r], confidences[r]) for r, c in enumerate(candidates)]
+            self._commit(session, accepted)
+            session.advance(keep=[len(c) for c in carried])
+            # what the next forward caches: nothing for a finished row, nothing past a revealed stop token
+            carried = [
+                [] if session.finished_rows[r] else sorted((p, t) for p, t in row if p <= session.first_stops[r])
+                for r, row in enumerate(accepted)
+            ]
+
+    def _promote(self, session: Session, row: int, done: int, carried: list[tuple[int, int]]) -> int:
+        """Carry the suffix tokens the window now reaches (they follow the gap); returns how many are in."""
+        suffix, gap = session.suffixes[row], session.limits[row]
+        reach = session.frontiers[row] + self.window  # positions before this are in the window or behind it
+        while done < len(suffix) and gap + done < reach:
+            carried.append((gap + done, suffix[done]))
+            done += 1
+        return done
+
+    def _candidates(self, session: Session, row: int) -> list[int]:
+        start = session.frontiers[row]
+        end = min(start + self.window, session.limits[row], session.first_stops[row] + 1)
+        canvas = session.canvas[row]
+        return [p for p in range(start, end) if canvas[p] is None]
+
+    def _accept(self, candidates: list[int], choices: list[float], confidences: list[float]) -> list[tuple[int, int]]:
+        """The most confident candidate (the first on a tie) and every one at or above the threshold."""
+        if not candidates:
+            return []
+        conf = confidences[: len(candidates)]
+        best = max(range(len(candidates)), key=lambda i: (conf[i], -i))
+        return [(p, int(choices[i])) for i, p in enumerate(candidates) if i == best or conf[i] >= self.threshold]
+
+    @staticmethod
+    def _layout(
+        session: Session, carried: list[list[tuple[int, int]]], candidates: list[list[int]], mask_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Tokens, positions and per-row rule of `[carried (padded) ; candidate masks (padded)]`."""
+        width = max(len(c) for c in carried)
+        reads = max(1, max(len(c) for c in candidates))
+        pad_id = session.model.pad_token_id
+        ids, pos, clean_rank, mask_rank = [], [], [], []
+        big = width + 1  # rank of a padded carried slot: after every real one, seen by no mask
+        for row, (carry, cands) in enumerate(zip(carried, candidates, strict=True)):
+            origin = session.origins[row]
+            ids.append([t for _, t in carry] + [pad_id] * (width - len(carry)) + [mask_id] * reads)
+            filler = origin + (carry[-1][0] if carry else session.frontiers[row])
+            pos.append([origin + p for p, _ in carry] + [filler] * (width - len(carry)))
+            pos[-1] += [origin + p for p in cands] + [filler] * (reads - len(cands))
+            clean_rank.append(list(range(len(carry))) + [big + i for i in range(width - len(carry))])
+            mask_rank.append([len(carry)] * reads)
+        device = session.device
+        rule = visibility.reveal_order(torch.tensor(clean_rank), torch.tensor(mask_rank))
+        for row, carry in enumerate(carried):  # a padded carried slot sees only itself
+            for slot in range(len(carry), width):
+                rule[row, slot, :] = False
+                rule[row, slot, slot] = True
+        return torch.tensor(ids, device=device), torch.tensor(pos, device=device), rule.to(device), width
+
+    @staticmethod
+    def _commit(session: Session, writes: list[list[tuple[int, int]]]) -> None:
+        high = max(len(w) for w in writes)
+        if not high:
+            return
+        tokens = [[t for _, t in w] + [0] * (high - len(w)) for w in writes]
+        at = [[p for p, _ in w] + [-1] * (high - len(w)) for w in writes]
+        session.commit(torch.tensor(tokens), torch.tensor(at))
+
+
+@register(
+    "setdlm",
+    knobs=(
+        Knob(
+            "window",
+            int,
+            4,
+            "setdlm: masked positions decoded at once, from the first masked one",
+            check=lambda v: v >= 1,
+            rule=">= 1",
+        ),
+        Knob(
+            "threshold",
+            float,
+            0.9,
+            "setdlm: also accept every candidate this probable (inf: only the most confident)",
+            check=lambda v: v >= 0,
+            rule=">= 0",
+        ),
+        Knob(
+            "suffix_cache",
+            str,
+            "promote",
+            "setdlm infilling: the suffix enters the cache up front or as the window reaches it",
+            choices=SUFFIX_CACHE,
+        ),
+    ),
+    summary="Set Diffusion: a sliding window of masks, confident ones accepted anywhere in it, exact KV cache",
+    needs_mask=True,
+)
+def _build(window: int, threshold: float, suffix_cache: str) -> SetDiffusionDecoder:
+    return SetDiffusionDecoder(window, threshold, suffix_cache)

@@ -1,0 +1,466 @@
+"""A batch being decoded: one KV cache, an output canvas per row, segment prefill, one step protocol.
+
+Every decoder drives a `Session` the same way:
+
+    logits = session.forward(tokens, positions, rule, read)   # one layout; its new entries enter the cache
+    session.commit(tokens, at, mask) / session.append(tokens, count)  # tokens onto the output canvas
+    session.advance(keep)                                     # which new cache entries stay; closes the step
+
+`forward` counts a forward for every row taking part (NFE) and refuses to run while the previous
+step is open; `advance` settles the cache and records, per row, how many tokens the step
+committed (the tokens-per-step histogram). So no decoder keeps its own statistics.
+
+The **canvas** holds a row's output keyed by position (index 0 is the first position after the
+prefix): tokens may be committed anywhere, in any order. A row's text is its committed tokens in
+position order; it stops at its first stop token once every position before it is committed, or
+when its budget of positions is full.
+
+**Prefill** takes segments with their own positions: a prompt, or for infilling a prefix and a
+suffix with a gap between them. The cache afterwards equals a causal prefill of the same tokens in
+the same order. **Keep** is a per-row choice over a forward's new entries: a count shared by every
+row, a per-row count (a prefix), or per row the entries to keep (slot lists or a bool mask). The
+cache is rectangular; entries a row does not keep are moved out of the way (a per-row gather, only
+when some row keeps a non-prefix) or left as holes that no later query sees.
+
+**Cost.** Right after a forward every small tensor op is slow on a CPU (cold caches: about twice
+its cost in a tight loop), so a step is built from few of them. The canvas and counters live on
+the host and a commit reads its tokens back once; that read-back is the step's one device sync,
+which the loop's `finished` check needs anyway.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from fastforward.decoding import metrics
+from fastforward.errors import FastForwardError
+from fastforward.model import Layout, Model, visibility
+from fastforward.model.cache import gather_entries, truncate
+
+
+@dataclass
+class Stats:
+    """Per-prompt decoding figures. NFE counts decoding forwards only (prefill is separate).
+
+    queries: the tokens those forwards ran through the model (AR: one per forward; drafts,
+    candidates and masked positions add theirs). On a CPU a forward's cost grows with them, so
+    queries per generated token says what a decoder's tokens per forward cost: just under 1.0 for
+    AR, whose first token comes from the prefill."""
+
+    nfe: int
+    tokens: int
+    seconds: float
+    prefill_seconds: float
+    tokens_per_step: dict[int, int] = field(default_factory=dict)
+    queries: int = 0
+
+    @property
+    def tpf(self) -> float:
+        return self.tokens / self.nfe if self.nfe else float(self.tokens)
+
+    @property
+    def queries_per_token(self) -> float:
+        return metrics.queries_per_token(self.queries, self.tokens)
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "nfe": self.nfe,
+            "tokens": self.tokens,
+            "tpf": round(self.tpf, 4),
+            "seconds": round(self.seconds, 4),
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "tps": round(self.tps, 3),
+            "queries": self.queries,
+            "queries_per_token": round(self.queries_per_token, 4),
+            "tokens_per_step": {str(k): v for k, v in sorted(self.tokens_per_step.items())},
+        }
+
+
+@dataclass
+class Generation:
+    """One prompt's output: generated ids (prompt excluded, stop token included), text, stats, and
+    why it ended: "stop" (a stop token), "length" (max_new_tokens, or an infilling gap filled),
+    "context" (the model's context had no room for max_new_tokens after this prompt) or "cancelled"
+    (`Session.cancel`)."""
+
+    token_ids: list[int]
+    text: str
+    stats: Stats
+    finish_reason: str = "length"
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during decoding, carrying what each row had committed by then (finish_reason
+    "interrupted" for the rows still running)."""
+
+    def __init__(self, generations: list[Generation]):
+        super().__init__()
+        self.generations = generations
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What one row is decoded from: a prefix, and for infilling a suffix `gap` positions after it.
+
+    Without a suffix the row generates up to max_new_tokens after the prefix. With one, the row
+    fills exactly the `gap` positions between them (its canvas), and the suffix is in the cache
+    from the start, at its true positions.
+    """
+
+    prefix: Sequence[int]
+    suffix: Sequence[int] = ()
+    gap: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prefix:
+            raise FastForwardError("a prompt is empty; give at least one token")
+        if self.suffix and self.gap <= 0:
+            raise FastForwardError(f"an infilling prompt needs a gap of at least 1 position, got {self.gap}")
+
+
+KeepChoice = int | Sequence[int] | Sequence[Sequence[int]] | torch.Tensor
+
+
+class Session:
+    """A batch being decoded: cache, key validity, canvas, counters. See the module docstring.
+
+    The canvas and the counters live on the host (Python lists): a commit reads its tokens back
+    in one transfer, which the step's `finished` check needs anyway, and then every update is a
+    handful of Python operations instead of a dozen small tensor kernels. `frontier` and `done`
+    are device copies, built when a decoder asks for them.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        prompts: Sequence[Sequence[int] | Prompt],
+        max_new_tokens: int,
+        suffix_upfront: bool = True,
+    ):
+        self.start = time.perf_counter()
+        if not prompts:
+            raise FastForwardError("no prompts given")
+        if max_new_tokens <= 0:
+            raise FastForwardError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+        rows = [p if isinstance(p, Prompt) else Prompt(list(p)) for p in prompts]
+        context = model.max_context
+        longest = max(len(p.prefix) + p.gap + len(p.suffix) for p in rows)
+        if context is not None and longest >= context:
+            raise FastForwardError(
+                f"a prompt has {longest} tokens but the model's context is {context}; shorten the prompt"
+            )
+        self.model = model
+        self.device = device = model.device
+        self.batch = len(rows)
+        # Each row's own budget of canvas positions: the gap when infilling, else max_new_tokens, or
+        # less where the model's context has no room for that many after this row's prompt.
+        self.limits = [p.gap if p.suffix else min(max_new_tokens, (context or 10**9) - len(p.prefix)) for p in rows]
+        self.context_bound = [
+            not p.suffix and limit < max_new_tokens for p, limit in zip(rows, self.limits, strict=True)
+        ]
+        self.max_new_tokens = max(self.limits)
+        self.prefixes = [list(p.prefix) for p in rows]  # each row's prompt (drafts may be looked up in it)
+        self.origins = [len(p.prefix) for p in rows]  # the RoPE position of each row's canvas position 0
+        # Infilling: each row's suffix (it follows canvas position `limit - 1`) and whether the prefill
+        # put it in the cache; if not, the decoder brings it in (`Prompt` says where it goes).
+        self.suffixes = [list(p.suffix) for p in rows]
+        self.suffix_upfront = suffix_upfront
+        self.origin = torch.tensor(self.origins, device=device)
+        self.stop_ids = torch.tensor(model.stop_token_ids or [-1], device=device)
+        self._stops = set(model.stop_token_ids)
+        # Host state per row: the canvas (None = not committed), leading committed positions, the
+        # position of the first committed stop token (the budget if none), done, forwards taken part in.
+        self.canvas: list[list[int | None]] = [[None] * n for n in self.limits]
+        self.frontiers = [0] * self.batch
+        self.first_stops = list(self.limits)
+        self.finished_rows = [False] * self.batch
+        self.forwards = [0] * self.batch
+        self.queries = [0] * self.batch  # tokens run by the forwards each row took part in
+        self._offsets = torch.arange(self.max_new_tokens + 1, device=device)
+        self._reads: dict[tuple[int, int], torch.Tensor] = {}
+        self._log: list[tuple[list[bool], list[int]]] = []  # per step: rows taking part, tokens committed
+        self._step: _Step | None = None
+        self._mirrors: dict[str, torch.Tensor] = {}
+        self._cancelled: set[int] = set()
+        self.on_step: Callable[[Session], None] | None = None  # called after every step (e.g. to stream)
+        self.cache = model.new_cache()
+        self.next_logits = self._prefill(rows)
+        self.prefill_seconds = time.perf_counter() - self.start
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def _prefill(self, rows: list[Prompt]) -> torch.Tensor:
+        """Left-padded causal prefill of each row's segments; returns the logits after each prefix [B, V]."""
+        tokens = [[*p.prefix, *(p.suffix if self.suffix_upfront else ())] for p in rows]
+        positions = [
+            [*range(len(p.prefix)), *range(len(p.prefix) + p.gap, len(t) + p.gap)]
+            for p, t in zip(rows, tokens, strict=True)
+        ]
+        width = max(len(t) for t in tokens)
+        pads = [width - len(t) for t in tokens]
+        pad_id = self.model.pad_token_id
+        ids = torch.tensor([[pad_id] * n + t for n, t in zip(pads, tokens, strict=True)], device=self.device)
+        pos = torch.tensor([[0] * n + q for n, q in zip(pads, positions, strict=True)], device=self.device)
+        # key_valid [B, P] marks real cache entries; None while every entry is real (no padding, no holes).
+        self.key_valid: torch.Tensor | None = None
+        if any(pads):
+            pad_counts = torch.tensor(pads, device=self.device)[:, None]
+            self.key_valid = torch.arange(width, device=self.device)[None] >= pad_counts
+        # Read where each prefix ends; rows with suffixes of different lengths read different slots.
+        ends = [width - len(t) + len(p.prefix) - 1 for p, t in zip(rows, tokens, strict=True)]
+        read = sorted(set(ends))
+        logits = self._run(ids, pos, None, torch.tensor(read, device=self.device))
+        pick = torch.tensor([read.index(e) for e in ends], device=self.device)
+        return logits[torch.arange(self.batch, device=self.device), pick]
+
+    # ---- the step protocol --------------------------------------------------------------------
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        rule: torch.Tensor | None = None,
+        read: range | torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run new tokens [B, T] at `positions` under `rule` ([T, T], per row [B, T, T], None =
+        causal); every new token also sees the row's valid cache. All T entries enter the cache
+        until `advance` says which stay.
+
+        read: the new tokens whose logits are returned (a range or an index tensor), float32
+        [B, len(read), V]. rows: the rows taking part (a bool tensor [B]; default: those still
+        running); each of them gets one forward in its NFE.
+        """
+        if self._step is not None:
+            raise RuntimeError("the previous step is still open: call session.advance(keep) after each forward")
+        taking_part = [not d for d in self.finished_rows] if rows is None else rows.tolist()
+        length = tokens.shape[1]
+        for row, part in enumerate(taking_part):
+            self.forwards[row] += part
+            self.queries[row] += part * length
+        self._step = _Step(self.cache.get_seq_length(), length, taking_part, [0] * self.batch)
+        if self.key_valid is not None:
+            fresh = torch.ones(self.batch, length, dtype=torch.bool, device=self.device)
+            self.key_valid = torch.cat([self.key_valid, fresh], dim=1)
+        if isinstance(read, range):
+            read = self._read_index(read)
+        return self._run(tokens, positions, rule, read)
+
+    def _read_index(self, read: range) -> torch.Tensor:
+        key = (read.start, read.stop)
+        if key not in self._reads:
+            self._reads[key] = torch.arange(read.start, read.stop, device=self.device)
+        return self._reads[key]
+
+    def _run(
+        self, tokens: torch.Tensor, positions: torch.Tensor, rule: torch.Tensor | None, read: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Run new tokens against the cache; `self.key_valid` (when set) already covers them."""
+        length = tokens.shape[1]
+        if self.key_valid is not None:
+            rule = visibility.causal(length, self.device) if rule is None else rule
+            mask = visibility.against_cache(rule, self.key_valid)
+        elif rule is not None:
+            mask = visibility.after_full_cache(rule, self.cache.get_seq_length())
+            mask = mask.expand(self.batch, -1, -1) if mask.dim() == 2 else mask
+        else:
+            mask = None  # the model's own causal path: no dense mask to build or read
+        return self.model.run(Layout(tokens, positions, mask, read, keep=length), self.cache)
+
+    def advance(self, keep: KeepChoice) -> None:
+        """Close the step: keep the chosen new entries in the cache and log what the step committed.
+
+        keep: an int (the first `keep` new entries, every row alike); per row, a count of leading
+        entries (a list of ints or a long tensor [B]); or per row, the entries to keep (a list of
+        ascending slot lists, or a bool tensor [B, T]), kept in order.
+        """
+        step = self._step
+        if step is None:
+            raise RuntimeError("no step is open: session.advance follows session.forward")
+        if not (isinstance(keep, int) and keep == step.new):
+            self._keep(step, keep)
+        self._log.append((step.rows, step.committed))
+        self._step = None
+        if self.on_step is not None:
+            self.on_step(self)
+
+    def cancel(self, row: int) -> None:
+        """Stop decoding a row (its client left, or its output is complete by other rules): it takes
+        part in no further forward and commits nothing more; its finish reason is "cancelled"."""
+        if not self.finished_rows[row]:
+            self.finished_rows[row] = True
+            self._cancelled.add(row)
+            self._mirrors.clear()
+
+    def _keep(self, step: _Step, keep: KeepChoice) -> None:
+        base, new = step.base, step.new
+        if isinstance(keep, int):
+            truncate(self.cache, base + keep)
+            if self.key_valid is not None:
+                self.key_valid = self.key_valid[:, : base + keep]
+            return
+        if isinstance(keep, torch.Tensor):
+            keep = keep.tolist()
+            if keep and isinstance(keep[0], list) and keep[0] and isinstance(keep[0][0], bool):
+                keep = [[slot for slot, kept in enumerate(row) if kept] for row in keep]
+        if keep and isinstance(keep[0], list):  # slot lists: move the kept entries into place
+            counts = [len(slots) for slots in keep]
+            high = max(counts)
+            if any(slots != list(range(len(slots))) for slots in keep):
+                order = [slots + [0] * (high - len(slots)) for slots in keep]
+                gather_entries(self.cache, base, torch.tensor(order, device=self.device))
+        else:
+            counts = list(keep)
+            high = max(counts)
+        truncate(self.cache, base + high)
+        if min(counts) == high and self.key_valid is None:
+            return
+        if self.key_valid is None:  # the first hole: from now on validity is tracked per entry
+            self.key_valid = torch.ones(self.batch, base + new, dtype=torch.bool, device=self.device)
+        kept = torch.arange(high, device=self.device)[None] < torch.tensor(counts, device=self.device)[:, None]
+        self.key_valid = torch.cat([self.key_valid[:, :base], kept & self.key_valid[:, base : base + high]], dim=1)
+
+    # ---- the canvas ---------------------------------------------------------------------------
+    def commit(self, tokens: torch.Tensor, at: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Write tokens [B, k] at canvas positions `at` [B, k] where `mask` (default: all) holds.
+
+        Finished rows and positions past a row's budget are left alone. One read-back of the
+        tokens, then host updates of each row's canvas, frontier, first stop and done.
+        """
+        k = tokens.shape[1]
+        parts = [tokens, at] if mask is None else [tokens, at, mask.long()]
+        for row, values in enumerate(torch.cat(parts, dim=1).tolist()):
+            chosen = values[2 * k :] if mask is not None else [1] * k
+            self._write(row, [(a, t) for t, a, m in zip(values[:k], values[k : 2 * k], chosen, strict=True) if m])
+        self._mirrors.clear()
+
+    def append(
+        self, tokens: torch.Tensor | Sequence[Sequence[int]], count: torch.Tensor | Sequence[int] | None = None
+    ) -> None:
+        """Commit the first `count[r]` (default: all) of tokens [B, k] at each row's frontier.
+
+        Tokens and counts may be device tensors (read back here, once) or host lists.
+        """
+        if isinstance(tokens, torch.Tensor):
+            if isinstance(count, torch.Tensor):
+                values = torch.cat([tokens, count[:, None]], dim=1).tolist()
+                tokens, count = [v[:-1] for v in values], [v[-1] for v in values]
+            else:
+                tokens = tokens.tolist()
+        for row, line in enumerate(tokens):
+            n = len(line) if count is None else count[row]
+            self._write(row, list(enumerate(line[:n], self.frontiers[row])))
+        self._mirrors.clear()
+
+    def _write(self, row: int, writes: list[tuple[int, int]]) -> None:
+        """Put (position, token) pairs on one row's canvas; then its frontier, first stop and done."""
+        if self.finished_rows[row]:
+            return
+        canvas, limit, stops = self.canvas[row], self.limits[row], self._stops
+        written = 0
+        for position, token in writes:
+            if 0 <= position < limit:
+                canvas[position] = token
+                written += 1
+                if token in stops and position < self.first_stops[row]:
+                    self.first_stops[row] = position
+        if self._step is not None:
+            self._step.committed[row] += written
+        frontier = self.frontiers[row]
+        while frontier < limit and canvas[frontier] is not None:
+            frontier += 1
+        self.frontiers[row] = frontier
+        if frontier >= min(limit, self.first_stops[row] + 1):
+            self.finished_rows[row] = True
+
+    @property
+    def frontier(self) -> torch.Tensor:
+        """Each row's leading committed positions [B], on the device (built when asked for)."""
+        if "frontier" not in self._mirrors:
+            self._mirrors["frontier"] = torch.tensor(self.frontiers, device=self.device)
+        return self._mirrors["frontier"]
+
+    @property
+    def done(self) -> torch.Tensor:
+        """Which rows have finished [B], on the device (built when asked for)."""
+        if "done" not in self._mirrors:
+            self._mirrors["done"] = torch.tensor(self.finished_rows, device=self.device)
+        return self._mirrors["done"]
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each row's output length so far: its leading committed positions, up to its stop token."""
+        return [min(f, s + 1) for f, s in zip(self.frontiers, self.first_stops, strict=True)]
+
+    @property
+    def nfe(self) -> torch.Tensor:
+        """Decoding forwards each row took part in [B]."""
+        return torch.tensor(self.forwards)
+
+    def span(self, start: int, length: int) -> torch.Tensor:
+        """RoPE positions [B, length] from `start` positions past each row's frontier (start -1: the
+        last committed token), built on the host in one transfer."""
+        firsts = [o + f + start for o, f in zip(self.origins, self.frontiers, strict=True)]
+        return torch.tensor([list(range(p, p + length)) for p in firsts], device=self.device)
+
+    @property
+    def next_pos(self) -> torch.Tensor:
+        """Each row's RoPE position of its first uncommitted canvas position [B]."""
+        return self.origin + self.frontier
+
+    @property
+    def produced(self) -> int:
+        """The most leading positions committed by a row still running (0 when none runs)."""
+        return max((f for f, d in zip(self.frontiers, self.finished_rows, strict=True) if not d), default=0)
+
+    @property
+    def finished(self) -> bool:
+        return all(self.finished_rows)
+
+    @property
+    def outputs(self) -> list[list[int]]:
+        """Each row's output so far: committed tokens in position order, up to its stop token."""
+        return [row[:n] for row, n in zip(self.canvas, self.lengths, strict=True)]  # type: ignore[misc]
+
+    def histograms(self) -> list[dict[int, int]]:
+        """Per row: how many of its steps committed k tokens, for each k (steps it took part in)."""
+        counts: list[dict[int, int]] = [{} for _ in range(self.batch)]
+        for rows, committed in self._log:
+            for row, (took_part, k) in enumerate(zip(rows, committed, strict=True)):
+                if took_part:
+                    counts[row][k] = counts[row].get(k, 0) + 1
+        return counts
+
+    def results(self) -> list[Generation]:
+        seconds = time.perf_counter() - self.start
+        out = []
+        for row, (ids, steps) in enumerate(zip(self.outputs, self.histograms(), strict=True)):
+            stats = Stats(self.forwards[row], len(ids), seconds, self.prefill_seconds, steps, self.queries[row])
+            out.append(Generation(ids, self.model.decode(ids), stats, self.finish_reason(row)))
+        return out
+
+    def finish_reason(self, row: int) -> str:
+        """Why a row ended (see `Generation`); "interrupted" while it has not."""
+        if not self.finished_rows[row]:
+            return "interrupted"
+        if row in self._cancelled:
+            return "cancelled"
+        if self.first_stops[row] < self.frontiers[row]:
+            return "stop"
+        return "context" if self.context_bound[row] else "length"
+
+
+@dataclass
+class _Step:
+    """The open step: where its entries start in the cache, how many, who takes part, what it committed."""
+
+    base: int
+    new: int
+    rows: list[bool]
+    committed: list[int]

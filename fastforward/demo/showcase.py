@@ -1,0 +1,169 @@
+"""`fastforward demo` on the shipped checkpoints: every method's claim, read off one table, in minutes.
+
+The checkpoints (`fastforward/demo/checkpoints`, trained by `fastforward.demo.zoo`'s recipe; `--retrain`
+trains them again) are evaluated on the same held-out arithmetic problems, each model against AR
+decoding of itself in the same run (interleaved problem by problem, `evaluate.compare`):
+
+* NTP model: AR; Jacobi Forcing model (the NTP model after one round): AR, Jacobi and
+  multi-block Jacobi (both lossless);
+* SBD model: AR (its NTP mode), SBD at a low and a high γ, `sbd-verified` (lossless), and SingleBD
+  (`sbd`, threshold policy, small blocks) beside training-free MultiBD (`mbd`) at the same threshold;
+* MultiTF model (the SBD model post-trained for MultiBD): `mbd` at that threshold;
+* SetDLM model: `setdlm` (sliding window).
+
+Each row: accuracy, NFE per problem, TPF, TPS and wall speedup against its own model's AR.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastforward.api import build_decoder
+from fastforward.demo.pipeline import DemoConfig, DemoResult, table_row
+from fastforward.evaluation.evaluate import AR, compare, format_table, write_json, write_records
+from fastforward.evaluation.plots import plot_curves
+from fastforward.model import load_model
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The decoders of the table (the multi-block rows use small blocks: answers span several)."""
+
+    gamma_low: float = 0.1
+    gamma_high: float = 0.6
+    gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0)
+    block_size: int = 16
+    small_block: int = 6
+    buffer_size: int = 3
+    add_threshold: float = 0.5
+    accept_threshold: float = 0.9
+    windows: tuple[int, ...] = (2, 4)
+    threshold: float = 0.9
+
+
+def decoders(s: Settings) -> dict[str, dict[str, Any]]:
+    """Per model: label → decoder."""
+    mbd = dict(buffer_size=s.buffer_size, add_threshold=s.add_threshold, accept_threshold=s.accept_threshold)
+    single = f"sbd τ={s.accept_threshold:g} (block {s.small_block})"
+    multi = f"mbd τ={s.accept_threshold:g} (block {s.small_block} x{s.buffer_size})"
+    return {
+        "ntp": {},
+        "jf": {
+            f"jacobi (block {s.block_size})": build_decoder("jacobi", block_size=s.block_size),
+            "jacobi-mr": build_decoder("jacobi-mr", block_size=s.block_size),
+        },
+        "sbd": {
+            **{f"sbd γ={g:g}": build_decoder("sbd", block_size=s.block_size, gamma=g) for g in s.gammas},
+            "sbd-verified γ=∞": build_decoder("sbd-verified", block_size=s.block_size, gamma=math.inf),
+            single: build_decoder("sbd", block_size=s.small_block, policy="threshold", gamma=s.accept_threshold),
+            multi: build_decoder("mbd", block_size=s.small_block, **mbd),
+        },
+        "multitf": {multi: build_decoder("mbd", block_size=s.small_block, **mbd)},
+        "setdlm": {
+            f"setdlm w={w} p={s.threshold:g}": build_decoder("setdlm", window=w, threshold=s.threshold)
+            for w in s.windows
+        },
+    }
+
+
+MODELS = {"ntp": "NTP", "jf": "Jacobi Forcing", "sbd": "SBD", "multitf": "MultiTF", "setdlm": "SetDLM"}
+
+
+def evaluate_checkpoints(
+    models: Path, config: DemoConfig, settings: Settings, progress: bool = True
+) -> tuple[list[dict[str, Any]], list]:
+    """Rows of the table (and every EvalResult) for the checkpoints in `models` (ntp/, sbd/, ...)."""
+    task = config.task()
+    examples = task.examples("test", n=config.eval_examples, seed=config.seed)
+    options = dict(max_new_tokens=config.max_new_tokens, chat_template=False, progress=progress)
+    rows, results = [], []
+    for name, chosen in decoders(settings).items():
+        model = load_model(str(models / name), **config.precision())
+        measured = compare(model, task, chosen, examples, desc=f"eval {MODELS[name]} model", **options)
+        for label, result in measured.items():
+            gamma = next((g for g in settings.gammas if label == f"sbd γ={g:g}"), None)
+            row = table_row(MODELS[name], result, gamma)
+            row["decoder"] = "AR" if label == AR else label
+            rows.append(row)
+            for record in result.records:
+                record["model"] = MODELS[name]
+            results.append(result)
+    return rows, results
+
+
+def describe_checkpoints(models: Path) -> list[str]:
+    """One line per checkpoint: how it was trained (from its provenance.json)."""
+    lines = []
+    for name in MODELS:
+        path = models / name / "provenance.json"
+        if not path.is_file():
+            lines.append(f"  {name}: no provenance.json")
+            continue
+        p = json.loads(path.read_text())
+        stage = p["stage"]
+        base = f"from {stage['base']}" if stage["base"] else "fresh"
+        lines.append(
+            f"  {name}: {stage['objective']} {base}, {stage['steps']} steps at LR {stage['lr']:g} "
+            f"({p['seconds'] / 60:.0f} min on {p['machine']['cores']} cores), commit {p['commit'][:9]}, "
+            f"sha256 {p['sha256'][:12]}"
+        )
+    return lines
+
+
+def show(
+    models: str | Path,
+    out: str | Path = "runs/demo",
+    config: DemoConfig | None = None,
+    settings: Settings | None = None,
+    json_path: str | Path | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> DemoResult:
+    """Evaluate the checkpoints in `models`, print the table, write table.json, records and the plot to `out`."""
+    config, settings, models, out = config or DemoConfig(), settings or Settings(), Path(models), Path(out)
+    log(f"fastforward demo: the checkpoints in {models}")
+    for line in describe_checkpoints(models):
+        log(line)
+    started = time.perf_counter()
+    rows, results = evaluate_checkpoints(models, config, settings, progress)
+    seconds = {"evaluate": time.perf_counter() - started}
+    points = [r for r in rows if r["model"] == "SBD" and r["gamma"] is not None]
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "table": str(write_json(out / "table.json", {"rows": rows, "models": str(models), "seconds": seconds})),
+        "records": str(write_records(out / "records.jsonl", results)),
+        "plot": str(
+            plot_curves(
+                out / "sweep.png",
+                {"SBD model, SBD decoding (entropy)": [(p["tpf"], p["accuracy"]) for p in points]},
+                {f"{r['model']}, {r['decoder']}": (r["tpf"], r["accuracy"]) for r in rows if r["gamma"] is None},
+                {"SBD model, SBD decoding (entropy)": [f"γ={p['gamma']:g}" for p in points]},
+                title=f"arithmetic: accuracy vs TPF (n={rows[0]['n']})",
+            )
+        ),
+    }
+    if json_path:
+        paths["json"] = str(write_json(json_path, {"rows": rows, "seconds": seconds}))
+    log("")
+    log(f"arithmetic test set: {rows[0]['n']} problems; speedups against AR of the same model, same run")
+    log(format_table(rows, TABLE))
+    log(f"\nplot: {paths['plot']}   table: {paths['table']}   per-example records: {paths['records']}")
+    log(f"time: {seconds['evaluate']:.0f} s")
+    return DemoResult(rows, points, paths, seconds)
+
+
+TABLE = [
+    ("model", "model", str),
+    ("decoder", "decoder", str),
+    ("accuracy %", "accuracy", lambda x: f"{x:.1f}"),
+    ("NFE/ex", "nfe_mean", lambda x: f"{x:.1f}"),
+    ("TPF", "tpf", lambda x: f"{x:.2f}"),
+    ("TPS", "tps", lambda x: f"{x:.0f}"),
+    ("wall vs AR", "speedup", lambda x: f"{x:.2f}x"),
+]

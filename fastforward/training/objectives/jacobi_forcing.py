@@ -1,0 +1,233 @@
+"""Jacobi Forcing (Jacobi Forcing paper §3.1, eq. 7-9, Fig. 2 and 6, Appendix C).
+
+Training data are the model's own Jacobi trajectories (`fastforward.training.trajectories`). For block i of
+an example the noise schedule gives a ratio tᵢ; the block's noisy copy is the trajectory point
+whose unconverged fraction (tokens differing from the fixed point, over n) is nearest tᵢ, the
+earliest such point on a tie. One row packs
+
+    [prompt, noisy₁, clean₁, noisy₂, clean₂, …]      clean_i = the fixed point of block i
+
+with noisy_i and clean_i at the same positions. Under the noise-conditioned causal rule (Fig. 2b,
+`noisy_context="noisy"`) noisy_i sees the prompt, the noisy blocks before it and itself causally;
+clean_i sees the prompt, the clean blocks before it and itself causally, so the clean stream is an
+ordinary causal LM over `[prompt, response]`. The clean-context rule (Fig. 2a,
+`noisy_context="clean"`) lets noisy_i see the clean blocks before it instead of the noisy ones.
+
+Loss (eq. 9) = L_pc + ar_weight · L_AR, one forward:
+- L_pc (eq. 8): KL(p_θ⁻(· | clean slot) ‖ p_θ(· | noisy slot)) for every slot of every noisy block
+  that has a next response token,
+  the teacher being the same forward's distribution at the matching clean slot, detached
+  (stop-gradient); averaged over the noisy tokens of the batch.
+- L_AR: cross entropy of the next response token at the last prompt slot and every clean slot
+  (the response is the fixed points concatenated: the model's own greedy output); averaged.
+
+Blocks are cut after the response's first stop token (collection decodes whole blocks, so the
+fixed points run on past the answer; those tokens are not trained on).
+
+Schedules (eq. 7, with blocks numbered from 0 within a row): W = {0, 1/w, …, (w-1)/w};
+"progressive" tᵢ = W[i mod w]; "reverse" tᵢ = W[w-1 - (i mod w)]; "random" tᵢ drawn uniformly from W.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fastforward.errors import FastForwardError
+from fastforward.model import Layout, Model, visibility
+from fastforward.training.jacobi_trajectories import Block
+from fastforward.training.objectives.base import IGNORE, Objective
+from fastforward.training.trajectories import TrajectoryBatch
+
+SCHEDULES = ("progressive", "random", "reverse")
+
+
+# ---- schedule and trajectory points -------------------------------------------------------------
+def noise_ratios(
+    blocks: int, schedule: str = "progressive", window: int = 16, generator: torch.Generator | None = None
+) -> list[float]:
+    """The noise ratio tᵢ of each of `blocks` blocks (eq. 7 and the two ablation schedules)."""
+    if window < 1:
+        raise FastForwardError(f"the noise window must be at least 1, got {window}")
+    if schedule == "progressive":
+        steps = [i % window for i in range(blocks)]
+    elif schedule == "reverse":
+        steps = [window - 1 - i % window for i in range(blocks)]
+    elif schedule == "random":
+        steps = torch.randint(0, window, (blocks,), generator=generator).tolist()
+    else:
+        raise FastForwardError(f"unknown noise schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    return [s / window for s in steps]
+
+
+def choose_point(block: Block, ratio: float) -> list[int]:
+    """The trajectory point (fixed point included) whose unconverged fraction is nearest `ratio`."""
+    points = block.trajectory
+    best = min(range(len(points)), key=lambda j: (abs(block.unconverged(points[j]) - ratio), j))
+    return points[best]
+
+
+def cut_after_stop(
+    noisy: list[list[int]], clean: list[list[int]], stop_ids: Sequence[int]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The blocks up to the first stop token of the clean response (kept), the rest dropped."""
+    stops = set(stop_ids)
+    for i, block in enumerate(clean):
+        for k, token in enumerate(block):
+            if token in stops:
+                return [*noisy[:i], noisy[i][: k + 1]], [*clean[:i], block[: k + 1]]
+    return noisy, clean
+
+
+# ---- packing ----------------------------------------------------------------------------------
+@dataclass
+class Packed:
+    """A packed batch: the layout, the slots each loss reads, and the AR labels.
+
+    `noisy` (rows, slots): the student's slots, those with a next response token. `read` (rows,
+    slots): the clean stream's slots that are projected — each row's last prompt slot, then every
+    clean slot. `teacher[j]` indexes the `read` slot matching noisy slot j (same block, same
+    offset). `labels[i]`: the next response token after `read` slot i, or IGNORE past the end of
+    the response.
+    """
+
+    layout: Layout
+    noisy: tuple[torch.Tensor, torch.Tensor]
+    read: tuple[torch.Tensor, torch.Tensor]
+    teacher: torch.Tensor
+    labels: torch.Tensor
+    noise: float  # mean unconverged fraction of the noisy blocks
+
+
+def pack(
+    rows: Sequence[tuple[list[int], list[list[int]], list[list[int]]]],
+    pad_id: int,
+    noisy_context: str = "noisy",
+    device: torch.device | str = "cpu",
+) -> Packed:
+    """Pack (prompt, noisy blocks, clean blocks) rows into one right-padded layout [B, T]."""
+    width = max(len(p) + 2 * sum(map(len, clean)) for p, _, clean in rows)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    masks = []
+    noisy_slots: list[tuple[int, int]] = []
+    read: list[tuple[int, int]] = []
+    teacher: list[int] = []
+    labels: list[int] = []
+    differing = total = 0
+    for r, (prompt, noisy, clean) in enumerate(rows):
+        seq, pos = list(prompt), list(range(len(prompt)))
+        response = [t for block in clean for t in block]
+        read.append((r, len(prompt) - 1))
+        labels.append(response[0])
+        done = 0
+        for noisy_block, clean_block in zip(noisy, clean, strict=True):
+            n, start, at = len(clean_block), len(prompt) + done, len(seq)
+            seq += noisy_block + clean_block
+            pos += list(range(start, start + n)) * 2
+            for k in range(n):
+                following = done + k + 1  # the response index this slot predicts
+                if following < len(response):  # the last slot predicts past the end: no target
+                    noisy_slots.append((r, at + k))
+                    teacher.append(len(read))
+                read.append((r, at + n + k))
+                labels.append(response[following] if following < len(response) else IGNORE)
+            differing += sum(a != b for a, b in zip(noisy_block, clean_block, strict=True))
+            total += n
+            done += n
+        tokens[r, : len(seq)] = torch.tensor(seq)
+        positions[r, : len(pos)] = torch.tensor(pos)
+        rule = torch.zeros(width, width, dtype=torch.bool)
+        rule[: len(seq), : len(seq)] = visibility.jacobi_forcing_train(
+            len(prompt), [len(b) for b in clean], noisy_context
+        )
+        masks.append(visibility.against_cache(rule, (torch.arange(width) < len(seq))[None]))
+    noisy_t = torch.tensor(noisy_slots, dtype=torch.long, device=device).view(-1, 2)
+    read_t = torch.tensor(read, dtype=torch.long, device=device).view(-1, 2)
+    return Packed(
+        layout=Layout(tokens.to(device), positions.to(device), torch.cat(masks).to(device)),
+        noisy=(noisy_t[:, 0], noisy_t[:, 1]),
+        read=(read_t[:, 0], read_t[:, 1]),
+        teacher=torch.tensor(teacher, dtype=torch.long, device=device),
+        labels=torch.tensor(labels, dtype=torch.long, device=device),
+        noise=differing / max(total, 1),
+    )
+
+
+# ---- the objective ------------------------------------------------------------------------------
+@dataclass
+class JacobiForcing(Objective):
+    """Progressive consistency distillation on Jacobi trajectories plus an AR loss (eq. 9).
+
+    noise_schedule: "progressive" (eq. 7), "random" or "reverse"; noise_window: w;
+    noisy_context: "noisy" (Fig. 2b) or "clean" (Fig. 2a); ar_weight: w of eq. 9 (0 keeps the AR
+    term as a metric without gradient).
+    """
+
+    name = "jacobi_forcing"
+    noise_schedule: str = "progressive"
+    noise_window: int = 16
+    noisy_context: str = "noisy"
+    ar_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.noise_schedule not in SCHEDULES:
+            raise FastForwardError(
+                f"unknown noise schedule {self.noise_schedule!r}; choose one of {', '.join(SCHEDULES)}"
+            )
+        if self.noise_window < 1:
+            raise FastForwardError(f"the noise window must be at least 1, got {self.noise_window}")
+        if self.noisy_context not in visibility.CONTEXTS:
+            raise FastForwardError(
+                f"unknown noisy context {self.noisy_context!r}; choose one of {', '.join(visibility.CONTEXTS)}"
+            )
+        if self.ar_weight < 0:
+            raise FastForwardError(f"ar_weight must be >= 0, got {self.ar_weight}")
+
+    def rows(self, batch: TrajectoryBatch, generator: torch.Generator, stop_ids: Sequence[int] = ()) -> list:
+        """(prompt, noisy blocks, clean blocks) of each example, the noisy ones picked by the schedule.
+
+        Blocks are cut after the response's first stop token: whole-block collection decodes past
+        it, and what the model would say after its answer ends is not something to train on.
+        """
+        if not isinstance(batch, TrajectoryBatch):
+            raise FastForwardError(
+                "the jacobi_forcing objective trains on Jacobi trajectories: give --trajectories "
+                "(written by `fastforward trajectories`), not --data"
+            )
+        out = []
+        for example in batch.examples:
+            ratios = noise_ratios(len(example.blocks), self.noise_schedule, self.noise_window, generator)
+            noisy = [choose_point(b, t) for b, t in zip(example.blocks, ratios, strict=True)]
+            clean = [b.fixed for b in example.blocks]
+            out.append((example.prompt_ids, *cut_after_stop(noisy, clean, stop_ids)))
+        return out
+
+    def loss(
+        self, model: Model, batch: TrajectoryBatch, generator: torch.Generator
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        rows = self.rows(batch, generator, model.stop_token_ids)
+        packed = pack(rows, model.pad_token_id, self.noisy_context, model.device)
+        hidden = model.hidden_states(packed.layout)
+        # Only the slots a loss reads are projected to the vocabulary: noisy ones and the clean stream.
+        student = F.log_softmax(model.logits(hidden[packed.noisy]).float(), dim=-1)
+        with torch.no_grad() if self.ar_weight == 0 else contextlib.nullcontext():
+            clean = model.logits(hidden[packed.read]).float()
+            ar = F.cross_entropy(clean, packed.labels, ignore_index=IGNORE)
+        teacher = F.log_softmax(clean[packed.teacher].detach(), dim=-1)  # θ⁻: stop-gradient
+        consistency = F.kl_div(student, teacher, log_target=True, reduction="sum") / max(len(student), 1)
+        loss = consistency + self.ar_weight * ar
+        return loss, {
+            "loss": loss.item(),
+            "consistency_loss": consistency.item(),
+            "ar_loss": ar.item(),
+            "noise": packed.noise,
+            "blocks": sum(len(clean_blocks) for _, _, clean_blocks in rows) / len(rows),
+        }
+
+
+__all__ = ["JacobiForcing", "choose_point", "cut_after_stop", "noise_ratios", "pack"]

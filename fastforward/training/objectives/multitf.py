@@ -1,0 +1,119 @@
+"""Multi-block Teacher Forcing (MultiTF, the MBD-LMs paper): train on states like Block Buffer decoding.
+
+SBD training (`objectives.sbd`) masks blocks one at a time: each noisy block sees the clean tokens
+before it. The `mbd` decoder instead refines a running set of consecutive blocks, each seeing the
+partly revealed blocks before it in the set, less revealed the further back it sits. MultiTF makes
+such states in training:
+
+* **Noise-groups.** Each row's blocks (block size drawn per step, as in SBD) are cut into groups of
+  consecutive blocks. A *systematic* layout is one (size g ≤ `max_group`, shift s < g) drawn
+  uniformly from all of them, so every block meets every group-relative slot; a *random* layout
+  draws each group's size in 1..`max_group` in turn. `layouts="both"` tosses a coin per row.
+* **Slot-wise mask ratios** inside a group, increasing along it (the front block is the most
+  revealed, as in the buffer): `chain-uniform` sorts one uniform draw per slot (random, often large
+  gaps); `d2f` is D2F's gentle slope, a start p0 = U/2 + 0.2 rising linearly by U·0.7 over the
+  group (our reading of the references); `uniform` uses one ratio for the whole group.
+* **Group-aware dual stream** (`visibility.multitf_train`): `[clean ; noisy]` at shared positions;
+  a noisy block sees the clean tokens of earlier groups and its group's noisy blocks up to itself;
+  clean tokens are causal and never see noisy ones.
+
+Loss: masked-token cross entropy plus `ntp_weight` × NTP on the clean stream, as in SBD. With
+`max_group` 1 every block is its own group and this is SBD's layout, with the mask ratio drawn per
+block instead of per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastforward.errors import FastForwardError
+from fastforward.model import Model, visibility
+from fastforward.training.data import Batch
+from fastforward.training.objectives.sbd import SBD, draw_block, dual_stream_loss
+
+LAYOUTS = ("systematic", "random", "both")
+SCHEDULES = ("chain-uniform", "d2f", "uniform")
+
+
+def systematic_groups(n_blocks: int, size: int, shift: int) -> list[int]:
+    """Group number of each block when groups of `size` blocks start `shift` blocks early."""
+    return [(b + shift) // size for b in range(n_blocks)]
+
+
+def random_groups(n_blocks: int, max_group: int, generator: torch.Generator) -> list[int]:
+    """Group number of each block, each group's size drawn uniformly in 1..max_group."""
+    sizes = torch.randint(1, max_group + 1, (n_blocks,), generator=generator).tolist()
+    groups: list[int] = []
+    for number, size in enumerate(sizes):
+        groups += [number] * size
+        if len(groups) >= n_blocks:
+            return groups[:n_blocks]
+    return groups
+
+
+def draw_groups(
+    batch_size: int, n_blocks: int, max_group: int, layouts: str, generator: torch.Generator
+) -> torch.Tensor:
+    """[B, n_blocks] noise-group numbers, one layout per row (see the module docstring)."""
+    shapes = [(size, shift) for size in range(1, max_group + 1) for shift in range(size)]
+    rows = []
+    for coin in torch.rand(batch_size, generator=generator).tolist():
+        if layouts == "systematic" or (layouts == "both" and coin < 0.5):
+            size, shift = shapes[int(torch.randint(len(shapes), (1,), generator=generator))]
+            rows.append(systematic_groups(n_blocks, size, shift))
+        else:
+            rows.append(random_groups(n_blocks, max_group, generator))
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def group_ratios(groups: torch.Tensor, schedule: str, generator: torch.Generator) -> torch.Tensor:
+    """[B, n_blocks] mask ratio of each block, non-decreasing inside each group."""
+    batch_size, n_blocks = groups.shape
+    if schedule == "chain-uniform":  # groups are consecutive and numbered in order: one sort does them all
+        keys = groups * 2 + torch.rand(batch_size, n_blocks, generator=generator)
+        return keys.sort(dim=1).values - groups * 2
+    per_group = torch.rand(2, batch_size, n_blocks, generator=generator)
+    if schedule == "uniform":
+        return per_group[0].gather(1, groups)
+    slots = torch.arange(n_blocks).expand(batch_size, n_blocks)
+    first = torch.full_like(groups, n_blocks).scatter_reduce(1, groups, slots, "amin")
+    size = torch.zeros_like(groups).scatter_add(1, groups, torch.ones_like(groups))
+    offset = slots - first.gather(1, groups)
+    slope = (per_group[1] * 0.7).gather(1, groups) / (size.gather(1, groups) - 1).clamp(min=1)
+    return (per_group[0] / 2 + 0.2).gather(1, groups).add(slope * offset).clamp(max=1.0)
+
+
+@dataclass
+class MultiTF(SBD):
+    """SBD's dual stream with noise-groups of consecutive blocks and slot-wise mask ratios."""
+
+    name = "multitf"
+    max_group: int = 4
+    layouts: str = "both"
+    schedule: str = "chain-uniform"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_group < 1:
+            raise FastForwardError(f"max_group must be >= 1, got {self.max_group}")
+        if self.layouts not in LAYOUTS:
+            raise FastForwardError(f"unknown layouts {self.layouts!r}; choose one of {', '.join(LAYOUTS)}")
+        if self.schedule not in SCHEDULES:
+            raise FastForwardError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+
+    def loss(self, model: Model, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+        block = draw_block(self.min_block, self.max_block, generator)
+        batch_size, length = batch.tokens.shape
+        n_blocks = -(-length // block)
+        groups = draw_groups(batch_size, n_blocks, self.max_group, self.layouts, generator)
+        ratios = group_ratios(groups, self.schedule, generator)
+        per_token = ratios[:, torch.arange(length) // block]
+        masked = (torch.rand(batch_size, length, generator=generator) < per_token).to(batch.tokens.device)
+        masked &= batch.loss_mask
+        rule = visibility.multitf_train(length, block, groups.to(batch.tokens.device))
+        mask_id = model.require_mask_token(self.name)
+        loss, metrics = dual_stream_loss(model, batch, masked, rule, self.ntp_weight, mask_id)
+        group_size = (n_blocks / (groups[:, -1] + 1).float()).mean().item()
+        return loss, {**metrics, "block": float(block), "group_size": group_size}

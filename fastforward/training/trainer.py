@@ -1,0 +1,520 @@
+"""One trainer for every objective, on `accelerate` (CPU, one GPU, or `accelerate launch` DDP/FSDP).
+
+A run directory holds everything about a run:
+
+    out/train_config.json        what was asked (a resumed run must ask the same)
+    out/metrics.jsonl            one JSON record per step, and one per evaluation
+    out/checkpoints/step-NNNNNN  accelerate state: weights, optimizer, scheduler, RNG, step; manifest.json
+    out/config.json, *.safetensors, tokenizer files   the final model (`--model out` loads it)
+    out/.lock                    flock'ed by the run in progress (holds its pid)
+
+Resuming is exact: the batch and every random draw of a step are functions of (seed, step), and a
+checkpoint holds the rest of the state. Checkpoints are written to a hidden temporary directory and
+renamed into place, so a crash never leaves a half-written `step-*` behind; their manifest (sizes and
+sha256 of every file, written last) catches what a rename cannot, such as files truncated by a lost
+write, and a resume falls back to the newest checkpoint that matches its manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+from fastforward.errors import FastForwardError
+from fastforward.model import PRESETS, Model, quiet_progress
+from fastforward.training.data import derive_seed
+from fastforward.training.objectives import Objective
+
+RUN_CONFIG = "train_config.json"
+METRICS = "metrics.jsonl"
+MANIFEST = "manifest.json"
+LOCK = ".lock"
+CHECKPOINT = re.compile(r"step-(\d+)")
+# Options that do not change the trained weights: a resumed run may change them.
+RESUME_NEUTRAL = {"eval_every", "save_every", "keep_checkpoints", "max_eval_batches"}
+
+Callback = Callable[[int, dict], None]
+
+
+class TrainData(Protocol):
+    """What the trainer needs of a data set (e.g. PackedData); its batches have `.to(device)` and `.n_tokens`."""
+
+    seq_len: int
+
+    def batch(self, index: int, batch_size: int, seed: int) -> Any:
+        """The `index`-th batch: a pure function of (seed, index), so a resume needs only the step."""
+        ...
+
+    def in_order(self, batch_size: int) -> Iterator[Any]:
+        """Every example once, in a fixed order (evaluation)."""
+        ...
+
+    def fingerprint(self) -> str:
+        """Changes whenever the data would: a resumed run must see the same data."""
+        ...
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping. batch_size is per device; one step = grad_accum batches."""
+
+    steps: int = 500
+    seq_len: int = 512
+    batch_size: int = 4
+    grad_accum: int = 1
+    lr: float = 5e-5
+    warmup: int = 20
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    mixed_precision: str = "no"  # "no", "bf16" or "fp16" autocast; weights stay in their dtype
+    eval_every: int = 100  # 0: evaluate only at the end
+    save_every: int = 100  # 0: no intermediate checkpoints
+    keep_checkpoints: int = 2
+    max_eval_batches: int = 50
+
+    def validate(self) -> None:
+        positive = ("steps", "seq_len", "batch_size", "grad_accum", "keep_checkpoints", "max_eval_batches")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise FastForwardError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("warmup", "weight_decay", "max_grad_norm", "eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise FastForwardError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise FastForwardError(f"lr must be > 0, got {self.lr}")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise FastForwardError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
+
+
+class _ObjectiveModule(nn.Module):
+    """Runs the objective inside forward(), so DDP/FSDP wrappers and autocast cover all of it."""
+
+    def __init__(self, model: Model, objective: Objective):
+        super().__init__()
+        self.hf = model.hf
+        self.model = model
+        self.objective = objective
+
+    def forward(self, batch: Any, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.objective.loss(self.model, batch, generator)
+
+
+# ---- the run directory --------------------------------------------------------------------------
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def lock_run_dir(out: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `out/.lock` so that two runs cannot share (or wipe) one directory.
+
+    The OS releases the lock when the process exits, however it exits: a killed run leaves no stale lock.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise FastForwardError(
+                f"{out} is in use by another training run (pid {holder}); wait for it or choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def checkpoints(out_dir: str | Path) -> list[Path]:
+    """The finished checkpoints of a run, oldest first (hidden temporaries are not among them)."""
+    root = Path(out_dir) / "checkpoints"
+    found = [(int(m[1]), p) for p in root.glob("step-*") if (m := CHECKPOINT.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _step(checkpoint: Path) -> int:
+    return int(CHECKPOINT.fullmatch(checkpoint.name)[1])
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_manifest(directory: Path) -> None:
+    """Record the size and sha256 of every file in `directory`; written last, so it vouches for all of them."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    entries = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    _write_json(directory / MANIFEST, {"files": entries})
+
+
+def checkpoint_problem(checkpoint: Path) -> str | None:
+    """Why `checkpoint` cannot be resumed from, or None when every file matches its manifest."""
+    try:
+        files = json.loads((checkpoint / MANIFEST).read_text())["files"]
+        expected = {name: (int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()}
+    except FileNotFoundError:
+        return f"no {MANIFEST} (it is written last, so the checkpoint is incomplete or predates manifests)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"unreadable {MANIFEST} ({type(exc).__name__}: {exc})"
+    for name, (size, _) in expected.items():  # sizes first: cheap, and they catch truncation
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, its manifest says {size}"
+    for name, (_, digest) in expected.items():
+        if _sha256(checkpoint / name) != digest:
+            return f"{name} does not match the sha256 in its manifest"
+    return None
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The checkpoint a resume starts from: the newest that matches its manifest (a warning names each skipped)."""
+    for checkpoint in reversed(checkpoints(out_dir)):
+        problem = checkpoint_problem(checkpoint)
+        if problem is None:
+            return checkpoint
+        _warn(f"skipping the damaged checkpoint {checkpoint}: {problem}")
+    return None
+
+
+def _model_identity(name: str) -> str:
+    """One spelling per model directory (`m`, `./m`, `/abs/m`, a symlink to it), so a resume compares models."""
+    path = Path(name).expanduser()
+    return str(path.resolve()) if name not in PRESETS and path.exists() else name
+
+
+def _differences(previous: dict, current: dict) -> list[str]:
+    def flat(record: dict) -> dict:
+        items = {f"{k}.{n}": v for k, sub in record.items() if isinstance(sub, dict) for n, v in sub.items()}
+        items.update({k: v for k, v in record.items() if not isinstance(v, dict)})
+        return {k: v for k, v in items.items() if k.removeprefix("train.") not in RESUME_NEUTRAL}
+
+    old, new = flat(previous), flat(current)
+    keys = sorted(old.keys() | new.keys())
+    return [f"{k}: {old.get(k)!r} → {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
+def _refuse_foreign(out: Path) -> None:
+    """Refuse a file, or a non-empty directory that no run created, before the lock file is put into it."""
+    if out.exists() and not out.is_dir():
+        raise FastForwardError(f"--out {out} is a file, not a directory; choose a directory for the run")
+    if out.exists() and any(p.name != LOCK for p in out.iterdir()) and not (out / RUN_CONFIG).exists():
+        raise FastForwardError(
+            f"{out} exists and is not a fastforward run directory (no {RUN_CONFIG}); choose another --out"
+        )
+
+
+def _open_run_dir(out: Path, record: dict, overwrite: bool) -> tuple[Path | None, bool]:
+    """Decide how to use `out` (under its lock): (checkpoint to resume, wipe it first).
+
+    When no checkpoint is valid the run starts again from step 0 with a warning rather than an error:
+    the damaged checkpoints cannot be used anyway, --overwrite would only delete them, and a job that
+    is restarted automatically (a preempted one) must keep going. They stay until valid ones replace them.
+    """
+    if not any(p.name != LOCK for p in out.iterdir()):
+        return None, False
+    if overwrite:
+        return None, True
+    if (out / "config.json").exists():
+        raise FastForwardError(f"{out} holds a finished run; pass --overwrite to train again, or choose another --out")
+    if not checkpoints(out):
+        return None, True
+    previous = json.loads((out / RUN_CONFIG).read_text())
+    previous["model"]["name"] = _model_identity(previous["model"]["name"])  # runs recorded before _model_identity
+    changed = _differences(previous, record)
+    if changed:
+        raise FastForwardError(
+            f"cannot resume {out}: the run was started with different settings ({'; '.join(changed)}); "
+            "pass --overwrite to start again, or choose another --out"
+        )
+    checkpoint = latest_checkpoint(out)
+    if checkpoint is None:
+        _warn(f"no checkpoint in {out} is valid; training from step 0 (they are kept until new ones replace them)")
+    return checkpoint, False
+
+
+def _clear(out: Path) -> None:
+    """Empty `out` but keep its lock file: deleting that would let another run lock a new one beside ours."""
+    for path in out.iterdir():
+        if path.name == LOCK:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+@contextlib.contextmanager
+def _claim_run_dir(accelerator: Accelerator, out: Path, record: dict, overwrite: bool) -> Iterator[Path | None]:
+    """Lock `out` for the whole run and prepare it; yields the checkpoint to resume from (None: step 0).
+
+    The main process locks and decides (verifying checkpoints reads them all once), then tells the others.
+    """
+    with contextlib.ExitStack() as stack:
+        decision: list[Any] = [None]
+        if accelerator.is_main_process:
+            try:
+                _refuse_foreign(out)
+                stack.enter_context(lock_run_dir(out))
+                checkpoint, wipe = _open_run_dir(out, record, overwrite)
+                if wipe:
+                    _clear(out)
+                (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+                _write_json(out / RUN_CONFIG, record)
+                decision = [checkpoint]
+            except Exception as exc:  # the other processes must raise it too, not wait forever
+                decision = [exc]
+        broadcast_object_list(decision)
+        if isinstance(decision[0], Exception):
+            raise decision[0]
+        yield decision[0]
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records a crashed run wrote after the checkpoint it resumes from (they will be redone)."""
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines() if _record_step(line) <= step]
+        path.write_text("".join(f"{line}\n" for line in lines))
+
+
+def _record_step(line: str) -> float:
+    """A metrics line's step; a line cut short by a crash counts as after every checkpoint."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
+def save_checkpoint(accelerator: Accelerator, out: Path, step: int, keep: int, valid: tuple[int, ...] = ()) -> Path:
+    """accelerate state + step + manifest, written to a hidden directory and renamed; then prunes.
+
+    A checkpoint is deleted only once `keep` checkpoints known to be valid come after it: this one and
+    the steps in `valid` (resumed from or written by this run). Others on disk may be damaged, so they
+    never count: a damaged checkpoint is never what a resume is left with.
+    """
+    root = out / "checkpoints"
+    final, tmp = root / f"step-{step:06d}", root / f".tmp-step-{step:06d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    try:
+        # accelerate logs "Removed shared tensor ..." for tied embeddings; expected, and restored on load.
+        shared_tensor_notice = logging.getLogger("accelerate.utils.other")
+        level = shared_tensor_notice.level
+        shared_tensor_notice.setLevel(logging.ERROR)
+        try:
+            accelerator.save_state(str(tmp))
+        finally:
+            shared_tensor_notice.setLevel(level)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            _write_json(tmp / "trainer_state.json", {"step": step})
+            _write_manifest(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+    except BaseException:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if accelerator.is_main_process:
+        trusted = {*valid, step}
+        for old in checkpoints(out):
+            if sum(s > _step(old) for s in trusted) >= keep:
+                shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _save_final(accelerator: Accelerator, module: nn.Module, model: Model, out: Path) -> None:
+    """Write the model into `out` itself, config.json last: its presence marks a finished run."""
+    state = accelerator.get_state_dict(module)  # gathers FSDP shards; every process must call it
+    if not accelerator.is_main_process:
+        return
+    tmp = out / ".final"
+    shutil.rmtree(tmp, ignore_errors=True)
+    weights = {k.removeprefix("hf."): v for k, v in state.items() if k.startswith("hf.")}
+    with quiet_progress():
+        model.hf.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+    model.tokenizer.save_pretrained(tmp)
+    for path in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
+        os.replace(path, out / path.name)
+    tmp.rmdir()
+
+
+# ---- steps --------------------------------------------------------------------------------------
+def _mean_over_processes(accelerator: Accelerator, metrics: dict[str, float]) -> dict[str, float]:
+    if accelerator.num_processes == 1:
+        return metrics
+    values = accelerator.reduce(torch.tensor(list(metrics.values()), device=accelerator.device), "mean")
+    return dict(zip(metrics, values.tolist(), strict=True))
+
+
+def _train_step(accelerator, module, optimizer, scheduler, data: TrainData, config: TrainConfig, step: int) -> dict:
+    """One optimizer step over grad_accum micro-batches; returns metrics averaged over them."""
+    totals: dict[str, float] = {}
+    tokens = 0
+    for micro in range(config.grad_accum):
+        index = (step * config.grad_accum + micro) * accelerator.num_processes + accelerator.process_index
+        batch = data.batch(index, config.batch_size, config.seed).to(accelerator.device)
+        generator = torch.Generator().manual_seed(derive_seed(config.seed, "step", index))
+        last = micro == config.grad_accum - 1
+        with contextlib.nullcontext() if last else accelerator.no_sync(module):
+            loss, metrics = module(batch, generator)
+            accelerator.backward(loss / config.grad_accum)
+        for key, value in metrics.items():
+            totals[key] = totals.get(key, 0.0) + value / config.grad_accum
+        tokens += batch.n_tokens
+    if config.max_grad_norm > 0:
+        totals["grad_norm"] = float(accelerator.clip_grad_norm_(module.parameters(), config.max_grad_norm))
+    totals["lr"] = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    metrics = _mean_over_processes(accelerator, totals)
+    metrics["tokens"] = float(tokens * accelerator.num_processes)
+    return metrics
+
+
+@torch.no_grad()
+def evaluate(accelerator: Accelerator, module: nn.Module, data: TrainData, config: TrainConfig) -> dict[str, float]:
+    """The objective's metrics averaged over the eval rows (same masks and block sizes every time)."""
+    module.eval()
+    totals: dict[str, float] = {}
+    count = 0
+    for i, batch in enumerate(data.in_order(config.batch_size)):
+        if i >= config.max_eval_batches:
+            break
+        if i % accelerator.num_processes != accelerator.process_index:
+            continue
+        generator = torch.Generator().manual_seed(derive_seed(config.seed, "eval", i))
+        _, metrics = module(batch.to(accelerator.device), generator)
+        for key, value in metrics.items():
+            totals[key] = totals.get(key, 0.0) + value
+        count += 1
+    module.train()
+    keys = sorted(totals)
+    sums = torch.tensor([totals[k] for k in keys] + [count], dtype=torch.float64, device=accelerator.device)
+    sums = accelerator.reduce(sums, "sum") if accelerator.num_processes > 1 else sums
+    return {f"eval_{k}": float(v / sums[-1]) for k, v in zip(keys, sums[:-1], strict=True)}
+
+
+# ---- the trainer --------------------------------------------------------------------------------
+def train(
+    model: Model,
+    objective: Objective,
+    train_data: TrainData,
+    config: TrainConfig,
+    out_dir: str | Path,
+    eval_data: TrainData | None = None,
+    callback: Callback | None = None,
+    overwrite: bool = False,
+) -> list[dict]:
+    """Train `model` in place with `objective`; resume from `out_dir` if it holds an unfinished run.
+
+    callback(step, record) runs after every step (after that step's checkpoint and evaluation).
+    Returns the records logged by this call. One process keeps one accelerate state: all calls in
+    a process must use the same mixed_precision.
+    """
+    config.validate()
+    if train_data.seq_len != config.seq_len:
+        raise FastForwardError(f"the data was packed into rows of {train_data.seq_len} tokens, not {config.seq_len}")
+    if model.max_context and config.seq_len > model.max_context:
+        raise FastForwardError(f"seq_len {config.seq_len} exceeds the model's context of {model.max_context} tokens")
+    out = Path(out_dir)
+    accelerator = Accelerator(mixed_precision=config.mixed_precision)
+    objective.setup(model)
+    record = {
+        "train": asdict(config),
+        "objective": objective.describe(),
+        "model": {"name": _model_identity(model.name), "parameters": sum(p.numel() for p in model.hf.parameters())},
+        "data": train_data.fingerprint(),
+    }
+    with _claim_run_dir(accelerator, out, record, overwrite) as checkpoint:
+        model.hf.train()
+        decay = [p for p in model.hf.parameters() if p.ndim >= 2]
+        rest = [p for p in model.hf.parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=config.lr,
+        )
+        scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup, config.steps)
+        module, optimizer = accelerator.prepare(_ObjectiveModule(model, objective), optimizer)
+        accelerator.register_for_checkpointing(scheduler)
+        step = 0
+        if checkpoint is not None:
+            accelerator.load_state(str(checkpoint))
+            step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+        valid = [step] if checkpoint is not None else []  # checkpoints known to be intact, for pruning
+        main = accelerator.is_main_process
+        if main:
+            _truncate_metrics(out / METRICS, step)
+            if step:
+                tqdm.write(f"resuming {out} from step {step}")
+
+        history: list[dict] = []
+        bar = tqdm(
+            total=config.steps,
+            initial=step,
+            desc=f"train {objective.name}",
+            disable=None if main else True,
+            dynamic_ncols=True,
+        )
+        while step < config.steps:
+            started = time.perf_counter()
+            metrics = _train_step(accelerator, module, optimizer, scheduler, train_data, config, step)
+            step += 1
+            metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+            entries = [{"step": step, "split": "train", **metrics}]
+            if eval_data is not None and (
+                (config.eval_every and step % config.eval_every == 0) or step == config.steps
+            ):
+                scores = evaluate(accelerator, module, eval_data, config)
+                entries.append({"step": step, "split": "eval", **scores})
+                if main:
+                    tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+            if main:  # logged before the checkpoint: a resume drops records newer than its checkpoint
+                with (out / METRICS).open("a") as f:
+                    f.writelines(json.dumps(e) + "\n" for e in entries)
+            if config.save_every and step % config.save_every == 0 and step < config.steps:
+                save_checkpoint(accelerator, out, step, config.keep_checkpoints, tuple(valid))
+                valid.append(step)
+            history.extend(entries)
+            if callback is not None:
+                callback(step, {k: v for e in entries for k, v in e.items() if k != "split"})
+        bar.close()
+        _save_final(accelerator, module, model, out)
+        accelerator.wait_for_everyone()
+        model.hf.eval()
+        return history
