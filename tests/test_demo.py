@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import replace
 
 import pytest
 
-from fastforward.cli import main
+from fastforward.cli import build_parser, main
+from fastforward.cli.train import train_config
 from fastforward.cpu.threads import auto_threads, busy_cores
 from fastforward.demo import zoo
 from fastforward.demo.pipeline import PRESETS, run_demo
@@ -81,6 +83,28 @@ def test_demo_cli_smoke(tmp_path, capsys):
     assert len(rows) == 5 and rows[4]["decoder"] == "SBD-VERIFIED"
     assert main([*argv, "--retrain", "--n", "2"]) == 0
     assert json.loads((tmp_path / "t.json").read_text())["rows"][0]["n"] == 2
+
+
+def test_zoo_jacobi_forcing_stage_trains_one_round_into_its_folder(tmp_path, monkeypatch):
+    config = PRESETS["smoke"]
+    graded = zoo.task_prompts
+
+    def every_answer_correct(*args, **kwargs):  # an untrained model answers none right; the stage keeps only those
+        return dataclasses.replace(graded(*args, **kwargs), grade=lambda index, text: True)
+
+    monkeypatch.setattr(zoo, "task_prompts", every_answer_correct)
+    zoo.train_stage(zoo.Stage("ntp", None, "ntp", 2, 1e-3), tmp_path, config, log=lambda _: None)
+    options = {"prompts": 3, "block_size": 4, "batch_size": 2}
+    zoo.train_stage(zoo.Stage("jf", "ntp", "jacobi_forcing", 2, 1e-3, options), tmp_path, config, log=lambda _: None)
+    trained = json.loads((tmp_path / "jf-rounds" / "round-1" / "train_config.json").read_text())
+    # the settings of the command its provenance records (`fastforward jacobi-forcing ...`)
+    argv = ["jacobi-forcing", "--model", "m", "--out", "o", "--task", "arithmetic", "--steps", "2", "--lr", "0.001"]
+    argv += ["--batch-size", "2", "--seq-len", "320", "--warmup", "20", "--save-every", "1", "--keep-checkpoints", "1"]
+    command = build_parser().parse_args([*argv, "--seed", str(config.seed)])
+    assert dataclasses.asdict(train_config(command, eval_every=0)) == trained["train"]
+    objective = {"noise_schedule": "random", "noise_window": 4, "noisy_context": "clean", "ar_weight": 1.0}
+    assert trained["objective"] == {"name": "jacobi_forcing", **objective}
+    assert (tmp_path / "jf" / "config.json").exists() and not (tmp_path / "jf" / "checkpoints").exists()
 
 
 def test_auto_threads_is_sane():
