@@ -84,7 +84,7 @@ def test_native_int4_layers_compile_without_a_graph_break():
     assert explanation.graph_break_count == 0
 
 
-def test_int4_falls_back_to_pytorchs_kernel(monkeypatch, capsys):
+def test_int4_falls_back_to_pytorchs_kernel(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("FASTFORWARD_INT4_KERNEL", "pytorch")
     model = tiny_model(seed=0)
     quantize(model.hf, "int4")
@@ -94,6 +94,7 @@ def test_int4_falls_back_to_pytorchs_kernel(monkeypatch, capsys):
         w4a8.enabled()
     # A failed build is said once, with the reason, and leaves PyTorch's kernel in place.
     monkeypatch.delenv("FASTFORWARD_INT4_KERNEL")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(native, "instruction_set", lambda: "avx2")
     monkeypatch.setattr(native, "_build", _failing_build)
     native.available.cache_clear()
@@ -101,11 +102,33 @@ def test_int4_falls_back_to_pytorchs_kernel(monkeypatch, capsys):
         assert not w4a8.enabled() and not w4a8.enabled()
     finally:
         native.available.cache_clear()
-    assert capsys.readouterr().err.count("building w4a8.cpp, exact_attention.cpp failed: no compiler") == 1
+    assert capsys.readouterr().err.count("native CPU kernels did not build: no compiler") == 1
 
 
 def _failing_build(isa: str) -> None:
     raise RuntimeError("no compiler")
+
+
+@pytest.mark.skipif(native.instruction_set() is None, reason="needs x86 AVX2 or AVX-512")
+def test_a_failed_build_says_its_first_error_and_log_once_per_machine(monkeypatch, capsys, tmp_path):
+    sources = tmp_path / "csrc"  # the sources without the header they include: a broken include path
+    sources.mkdir()
+    for source in native.SOURCES:
+        (sources / source.name).write_bytes(source.read_bytes())
+    monkeypatch.setattr(native, "SOURCES", [sources / source.name for source in native.SOURCES])
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
+    native.available.cache_clear()
+    try:
+        assert not native.available()
+        said = capsys.readouterr().err
+        native.available.cache_clear()
+        assert not native.available()  # another process on this machine: nothing said, no build tried
+        assert capsys.readouterr().err == ""
+    finally:
+        native.available.cache_clear()
+    log = tmp_path / "build" / f"native-torch{torch.__version__}-{native.instruction_set()}" / "build-error.log"
+    first = next(line.strip() for line in log.read_text().splitlines() if "error:" in line)
+    assert "simd.h" in first and said.count(first) == 1 and str(log) in said and "PyTorch's kernels serve" in said
 
 
 def test_the_narrow_build_may_be_asked_for_and_nothing_else(monkeypatch):
