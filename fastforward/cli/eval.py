@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         written = [out / "results.json", out / "records.jsonl"]
         if sweep_spec:
             write_json(out / "sweep.json", summary["sweep"])
-            plot_sweep(out / "sweep.png", curve, name=args.decoder)
+            plot_sweep(out / "sweep.png", curve, name=args.decoder, model=Path(args.model).name or args.model)
             written += [out / "sweep.json", out / "sweep.png"]
         print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0

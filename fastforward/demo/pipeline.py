@@ -45,7 +45,7 @@ from fastforward.evaluation.evaluate import (
     write_json,
     write_records,
 )
-from fastforward.evaluation.plots import plot_curves
+from fastforward.evaluation.plots import Mark, plot_methods
 from fastforward.model import Model, load_model
 from fastforward.model.tiny import tiny_model
 from fastforward.tasks import ArithmeticTask
@@ -389,6 +389,7 @@ def run_demo(
         torch.set_num_threads(previous_threads)
     seconds["total"] = time.perf_counter() - started
     low, high = config.gamma_low, config.gamma_high
+    swept = f"sbd ({config.policy}), γ sweep"
     paths = {
         "table": str(
             write_json(
@@ -398,16 +399,15 @@ def run_demo(
         ),
         "records": str(write_records(out / "records.jsonl", results)),
         "plot": str(
-            plot_curves(
+            plot_methods(
                 out / "sweep.png",
-                {f"SBD model, SBD decoding ({config.policy})": [(p["tpf"], p["accuracy"]) for p in points]},
-                {
-                    "NTP model, AR": (rows[0]["tpf"], rows[0]["accuracy"]),
-                    "SBD model, AR (NTP mode)": (rows[1]["tpf"], rows[1]["accuracy"]),
-                    "SBD model, sbd-verified (γ=∞)": (rows[4]["tpf"], rows[4]["accuracy"]),
-                },
-                {f"SBD model, SBD decoding ({config.policy})": [f"γ={p['gamma']:g}" for p in points]},
-                title=f"arithmetic: accuracy vs TPF (γ low {low:g}, high {high:g}; n={rows[0]['n']})",
+                [
+                    Mark("NTP", AR, "AR", rows[0]["tpf"], rows[0]["accuracy"]),
+                    Mark("SBD", AR, "AR (NTP mode)", rows[1]["tpf"], rows[1]["accuracy"]),
+                    *(Mark("SBD", "sbd", swept, p["tpf"], p["accuracy"], f"γ={p['gamma']:g}") for p in points),
+                    Mark("SBD", VERIFIED, "sbd-verified (γ=∞)", rows[4]["tpf"], rows[4]["accuracy"]),
+                ],
+                title=f"arithmetic: accuracy vs tokens per forward (γ low {low:g}, high {high:g}; n={rows[0]['n']})",
             )
         ),
     }

@@ -27,7 +27,7 @@ from typing import Any
 from fastforward.api import build_decoder
 from fastforward.demo.pipeline import DemoConfig, DemoResult, table_row
 from fastforward.evaluation.evaluate import AR, compare, format_table, write_json, write_records
-from fastforward.evaluation.plots import plot_curves
+from fastforward.evaluation.plots import Mark, plot_methods
 from fastforward.model import load_model
 
 
@@ -47,6 +47,14 @@ class Settings:
     threshold: float = 0.9
 
 
+def _gamma(g: float) -> str:
+    return f"sbd γ={g:g}"
+
+
+def _window(s: Settings, w: int) -> str:
+    return f"setdlm w={w} p={s.threshold:g}"
+
+
 def decoders(s: Settings) -> dict[str, dict[str, Any]]:
     """Per model: label → decoder."""
     mbd = dict(buffer_size=s.buffer_size, add_threshold=s.add_threshold, accept_threshold=s.accept_threshold)
@@ -59,16 +67,21 @@ def decoders(s: Settings) -> dict[str, dict[str, Any]]:
             "jacobi-mr": build_decoder("jacobi-mr", block_size=s.block_size),
         },
         "sbd": {
-            **{f"sbd γ={g:g}": build_decoder("sbd", block_size=s.block_size, gamma=g) for g in s.gammas},
+            **{_gamma(g): build_decoder("sbd", block_size=s.block_size, gamma=g) for g in s.gammas},
             "sbd-verified γ=∞": build_decoder("sbd-verified", block_size=s.block_size, gamma=math.inf),
             single: build_decoder("sbd", block_size=s.small_block, policy="threshold", gamma=s.accept_threshold),
             multi: build_decoder("mbd", block_size=s.small_block, **mbd),
         },
         "multitf": {multi: build_decoder("mbd", block_size=s.small_block, **mbd)},
-        "setdlm": {
-            f"setdlm w={w} p={s.threshold:g}": build_decoder("setdlm", window=w, threshold=s.threshold)
-            for w in s.windows
-        },
+        "setdlm": {_window(s, w): build_decoder("setdlm", window=w, threshold=s.threshold) for w in s.windows},
+    }
+
+
+def sweeps(s: Settings) -> dict[str, tuple[str, str]]:
+    """The labels of `decoders` that are points of a sweep: label → (the swept method, the point's tag)."""
+    return {
+        **{_gamma(g): (f"sbd, γ sweep (block {s.block_size})", f"γ={g:g}") for g in s.gammas},
+        **{_window(s, w): (f"setdlm p={s.threshold:g}, window sweep", f"w={w}") for w in s.windows},
     }
 
 
@@ -87,7 +100,7 @@ def evaluate_checkpoints(
         model = load_model(str(models / name), **config.precision())
         measured = compare(model, task, chosen, examples, desc=f"eval {MODELS[name]} model", **options)
         for label, result in measured.items():
-            gamma = next((g for g in settings.gammas if label == f"sbd γ={g:g}"), None)
+            gamma = next((g for g in settings.gammas if label == _gamma(g)), None)
             row = table_row(MODELS[name], result, gamma)
             row["decoder"] = "AR" if label == AR else label
             rows.append(row)
@@ -95,6 +108,15 @@ def evaluate_checkpoints(
                 record["model"] = MODELS[name]
             results.append(result)
     return rows, results
+
+
+def marks(rows: list[dict[str, Any]], results: list, settings: Settings) -> list[Mark]:
+    """The plot's points: each row's model (the colour), its decoder, and its sweep if it is a point of one."""
+    groups, out = sweeps(settings), []
+    for row, result in zip(rows, results, strict=True):
+        method, tag = groups.get(result.label, (row["decoder"], ""))
+        out.append(Mark(row["model"], result.decoder, method, result.tpf, result.accuracy, tag))
+    return out
 
 
 def describe_checkpoints(models: Path) -> list[str]:
@@ -139,12 +161,10 @@ def show(
         "table": str(write_json(out / "table.json", {"rows": rows, "models": str(models), "seconds": seconds})),
         "records": str(write_records(out / "records.jsonl", results)),
         "plot": str(
-            plot_curves(
+            plot_methods(
                 out / "sweep.png",
-                {"SBD model, SBD decoding (entropy)": [(p["tpf"], p["accuracy"]) for p in points]},
-                {f"{r['model']}, {r['decoder']}": (r["tpf"], r["accuracy"]) for r in rows if r["gamma"] is None},
-                {"SBD model, SBD decoding (entropy)": [f"γ={p['gamma']:g}" for p in points]},
-                title=f"arithmetic: accuracy vs TPF (n={rows[0]['n']})",
+                marks(rows, results, settings),
+                title=f"arithmetic, shipped checkpoints: accuracy vs tokens per forward (n={rows[0]['n']})",
             )
         ),
     }
