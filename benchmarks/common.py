@@ -1,6 +1,7 @@
 """Helpers shared by the benchmark scripts: paths, logging, thread choice, machine facts, load
-average, the CPU speed prompts (chat, `pycode`, `humaneval`), and `transformers`' own `generate`
-and llama.cpp wrapped as fastforward decoders so they run interleaved with ours.
+average, the options, training stages and result rows of the scripts that train the demo's models
+(`mbd.py`, `setdlm.py`), the CPU speed prompts (chat, `pycode`, `humaneval`), and `transformers`'
+own `generate` and llama.cpp wrapped as fastforward decoders so they run interleaved with ours.
 
 Every benchmark runs as `python benchmarks/NAME.py`, which puts this directory first on sys.path, so
 `from common import ...` works with no path setup. Benchmarks import this module and fastforward's
@@ -12,7 +13,9 @@ public names only, never each other.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import json
 import os
 import platform
 import time
@@ -23,7 +26,8 @@ import torch
 import transformers
 
 from fastforward.decoding.decoders import Decoder, Generation, Stats
-from fastforward.evaluation.evaluate import write_json
+from fastforward.decoding.metrics import aup
+from fastforward.evaluation.evaluate import EvalResult, write_json
 from fastforward.model import PRESETS, Model, load_model
 from fastforward.tasks import get_task
 
@@ -43,6 +47,45 @@ def set_threads(threads: int | None) -> int:
     return use_threads(threads)
 
 
+def zoo_arguments(parser: argparse.ArgumentParser, out: str, report: str, finetune_help: str) -> None:
+    """The options of a benchmark that trains the demo's models into a run directory and evaluates
+    them: --out (the models, reused), --results (where `report` goes), --pretrain-steps,
+    --finetune-steps, --n and --threads."""
+    from fastforward.demo.pipeline import DemoConfig
+
+    parser.add_argument("--out", default=out, help="run directory (models are reused)")
+    parser.add_argument("--results", default=str(RESULTS), help=f"where {report} goes")
+    parser.add_argument("--pretrain-steps", type=int, default=3000, help="when pretrain/ is missing")
+    parser.add_argument("--finetune-steps", type=int, default=2400, help=finetune_help)
+    parser.add_argument("--n", type=int, default=DemoConfig().eval_examples, help="held-out problems")
+    parser.add_argument("--threads", type=int, default=None)
+
+
+def train_zoo(args: argparse.Namespace, stages) -> tuple:
+    """Set the threads of `zoo_arguments`, take the demo's settings at its budgets and evaluation size,
+    and train each of `stages(args, config)` that --out does not hold yet; returns (config, the run
+    directory, threads, the seconds of each stage trained now)."""
+    from dataclasses import replace
+
+    from fastforward.demo.pipeline import DemoConfig
+
+    threads = set_threads(args.threads)
+    steps = {"pretrain_steps": args.pretrain_steps, "finetune_steps": args.finetune_steps}
+    config = replace(DemoConfig(), **steps, eval_examples=args.n)
+    out = Path(args.out)
+    return config, out, threads, train_missing(out, stages(args, config), config)
+
+
+def base_stages(args: argparse.Namespace, config) -> list:
+    """The demo's NTP pretraining and its SBD fine-tune (`fastforward.demo.zoo.Stage`s named pretrain, sbd)."""
+    from fastforward.demo.zoo import Stage
+
+    return [
+        Stage("pretrain", None, "ntp", args.pretrain_steps, config.pretrain_lr),
+        Stage("sbd", "pretrain", "sbd", args.finetune_steps, config.finetune_lr),
+    ]
+
+
 def train_missing(out: Path, stages: list, config) -> dict[str, float]:
     """Train each `fastforward.demo.zoo.Stage` whose model is not yet in out/<name>, in order (a killed run
     resumes); returns the seconds of each stage trained now."""
@@ -55,6 +98,40 @@ def train_missing(out: Path, stages: list, config) -> dict[str, float]:
             continue
         seconds[stage.name] = round(zoo.train_stage(stage, out, config, log), 1)
     return seconds
+
+
+def result_row(result: EvalResult, **labels) -> dict:
+    """One decoder's figures from `compare`, after `labels` (model, decoder, ...), as a JSON row."""
+    return {
+        **labels,
+        "accuracy": round(result.accuracy, 2),
+        "tpf": round(result.tpf, 3),
+        "nfe": result.nfe,
+        "nfe_mean": round(result.nfe_mean, 2),
+        "tps": round(result.tps, 1),
+        "speedup": round(result.speedup or 1.0, 3),
+        "n": result.n,
+    }
+
+
+def curve_aup(rows: list[dict], prefix: str, y_max: float, model: str | None = None) -> float | None:
+    """AUP of one sweep: the rows (of `model`, when given) whose decoder label starts with `prefix`,
+    on a shared y_max; None when there are none."""
+    points = [
+        (r["tpf"], r["accuracy"])
+        for r in rows
+        if r["decoder"].startswith(prefix) and (model is None or r["model"] == model)
+    ]
+    return round(aup(points, y_max), 3) if points else None
+
+
+def print_targets(checks: list[dict], heading: str = "targets", details: bool = False) -> None:
+    """Each target as met or NOT met (with `details`, the figures the check holds beside it)."""
+    log(f"\n{heading}:")
+    for check in checks:
+        figures = {k: v for k, v in check.items() if k not in ("target", "met")}
+        line = f"  [{'met' if check['met'] else 'NOT met'}] {check['target']}"
+        log(line + (f": {json.dumps(figures)}" if details else ""))
 
 
 def load_average() -> list[float]:

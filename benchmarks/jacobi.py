@@ -338,7 +338,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--noisy-context",
         default="clean",
         choices=("noisy", "clean"),
-        help="what a noisy block sees of earlier blocks: noisy (Fig. 2b) or clean (Fig. 2a; the README's run)",
+        help="what a noisy block sees of earlier blocks: noisy (Fig. 2b) or clean (Fig. 2a; docs/results.md's run)",
     )
     ap.add_argument(
         "--only-correct",

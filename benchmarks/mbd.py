@@ -30,16 +30,14 @@ import argparse
 import math
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from common import RESULTS, machine_info, set_threads, train_missing
+from common import base_stages, curve_aup, machine_info, print_targets, result_row, train_zoo, zoo_arguments
 
 from fastforward.api import build_decoder
-from fastforward.decoding.metrics import aup
 from fastforward.demo.pipeline import DemoConfig
 from fastforward.demo.zoo import Stage
-from fastforward.evaluation.evaluate import AR, EvalResult, compare, format_table, write_json
+from fastforward.evaluation.evaluate import AR, compare, format_table, write_json
 from fastforward.model import load_model
 
 ABLATIONS = {
@@ -61,11 +59,7 @@ def stages(args: argparse.Namespace, config: DemoConfig) -> list[Stage]:
         post += [
             Stage(n, "sbd", "multitf", args.post_steps, args.post_lr, {**group, **o}) for n, o in ABLATIONS.items()
         ]
-    return [
-        Stage("pretrain", None, "ntp", args.pretrain_steps, config.pretrain_lr),
-        Stage("sbd", "pretrain", "sbd", args.finetune_steps, config.finetune_lr),
-        *post,
-    ]
+    return [*base_stages(args, config), *post]
 
 
 def decoders(args: argparse.Namespace) -> dict[str, object]:
@@ -87,35 +81,14 @@ def decoders(args: argparse.Namespace) -> dict[str, object]:
     return found
 
 
-def row(model: str, label: str, result: EvalResult) -> dict:
-    return {
-        "model": model,
-        "decoder": label,
-        "accuracy": round(result.accuracy, 2),
-        "tpf": round(result.tpf, 3),
-        "nfe": result.nfe,
-        "nfe_mean": round(result.nfe_mean, 2),
-        "tps": round(result.tps, 1),
-        "speedup": round(result.speedup or 1.0, 3),
-        "n": result.n,
-    }
-
-
-def curve_aup(rows: list[dict], prefix: str, y_max: float) -> float | None:
-    """AUP over the accept sweep of one decoder setting (rows whose label starts with `prefix`)."""
-    points = [(r["tpf"], r["accuracy"]) for r in rows if r["decoder"].startswith(prefix)]
-    return round(aup(points, y_max), 3) if points else None
-
-
 def summarize(rows: list[dict], args: argparse.Namespace) -> dict:
     """AUP per (model, decoder setting) on one scale, and the paper's target checks."""
     y_max = max(r["accuracy"] for r in rows)
     aups = {}
     for model in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == model]
-        aups[f"{model}: sbd"] = curve_aup(mine, "sbd τ=", y_max)
+        aups[f"{model}: sbd"] = curve_aup(rows, "sbd τ=", y_max, model)
         for add in args.adds:
-            aups[f"{model}: mbd add={add:g}"] = curve_aup(mine, f"mbd add={add:g} ", y_max)
+            aups[f"{model}: mbd add={add:g}"] = curve_aup(rows, f"mbd add={add:g} ", y_max, model)
 
     def best(model: str, prefix: str, floor: float) -> dict | None:
         """The highest-TPF row of `model` whose label starts with `prefix` and accuracy >= floor."""
@@ -149,12 +122,8 @@ def summarize(rows: list[dict], args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    d = DemoConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/mbd", help="run directory (models are reused)")
-    p.add_argument("--results", default=str(RESULTS), help="where mbd.json goes")
-    p.add_argument("--pretrain-steps", type=int, default=3000, help="when pretrain/ is missing")
-    p.add_argument("--finetune-steps", type=int, default=2400, help="SBD fine-tune steps when sbd/ is missing")
+    zoo_arguments(p, "runs/mbd", "mbd.json", "SBD fine-tune steps when sbd/ is missing")
     p.add_argument("--post-steps", type=int, default=400, help="MultiTF post-training steps (and the control's)")
     p.add_argument("--post-lr", type=float, default=5e-4, help="peak LR of the post-training runs")
     p.add_argument("--max-group", type=int, default=3, help="MultiTF's largest noise-group (blocks)")
@@ -164,17 +133,12 @@ def main() -> None:
     p.add_argument("--adds", default="0.1,0.5", help="add thresholds of the MultiBD grid")
     p.add_argument("--accepts", default="0.9,0.7,0.5", help="accept thresholds (SingleBD's τ too)")
     p.add_argument("--semi", type=float, default=0.9, help="semi-complete threshold")
-    p.add_argument("--n", type=int, default=d.eval_examples, help="held-out problems")
-    p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
     args.adds = [float(x) for x in args.adds.split(",")]
     args.accepts = [float(x) for x in args.accepts.split(",")]
 
-    threads = set_threads(args.threads)
-    config = replace(d, pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps, eval_examples=args.n)
-    out = Path(args.out)
     started = time.perf_counter()
-    seconds = train_missing(out, stages(args, config), config)
+    config, out, threads, seconds = train_zoo(args, stages)
 
     task = config.task()
     examples = task.examples("test", n=config.eval_examples, seed=config.seed)
@@ -188,7 +152,7 @@ def main() -> None:
             model, task, decoders(args), examples, max_new_tokens=config.max_new_tokens, chat_template=False,
             desc=f"eval {name}",
         )  # fmt: skip
-        rows += [row(name, label, result) for label, result in results.items()]
+        rows += [result_row(result, model=name, decoder=label) for label, result in results.items()]
         if name == "sbd":
             lengths = [r["tokens"] for r in results[AR].records]
     seconds["evaluate"] = round(time.perf_counter() - t0, 1)
@@ -216,9 +180,7 @@ def main() -> None:
     print("\nAUP (one scale, y_max = best accuracy of all rows):")
     for key, value in summary["aup"].items():
         print(f"  {key}: {value}")
-    print("\ntargets:")
-    for check in summary["checks"]:
-        print(f"  [{'met' if check['met'] else 'NOT met'}] {check['target']}")
+    print_targets(summary["checks"])
     report = {
         "args": {k: v for k, v in vars(args).items()},
         "rows": rows,

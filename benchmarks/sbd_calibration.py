@@ -14,7 +14,8 @@ confident; the reveal rules trust exactly that.
 
     python benchmarks/sbd_calibration.py --model runs/sbd_vs_ntp_4800/sbd
 
-Prints a table and writes benchmarks/results/sbd_calibration.json.
+Prints a table and writes benchmarks/results/sbd_calibration.json (with the machine and its load
+average).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import sys
 
 import torch
+from common import RESULTS, machine_info, set_threads
 
 from fastforward.decoding.decoders import ARDecoder
 from fastforward.decoding.runtime import Session
@@ -32,7 +34,7 @@ from fastforward.tasks import get_task
 
 BINS = ((0.999, "> 0.999"), (0.99, "0.99–0.999"), (0.9, "0.9–0.99"), (0.0, "≤ 0.9"))
 KINDS = ("fresh", "commit", "partial")
-DEFAULT_TASK = ["min_ops=2", "max_ops=3", "max_number=20", "max_factor=5"]  # the README's arithmetic runs
+DEFAULT_TASK = ["min_ops=2", "max_ops=3", "max_number=20", "max_factor=5"]  # the arithmetic runs of docs/results.md
 
 
 def bin_of(confidence: float) -> str:
@@ -61,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--task-option", action="append", metavar="NAME=VALUE", help="arithmetic knob (repeatable)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="benchmarks/results/sbd_calibration.json")
+    ap.add_argument("--out", default=str(RESULTS / "sbd_calibration.json"))
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     options = dict(o.split("=", 1) for o in args.task_option or DEFAULT_TASK)
     task = get_task("arithmetic", **{k: int(v) for k, v in options.items()})
     model = load_model(args.model)
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
     )
-    write_json(args.out, {"args": vars(args), "rows": rows})
+    write_json(args.out, {"machine": machine_info(load=True), "args": vars(args), "rows": rows})
     print(f"wrote {args.out}")
     return 0
 

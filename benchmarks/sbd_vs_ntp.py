@@ -14,7 +14,7 @@ SBD at γ_low within 1 point of the NTP baseline's accuracy with TPF ≥ 3; at �
 
     python benchmarks/sbd_vs_ntp.py                      # trains into runs/sbd_vs_ntp (reused later)
     python benchmarks/sbd_vs_ntp.py --pretrain-steps 3000 --finetune-steps 2400 --snapshots 300,600,1200 \
-        --n 150 --threads 2                              # the run quoted in the README (about 55 min)
+        --n 150 --threads 2                              # the run quoted in docs/results.md (about 55 min)
 
 Writes benchmarks/results/sbd_vs_ntp.json, sbd_vs_ntp_steps.png and sbd_vs_ntp_sweep.png (or --results DIR).
 """
@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from common import RESULTS, machine_info, set_threads
+from common import RESULTS, machine_info, print_targets, set_threads
 
 from fastforward.demo.pipeline import (
     VERIFIED,
@@ -196,12 +196,7 @@ def main() -> None:
     seconds["total"] = time.perf_counter() - started
 
     checks = check_targets(final_rows)
-    print("\ntargets (final models):")
-    for c in checks:
-        print(
-            f"  [{'met' if c['met'] else 'NOT met'}] {c['target']}: "
-            + json.dumps({k: v for k, v in c.items() if k not in ("target", "met")})
-        )
+    print_targets(checks, "targets (final models)", details=True)
 
     results = Path(args.results)
     name = "sbd_vs_ntp"

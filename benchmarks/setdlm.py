@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from common import RESULTS, machine_info, set_threads, train_missing
+from common import base_stages, curve_aup, machine_info, print_targets, result_row, train_zoo, zoo_arguments
 
 from fastforward.api import build_decoder
-from fastforward.decoding.metrics import aup
 from fastforward.demo.pipeline import DemoConfig
 from fastforward.demo.zoo import Stage
 from fastforward.evaluation.evaluate import EvalResult, compare, format_table, write_json
@@ -46,32 +44,14 @@ def stages(args: argparse.Namespace, config: DemoConfig) -> list[Stage]:
     orders = {"set_size": args.set_size, "max_set": args.max_set}
     ablation = [Stage("setdlm_no_ntp", "pretrain", "setdlm", args.finetune_steps, config.finetune_lr, orders, 0.0)]
     return [
-        Stage("pretrain", None, "ntp", args.pretrain_steps, config.pretrain_lr),
-        Stage("sbd", "pretrain", "sbd", args.finetune_steps, config.finetune_lr),
+        *base_stages(args, config),
         Stage("setdlm", "pretrain", "setdlm", args.finetune_steps, config.finetune_lr, orders),
         *(ablation if args.ntp_ablation else []),
     ]
 
 
 def row(part: str, model: str, label: str, result: EvalResult) -> dict:
-    return {
-        "part": part,
-        "model": model,
-        "decoder": label,
-        "accuracy": round(result.accuracy, 2),
-        "rouge_l": round(100 * result.score, 2),
-        "tpf": round(result.tpf, 3),
-        "nfe_mean": round(result.nfe_mean, 2),
-        "tps": round(result.tps, 1),
-        "speedup": round(result.speedup or 1.0, 3),
-        "n": result.n,
-    }
-
-
-def curve_aup(rows: list[dict], model: str, prefix: str, y_max: float) -> float:
-    """AUP of one model's sweep (rows whose decoder label starts with `prefix`), on a shared y_max."""
-    points = [(r["tpf"], r["accuracy"]) for r in rows if r["model"] == model and r["decoder"].startswith(prefix)]
-    return round(aup(points, y_max), 3)
+    return {**result_row(result, part=part, model=model, decoder=label), "rouge_l": round(100 * result.score, 2)}
 
 
 def setdlm_grid(args: argparse.Namespace, **extra) -> dict:
@@ -85,28 +65,20 @@ def setdlm_grid(args: argparse.Namespace, **extra) -> dict:
 def main() -> None:
     d = DemoConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/setdlm", help="run directory (models are reused)")
-    p.add_argument("--results", default=str(RESULTS), help="where setdlm.json goes")
-    p.add_argument("--pretrain-steps", type=int, default=3000, help="when pretrain/ is missing")
-    p.add_argument("--finetune-steps", type=int, default=2400, help="fine-tune steps of both methods")
+    zoo_arguments(p, "runs/setdlm", "setdlm.json", "fine-tune steps of both methods")
     p.add_argument("--set-size", type=float, default=4.0)
     p.add_argument("--max-set", type=float, default=8.0)
     p.add_argument("--ntp-ablation", action="store_true", help="also train and evaluate SetDLM without the NTP term")
     p.add_argument("--windows", default="2,4,8")
     p.add_argument("--thresholds", default="0.9,0.7,0.5")
     p.add_argument("--gammas", default=",".join(f"{g:g}" for g in d.gammas), help="SBD's γ sweep")
-    p.add_argument("--n", type=int, default=d.eval_examples, help="held-out problems")
-    p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
     args.windows = [int(x) for x in args.windows.split(",")]
     args.thresholds = [float(x) for x in args.thresholds.split(",")]
     gammas = [float(x) for x in args.gammas.split(",")]
 
-    threads = set_threads(args.threads)
-    config = replace(d, pretrain_steps=args.pretrain_steps, finetune_steps=args.finetune_steps, eval_examples=args.n)
-    out = Path(args.out)
     started = time.perf_counter()
-    seconds = train_missing(out, stages(args, config), config)
+    config, out, threads, seconds = train_zoo(args, stages)
     options = dict(max_new_tokens=config.max_new_tokens, chat_template=False, progress=False)
     t0 = time.perf_counter()
 
@@ -126,7 +98,7 @@ def main() -> None:
         rows += [row("arithmetic", name, k, v) for k, v in results.items()]
     y_max = max(r["accuracy"] for r in rows)
     curves = {"sbd": "sbd γ=", **{name: "setdlm w=" for name in setdlm_models}}
-    aups = {name: curve_aup(rows, name, prefix, y_max) for name, prefix in curves.items()}
+    aups = {name: curve_aup(rows, prefix, y_max, name) for name, prefix in curves.items()}
 
     # 2. infilling: setdlm (both suffix modes) vs AR and sbd from the prefix alone
     shape = {k: getattr(config, k) for k in ("min_ops", "max_ops", "max_number", "max_factor")}
@@ -170,9 +142,7 @@ def main() -> None:
             "met": above and best["tps"] > ar_tps,
         },
     ]
-    print("\ntargets:")
-    for check in checks:
-        print(f"  [{'met' if check['met'] else 'NOT met'}] {check['target']}")
+    print_targets(checks)
     report = {
         "args": vars(args),
         "rows": rows,

@@ -5,9 +5,9 @@ and of each quantized variant over the whole text; over the reference's tokens, 
 variant's argmax equals fp32's and the mean KL(fp32 || variant). Variants: int8 without smoothing,
 int8 smoothed as `load_model` does it (calibrated on the `pycode` train split), and int4 on each
 int4 kernel (the native one of fastforward.cpu.w4a8 where it builds, and PyTorch's). A cheap,
-smooth proxy for the greedy agreement and accuracy that `benchmarks/agreement.py` reports from
-whole decodes, and the seconds quantizing took (calibration included). Writes JSON with the load
-average.
+smooth proxy for the greedy agreement and accuracy of whole decodes (`fastforward eval --quantize
+... --out DIR`; docs/notes/2026-11-quantization-quality.md compares such runs' outputs), and the
+seconds quantizing took (calibration included). Writes JSON with the load average.
 
     python benchmarks/smoothing.py                 # 40 examples, about 3 min on 2 cores
 """

@@ -57,7 +57,7 @@ def compile_forward(hf: torch.nn.Module) -> Callable:
         **NO_ASSERTS,
         "post_grad_custom_pre_pass": MergeRepeatedCalls(),
         # Checking the guards on every module attribute and parameter (thousands) before each step cost
-        # 12-15 % of a one-token int4 step (benchmarks/profile_step.py). Graphs of this call are kept
+        # 12-15 % of a one-token int4 step (docs/notes/2026-11-avx2-kernels.md). Graphs of this call are kept
         # apart from other compiled models' (isolate_recompiles), which those guards told apart.
         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
     }

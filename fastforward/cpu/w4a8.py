@@ -83,8 +83,8 @@ class W4A8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # An eager one-token step of SmolLM2-135M calls this 211 times: float32 input takes no
         # conversions (each `.float()`, `.to()` or `.reshape()` is a dispatcher call even when it
-        # returns its input; benchmarks/profile_step.py counted 764 `aten::to` calls per step
-        # before, 342 after).
+        # returns its input; a profile of one step counted 764 `aten::to` calls before, 342 after:
+        # docs/notes/2026-11-queries-per-token-and-avx2-block-cost.md).
         if x.dtype == torch.float32 and x.is_contiguous():
             rows = x.view(-1, self.in_features)
         else:

@@ -399,7 +399,8 @@ def load_model(
         hf.to(device)
     hf.eval()
     calibration = smoothing.calibration_ids(tokenizer) if uses_int8(hf, quantize) else None
-    # Fused where it measured faster (benchmarks/step_overhead.py): int8 eager, native int4 compiled.
+    # Fused where it measured faster: int8 eager, native int4 compiled (measured with a script since
+    # removed: docs/notes/2026-11-smoothing-and-fused-projections.md, docs/notes/2026-11-avx2-kernels.md).
     quantize_linears(hf, quantize, fuse=compile if quantize == "int4" else not compile, calibration=calibration)
     model = Model(hf, tokenizer, name=name_or_path)
     if compile:

@@ -147,8 +147,8 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(k % BLOCK == 0 && codes.numel() == tiles * groups * GROUP_BYTES && scales.numel() == tiles * groups * 2 * TILE,
               "codes and scales do not match an input width of ", k);
   // The quantized rows live in the calling thread's scratch, which only grows: a one-token step of
-  // SmolLM2-135M calls this 211 times, and its profile (benchmarks/profile_step.py) showed the
-  // tensor allocations.
+  // SmolLM2-135M calls this 211 times, and its profile showed the tensor allocations
+  // (docs/notes/2026-11-avx2-kernels.md).
   thread_local std::vector<int8_t> quantized;
   thread_local std::vector<float> block_scales;
   quantized.resize(std::max<size_t>(quantized.size(), rows * k));
