@@ -4,10 +4,17 @@ import functools
 
 import torch
 from transformers import DynamicCache, LlamaForCausalLM, MistralConfig
-from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from fastforward.model import Model
-from fastforward.model.cache import MIN_CAPACITY, GrowingLayer, gather_entries, new_cache, reserve, truncate
+from fastforward.model.cache import (
+    MIN_CAPACITY,
+    GrowingLayer,
+    gather_entries,
+    new_cache,
+    reserve,
+    track_positions,
+    truncate,
+)
 from fastforward.model.tiny import tiny_model
 
 
@@ -89,9 +96,20 @@ def test_reserve_makes_room_in_every_growing_layer(tiny):
     assert all(layer.key_buffer.shape[2] > 200 for layer in cache.layers)
 
 
-def test_sliding_window_layers_stay_transformers_own():
+def test_sliding_window_layers_keep_every_entry_and_their_positions():
+    """A sliding layer grows like a full one (its masks hide what the window no longer shows), so
+    rolling back works; the positions of the entries follow every truncation and gather."""
     config = MistralConfig(num_hidden_layers=2, sliding_window=8, hidden_size=32, num_attention_heads=2)
-    assert [type(layer) for layer in new_cache(config).layers] == [DynamicSlidingWindowLayer] * 2
+    cache = new_cache(config)
+    assert [type(layer) for layer in cache.layers] == [GrowingLayer] * 2
+    kv = torch.zeros(2, 2, 5, 16)
+    assert track_positions(cache, torch.tensor([[0, 1, 2, 3, 4], [7, 9, 8, 3, 1]])).shape == (2, 5)
+    for i, layer in enumerate(cache.layers):
+        layer.update(kv, kv, i)
+    gather_entries(cache, 1, torch.tensor([[2, 0], [3, 1]]))
+    truncate(cache, 3)
+    assert cache.key_positions.tolist() == [[0, 3, 1], [7, 1, 8]]
+    assert cache.get_seq_length() == 3
 
 
 def test_a_model_that_takes_past_key_values_gets_its_cache_there(cached_step):

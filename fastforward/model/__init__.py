@@ -23,7 +23,14 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.utils import logging as hf_logging
 
 from fastforward.cpu import attention, smoothing
@@ -31,7 +38,8 @@ from fastforward.cpu.compiled import compile_forward
 from fastforward.cpu.quantize import check_scheme, prefill_kernels, uses_int8
 from fastforward.cpu.quantize import quantize as quantize_linears
 from fastforward.errors import FastForwardError
-from fastforward.model.cache import new_cache, prepare_cache, truncate
+from fastforward.model import softcap, windows
+from fastforward.model.cache import new_cache, prepare_cache, track_positions, truncate
 
 MASK_TOKEN = "<|mask|>"
 MASK_CONFIG_KEY = "fastforward_mask_token_id"
@@ -84,6 +92,7 @@ class Model:
                 "eager attention adds boolean masks instead of applying them (silently wrong); "
                 "load the model with attn_implementation='sdpa'"
             )
+        self.window = windows.sliding_window(hf)  # None unless some layers attend within a sliding window
 
     # ---- properties -------------------------------------------------------------------------
     @property
@@ -199,7 +208,7 @@ class Model:
             out = forward(
                 input_ids=tokens,
                 position_ids=positions,
-                attention_mask=None if layout.visibility is None else layout.visibility[:, None],
+                attention_mask=self._masks(layout, cache, past),
                 **{self.cache_argument: cache},
                 use_cache=cache is not None,
                 logits_to_keep=read,
@@ -217,9 +226,22 @@ class Model:
         return self.hf.get_decoder()(
             input_ids=layout.tokens,
             position_ids=layout.positions,
-            attention_mask=None if layout.visibility is None else layout.visibility[:, None],
+            attention_mask=self._masks(layout, None, 0),
             use_cache=False,
         ).last_hidden_state
+
+    def _masks(self, layout: Layout, cache: DynamicCache | None, past: int) -> torch.Tensor | dict | None:
+        """The attention mask argument of a layout's forward: its visibility [B, 1, T, S] (None: causal),
+        or with sliding layers the masks of each kind of layer, from the positions of queries and keys."""
+        if self.window is None:
+            return None if layout.visibility is None else layout.visibility[:, None]
+        batch, length = layout.tokens.shape
+        queries = layout.positions.expand(batch, -1)
+        keys = track_positions(cache, queries) if cache is not None else queries
+        seen = layout.visibility
+        if seen is None:
+            seen = windows.causal(batch, length, past, layout.tokens.device)
+        return windows.masks(self.window, seen, queries, keys)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project selected hidden states to the vocabulary (only those a loss or sampler needs)."""
@@ -389,12 +411,15 @@ def load_model(
     else:
         try:
             with quiet_progress():
-                hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+                config = AutoConfig.from_pretrained(path)
+                implementation = softcap.attention_for(config.get_text_config(), exact) or "sdpa"
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=implementation)
             tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError, SafetensorError) as exc:
             raise FastForwardError(f"could not load a causal LM from {path}: {exc}") from exc
     hf.to(dtype=torch_dtype)
-    hf.config._attn_implementation = attention.NAME if exact else "sdpa"
+    # SDPA, or row-invariant attention for --exact; soft-capped attention (Gemma 2) needs its own
+    hf.config._attn_implementation = softcap.attention_for(hf.config, exact) or (attention.NAME if exact else "sdpa")
     if device:
         hf.to(device)
     hf.eval()

@@ -4,14 +4,17 @@ transformers' `DynamicLayer` appends by concatenation: every forward copies the 
 into a new tensor, so a decoding step's cost grows with the context (about 1 ms per 100 cached
 tokens in a compiled step of SmolLM2-135M on a 2-core CPU, docs/results.md). `GrowingLayer` keeps
 its entries at the front of buffers with room to spare: an append writes only the new entries, and
-the buffers double when they fill (`reserve`). `new_cache` gives every full-attention layer one.
+the buffers double when they fill (`reserve`). `new_cache` gives every attention layer one, sliding
+layers included: they keep every entry, and their masks hide what the window no longer shows
+(`fastforward.model.windows`), for which the cache records each entry's RoPE position
+(`track_positions`; `truncate` and `gather_entries` keep them in step).
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedConfig
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 MIN_CAPACITY = 64  # entries a buffer holds at first; it doubles from there
 
@@ -114,11 +117,25 @@ class GrowingLayer(CacheLayerMixin):
 
 
 def new_cache(config: PreTrainedConfig) -> DynamicCache:
-    """A `DynamicCache` whose full-attention layers append in place (`GrowingLayer`); other kinds of
-    layer (sliding windows, linear attention) stay transformers' own."""
+    """A `DynamicCache` whose attention layers, full and sliding, append in place (`GrowingLayer`);
+    other kinds of layer (linear attention) stay transformers' own."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    attention = (DynamicLayer, DynamicSlidingWindowLayer)
+    cache.layers = [GrowingLayer() if type(layer) in attention else layer for layer in cache.layers]
+    cache.key_positions = None  # [B, entries] once tracked (`track_positions`)
     return cache
+
+
+def track_positions(cache: Cache, positions: torch.Tensor) -> torch.Tensor:
+    """Record the RoPE positions [B, T] of the entries a forward is about to append; returns the positions
+    of every key that forward sees [B, entries + T] (the cache's, then the new ones)."""
+    known = getattr(cache, "key_positions", None)
+    if known is None:
+        known = positions.new_zeros(positions.shape[0], cache.get_seq_length())
+        if known.shape[1]:
+            raise ValueError("the cache holds entries whose positions were not recorded")
+    cache.key_positions = torch.cat([known, positions], dim=1)
+    return cache.key_positions
 
 
 def reserve(cache: Cache, entries: int) -> None:
@@ -138,6 +155,8 @@ def truncate(cache: Cache, length: int) -> None:
         raise ValueError(f"cannot truncate a cache of {cache.get_seq_length()} entries to {length}")
     if extra:
         cache.crop(-extra)
+    if getattr(cache, "key_positions", None) is not None:
+        cache.key_positions = cache.key_positions[:, :length]
 
 
 def gather_entries(cache: Cache, base: int, order: torch.Tensor) -> None:
@@ -151,6 +170,9 @@ def gather_entries(cache: Cache, base: int, order: torch.Tensor) -> None:
             tensor = getattr(layer, name)
             index = (base + order)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
             tensor[:, :, base : base + order.shape[1]] = tensor.gather(2, index)
+    positions = getattr(cache, "key_positions", None)
+    if positions is not None:
+        positions[:, base : base + order.shape[1]] = positions.gather(1, base + order)
 
 
 def prepare_cache(cache: Cache, entries: int) -> None:

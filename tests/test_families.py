@@ -1,0 +1,166 @@
+"""Every kind of transformers causal LM the README names, as tiny random models saved and loaded the way
+a user loads one (`load_model(folder)`): sliding-window and hybrid layers (Mistral, Qwen2 with a window,
+Gemma 2 and 3, Cohere2, Olmo3), logit soft-capping (Gemma 2), learned absolute positions (GPT-2),
+parallel attention and MLP blocks (GPT-NeoX), mixture-of-experts routing (Qwen3-MoE), tied and untied
+output layers. Prompts are longer than the window (6 positions), so every sliding layer drops keys.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+import fastforward as ff
+from fastforward.decoding.decoders import registry
+from fastforward.errors import FastForwardError
+from fastforward.model import Layout, load_model
+from fastforward.model.tiny import DEFAULT_CORPUS, fit_tokenizer
+from fastforward.training.data import Batch
+from fastforward.training.objectives import SBD, JacobiForcing, MultiTF, SetDLM
+from fastforward.training.trajectories import TrajectoryData, collect
+
+WINDOW = 6
+WINDOWED = {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}
+FAMILIES = {  # name: (config class, model class, options beyond the shared tiny shape)
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, {"tie_word_embeddings": True}),
+    "mistral-window": (T.MistralConfig, T.MistralForCausalLM, {"sliding_window": WINDOW}),
+    "qwen2-window": (
+        T.Qwen2Config,
+        T.Qwen2ForCausalLM,
+        {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    ),
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"head_dim": 16}),
+    "qwen3-moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, {"num_experts": 4, "num_experts_per_tok": 2}),
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, {**WINDOWED, "head_dim": 16}),
+    "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, {**WINDOWED, "head_dim": 16}),
+    "cohere2": (T.Cohere2Config, T.Cohere2ForCausalLM, WINDOWED),
+    "olmo3": (T.Olmo3Config, T.Olmo3ForCausalLM, WINDOWED),
+    "phi3": (T.Phi3Config, T.Phi3ForCausalLM, {"tie_word_embeddings": False}),
+    "granite": (T.GraniteConfig, T.GraniteForCausalLM, {}),
+    "gpt-neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, {"use_parallel_residual": True}),
+    "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, {}),
+}
+TEXTS = ["def add(a, b):\n    return a + b\nThe quick", "Tom has 3 apples and buys 5 more.", "0123456789 + -"]
+NEW_TOKENS = 10
+LOSSLESS = [name for name, spec in registry.specs().items() if spec.lossless and not spec.needs_mask]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return fit_tokenizer(DEFAULT_CORPUS, 300)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tokenizer, tmp_path_factory):
+    """(name, folder, model class): a tiny random model of the family, saved with save_pretrained."""
+    config_class, model_class, options = FAMILIES[request.param]
+    special = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    if config_class is T.GPT2Config:
+        shape = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "bos_token_id": tokenizer.eos_token_id}
+    else:
+        shape = {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 256,
+            "bos_token_id": None,
+        }
+    config = config_class(vocab_size=len(tokenizer), initializer_range=0.5, **shape, **special, **options)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp(request.param)
+    model_class(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return request.param, folder, model_class
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [tokenizer(text)["input_ids"] for text in TEXTS]
+
+
+def test_prompts_are_longer_than_the_window(prompts):
+    assert min(len(p) for p in prompts) > WINDOW
+
+
+def test_ar_equals_transformers_greedy_generate(family, prompts):
+    name, folder, model_class = family
+    model = load_model(str(folder))
+    reference = model_class.from_pretrained(folder).eval()  # transformers' own attention and cache
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        budget = {"max_new_tokens": NEW_TOKENS, "do_sample": False}
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), **budget)
+        ours = ff.build_decoder("ar").generate(model, [prompt], NEW_TOKENS)[0].token_ids
+        assert ours == expected[0, len(prompt) :].tolist()
+
+
+def test_cached_logits_equal_uncached(family, prompts):
+    model = load_model(str(family[1]))
+    prompt = prompts[0]
+    n, k = len(prompt), 5
+    ids, positions = torch.tensor([prompt]), torch.arange(n)[None]
+    with torch.inference_mode():
+        whole = model.run(Layout(ids, positions, None, read=torch.arange(n)), None)
+        cache = model.new_cache()
+        model.run(Layout(ids[:, : n - k], positions[:, : n - k], None, keep=n - k), cache)
+        block = model.run(Layout(ids[:, n - k :], positions[:, n - k :], None, read=torch.arange(k), keep=k), cache)
+    torch.testing.assert_close(block[0], whole[0, n - k :], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ["none", "int8", "int4"])
+def test_lossless_decoders_equal_ar_alone_and_in_a_batch(family, prompts, scheme):
+    model = load_model(str(family[1]), quantize=scheme, exact=scheme != "none")
+    expected = [ff.build_decoder("ar").generate(model, [p], NEW_TOKENS)[0].token_ids for p in prompts]
+    for name in LOSSLESS:
+        knobs = {"block_size": 4} if registry.spec(name).knob("block_size") else {}
+        decoder = ff.build_decoder(name, **knobs)
+        alone = [decoder.generate(model, [p], NEW_TOKENS)[0].token_ids for p in prompts]
+        together = [g.token_ids for g in decoder.generate(model, prompts, NEW_TOKENS)]
+        assert alone == expected and together == expected, name
+
+
+def test_sbd_verified_equals_ar_after_a_mask_token(family, prompts):
+    model = load_model(str(family[1]))
+    model.add_mask_token()
+    expected = [g.token_ids for g in ff.build_decoder("ar").generate(model, prompts, NEW_TOKENS)]
+    got = [g.token_ids for g in ff.build_decoder("sbd-verified", block_size=4).generate(model, prompts, NEW_TOKENS)]
+    assert got == expected
+
+
+def test_every_objective_takes_a_training_step(family, prompts, tmp_path):
+    model = load_model(str(family[1]))
+    rows = torch.tensor([(p * 4)[:24] for p in prompts])
+    ones = torch.ones_like(rows, dtype=torch.bool)
+    batch = Batch(rows, ones, ones)
+    path = tmp_path / "trajectories.jsonl"
+    collect(model, prompts, path, block_size=4, max_new_tokens=8, progress=False)
+    objectives = [
+        (SBD(min_block=2, max_block=4), batch),
+        (MultiTF(min_block=2, max_block=4), batch),
+        (SetDLM(), batch),
+        (JacobiForcing(noise_window=4), TrajectoryData.from_file(path, 64).batch(0, 2, 0)),
+    ]
+    for objective, data in objectives:
+        objective.setup(model)
+        optimizer = torch.optim.SGD(model.hf.parameters(), lr=1e-3)
+        loss, _ = objective.loss(model, data, torch.Generator().manual_seed(0))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert torch.isfinite(loss), type(objective).__name__
+
+
+
+@pytest.mark.parametrize("kind", ["chunked_attention", "linear_attention"])
+def test_layer_kinds_it_cannot_run_are_refused_by_name(tokenizer, tmp_path, kind):
+    config = T.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
+    )
+    config.layer_types = [kind, "full_attention"]
+    T.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(FastForwardError, match=f"layers of kind {kind}"):
+        load_model(str(tmp_path))
