@@ -40,10 +40,11 @@ def model_with(attention: str, vocab: int) -> Model:
         head_dim=64,
         sliding_window=4096,
         attn_logit_softcapping=None if attention == "sdpa" else 50.0,
-        attn_implementation=attention,
+        attn_implementation=softcap.NAME,  # transformers refuses SDPA for Gemma 2 at construction
     )
     torch.manual_seed(0)
     hf = transformers.Gemma2ForCausalLM(config).eval()
+    hf.config._attn_implementation = attention  # without soft-capping SDPA computes the same attention
     return Model(hf, fit_tokenizer(DEFAULT_CORPUS), name=f"gemma2-{attention}")  # prompts are random ids
 
 
