@@ -33,7 +33,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from fastforward.cpu import attention, smoothing
+from fastforward.cpu import attention, row_chunks, smoothing
 from fastforward.cpu.compiled import compile_forward
 from fastforward.cpu.quantize import check_scheme, prefill_kernels, uses_int8
 from fastforward.cpu.quantize import quantize as quantize_linears
@@ -102,6 +102,17 @@ class Model:
     @property
     def dtype(self) -> torch.dtype:
         return self.hf.dtype
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a row's logits must not depend on what shares its forward (`--exact` attention): then a
+        batch is also prefilled row by row (`Session`)."""
+        return self.hf.config._attn_implementation in (attention.NAME, softcap.EXACT)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding (kept in floating point when the linear layers are quantized)."""
+        return self.hf.get_input_embeddings().num_embeddings
 
     @property
     def max_context(self) -> int | None:
@@ -427,6 +438,8 @@ def load_model(
     # Fused where it measured faster: int8 eager, native int4 compiled (measured with a script since
     # removed: docs/notes/2026-11-smoothing-and-fused-projections.md, docs/notes/2026-11-avx2-kernels.md).
     quantize_linears(hf, quantize, fuse=compile if quantize == "int4" else not compile, calibration=calibration)
+    if exact:
+        row_chunks.chunk_rows(hf)  # bfloat16 GEMMs round by row count past 32 rows
     model = Model(hf, tokenizer, name=name_or_path)
     if compile:
         model.compile_steps()

@@ -13,6 +13,7 @@ layers included: they keep every entry, and their masks hide what the window no 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import Cache, DynamicCache, PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
@@ -184,3 +185,20 @@ def prepare_cache(cache: Cache, entries: int) -> None:
     for layer in cache.layers:
         if not isinstance(layer, GrowingLayer) and not layer.keys.is_contiguous():
             layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+
+
+def stack_rows(config: PreTrainedConfig, rows: list[Cache], pads: list[int]) -> DynamicCache:
+    """One batched cache from one-row caches of growing layers, row r left-padded by `pads[r]` zero
+    entries (which the caller's masks hide), so each row holds exactly the entries its own cache held."""
+
+    def padded(name: str, index: int) -> torch.Tensor:
+        parts = [getattr(row.layers[index], name) for row in rows]
+        return torch.cat([F.pad(part, (0, 0, pad, 0)) for part, pad in zip(parts, pads, strict=True)])
+
+    cache = new_cache(config)
+    for index, layer in enumerate(cache.layers):
+        layer.update(padded("keys", index), padded("values", index))
+    if all(getattr(row, "key_positions", None) is not None for row in rows):
+        parts = [F.pad(row.key_positions, (pad, 0)) for row, pad in zip(rows, pads, strict=True)]
+        cache.key_positions = torch.cat(parts)
+    return cache

@@ -125,7 +125,7 @@ def _drafts(init: str, before: torch.Tensor, n: int, model: Model, seeds: list[i
         return before[:, None].expand(-1, n).clone()
     if init == "pad":
         return torch.full((len(before), n), model.pad_token_id, dtype=torch.long, device=before.device)
-    vocab = model.hf.get_output_embeddings().weight.shape[0]
+    vocab = model.vocab_size
     rows = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(s)) for s in seeds]
     return torch.stack(rows).to(before.device)
 

@@ -45,7 +45,7 @@ class JacobiDecoder(Decoder):
         n = self.block_size
         if self.init == "repeat":
             return [last] * n
-        vocab = session.model.hf.get_output_embeddings().weight.shape[0]
+        vocab = session.model.vocab_size
         generator = torch.Generator().manual_seed(self.seed + 1000003 * row + session.frontiers[row])
         return torch.randint(0, vocab, (n,), generator=generator).tolist()
 

@@ -1,0 +1,88 @@
+"""A prompt's tokens do not depend on what shares its batch: every decoder, at every precision
+`load_model` offers, one prompt alone against mixed-length left-padded batches of 3 and of 8.
+
+Lossless decoders must give one-prompt greedy AR's tokens; lossy ones their own one-prompt tokens.
+float32 runs without `--exact` (its GEMMs round by row count, but the tiny model has no near-ties);
+bfloat16, int8 and int4 run with `--exact`, which promises it bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastforward as ff
+from fastforward.cpu.row_chunks import RowChunkedLinear, chunk_rows
+from fastforward.decoding.decoders import registry
+from fastforward.model import load_model
+from fastforward.model.tiny import tiny_model
+
+SETTINGS = {
+    "float32": {},
+    "bfloat16 --exact": {"dtype": "bfloat16", "exact": True},
+    "int8 --exact": {"quantize": "int8", "exact": True},
+    "int4 --exact": {"quantize": "int4", "exact": True},
+}
+TEXTS = [
+    "def add(a, b):",
+    "Tom has 3 apples and buys 5 more. How many apples does he have?",
+    "0",
+    "The quick brown fox jumps over the lazy dog. 0123456789",
+    "def add(a, b):\n    return a + b\n",
+    "3 + 5 = 8\n#### 8",
+    "The lazy dog",
+    "How many apples does Tom have? 3 + 5",
+]
+NEW_TOKENS = 16
+KNOBS = {"block_size": 4}  # small blocks: several per output
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    model = tiny_model(seed=0, init_std=0.5, hidden_size=64)
+    model.add_mask_token()
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    model.save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=list(SETTINGS))
+def model(request, saved):
+    return load_model(saved, **SETTINGS[request.param])
+
+
+def decoder(name: str, **extra):
+    spec = registry.spec(name)
+    return ff.build_decoder(name, **{k: v for k, v in {**KNOBS, **extra}.items() if spec.knob(k)})
+
+
+def outputs(model, name: str, prompts: list[list[int]], **extra) -> list[list[int]]:
+    return [g.token_ids for g in decoder(name, **extra).generate(model, prompts, NEW_TOKENS)]
+
+
+@pytest.mark.parametrize("name", list(registry.specs()))
+def test_a_prompt_decodes_the_same_alone_and_in_batches_of_3_and_8(model, name):
+    prompts = [model.encode_prompt(text, chat_template=False) for text in TEXTS]
+    reference = "ar" if registry.spec(name).lossless else name
+    alone = [outputs(model, reference, [p])[0] for p in prompts]
+    assert outputs(model, name, prompts[:3]) == alone[:3]
+    assert outputs(model, name, prompts) == alone
+
+
+def test_random_drafts_on_a_quantized_model(saved):
+    model = load_model(saved, quantize="int4", exact=True)
+    prompts = [model.encode_prompt(text, chat_template=False) for text in TEXTS]
+    alone = [outputs(model, "ar", [p])[0] for p in prompts]
+    assert outputs(model, "jacobi", prompts, draft_init="random") == alone
+
+
+def test_bfloat16_linears_compute_each_row_as_a_one_row_call(saved):
+    model = load_model(saved, dtype="bfloat16", exact=True)
+    assert all(type(m) is RowChunkedLinear for m in model.hf.modules() if isinstance(m, torch.nn.Linear))
+    # at SmolLM2-135M's shapes, where this CPU's bfloat16 GEMM changes kernel past 32 rows
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(576, 1536), torch.nn.Linear(1536, 576)).bfloat16()
+    chunk_rows(layers)
+    x = torch.randn(100, 576).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(layers(x), torch.cat([layers(row[None]) for row in x]))
