@@ -60,6 +60,12 @@ def test_lossless_decoders_equal_compiled_ar(compiled, prompts, name):
 
 
 @pytest.mark.skipif(not native.available(), reason="fused int4 layers need the native kernel")
+@pytest.mark.parametrize("name", ["ar", "jacobi"])
+def test_compiled_decoders_give_each_prompt_its_one_prompt_tokens_in_a_batch(compiled, prompts, name):
+    alone = [ARDecoder().generate(compiled, [p], max_new_tokens=20)[0].token_ids for p in prompts[:3]]
+    assert [g.token_ids for g in build_decoder(name).generate(compiled, prompts[:3], max_new_tokens=20)] == alone
+
+
 def test_fused_projections_run_once_per_step(compiled, cached_step):
     """Query, key and value (gate and up) are one fused layer that each member's trace calls; the
     compiled graph calls its kernel once (`compiled.MergeRepeatedCalls`)."""
