@@ -3,33 +3,56 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from fastforward.errors import FastForwardError
 
+# Every subcommand: its module in this package and its one-line help. `fastforward --help` lists them
+# from here, and a command line imports only the module of the command it names (with what that module
+# needs): `generate` never loads training, evaluation, the server or lm-eval.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("demo", "every method on the shipped checkpoints (about 3 min on 2 CPU cores); --retrain, --quick"),
+    "generate": ("generate", "generate text for one or more prompts"),
+    "infill": (
+        "infill",
+        "fill the middle between a prefix and a suffix (setdlm; ar continues the prefix alone, the baseline)",
+    ),
+    "serve": ("serve", "serve a model over an OpenAI-compatible HTTP API"),
+    "train": ("train", "train a model with an objective (resumes an unfinished run in --out)"),
+    "eval": ("eval", "accuracy, NFE, TPF, TPS and speedup of a decoder on a task (AR baseline in the same run)"),
+    "roofline": ("roofline", "roofline slowdown/speedup tables (SBD paper Tables 3-4) and measured block costs"),
+    "trajectories": ("trajectories", "write Jacobi trajectories of a model over prompts (JSONL, resumable)"),
+    "jacobi-forcing": (
+        "jacobi_forcing",
+        "progressive Jacobi Forcing: rounds of trajectory collection and training (resumable)",
+    ),
+    "lm-eval-tasks": ("lm_eval_tasks", "write lm-eval task YAMLs over local files (use with --include_path)"),
+    "decoders": ("decoding", "list the decoders and their options (a markdown table)"),
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    from fastforward.cli import (
-        decoding,
-        demo,
-        eval,
-        generate,
-        infill,
-        jacobi_forcing,
-        lm_eval_tasks,
-        roofline,
-        serve,
-        train,
-        trajectories,
-    )
 
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `fastforward` parser: every subcommand in full, or only `command` in full (the others by name
+    and help only, so that nothing else is imported)."""
     parser = argparse.ArgumentParser(prog="fastforward", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    commands = (demo, generate, infill, serve, train, eval, roofline, trajectories, jacobi_forcing, lm_eval_tasks)
-    commands += (decoding,)
-    for module in commands:
-        module.register(sub)
+    for name, (module, summary) in COMMANDS.items():
+        if command is None or command == name:
+            importlib.import_module(f"fastforward.cli.{module}").register(sub)
+        else:
+            sub.add_parser(name, help=summary)
     return parser
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, **options) -> argparse.ArgumentParser:
+    """The subparser of command `name`, with its help from `COMMANDS`."""
+    return sub.add_parser(name, help=COMMANDS[name][1], **options)
+
+
+def named_command(argv: list[str]) -> str:
+    """The command an argument list names: its first word that is a command ('' when none is)."""
+    return next((word for word in argv if word in COMMANDS), "")
 
 
 def positive_int(text: str) -> int:
@@ -92,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "fastforward"
     try:
         # Building the parser imports torch and transformers (seconds): Ctrl-C there is an interrupt too.
-        args = build_parser().parse_args(argv)
+        argv = sys.argv[1:] if argv is None else argv
+        args = build_parser(named_command(argv)).parse_args(argv)
         command = f"fastforward {args.command}"
         if "threads" in vars(args):
             from fastforward.cpu.threads import use_threads

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fastforward.cli import add_command
 from fastforward.decoding.decoders import registry
 
 
@@ -38,5 +39,5 @@ def decoder_knobs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("decoders", help="list the decoders and their options (a markdown table)")
+    p = add_command(sub, "decoders")
     p.set_defaults(run=lambda args: print(registry.knob_table()) or 0)

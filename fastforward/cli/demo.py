@@ -15,16 +15,16 @@ from pathlib import Path
 
 import torch
 
-from fastforward.cli import add_precision_flags, add_threads_flag
+from fastforward.cli import add_command, add_precision_flags, add_threads_flag
 from fastforward.demo import showcase, zoo
 from fastforward.demo.pipeline import PRESETS, DemoConfig, run_demo
 from fastforward.model import SHIPPED_CHECKPOINTS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "demo",
-        help="every method on the shipped checkpoints (about 3 min on 2 CPU cores); --retrain, --quick",
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

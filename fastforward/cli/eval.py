@@ -9,7 +9,14 @@ import sys
 from pathlib import Path
 
 from fastforward.api import build_decoder
-from fastforward.cli import add_compile_flag, add_precision_flags, add_threads_flag, positive_int, precision
+from fastforward.cli import (
+    add_command,
+    add_compile_flag,
+    add_precision_flags,
+    add_threads_flag,
+    positive_int,
+    precision,
+)
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
 from fastforward.decoding.decoders import registry
 from fastforward.demo import zoo
@@ -27,9 +34,9 @@ from fastforward.tasks import get_task, parse_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "eval",
-        help="accuracy, NFE, TPF, TPS and speedup of a decoder on a task (AR baseline in the same run)",
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

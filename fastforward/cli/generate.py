@@ -7,7 +7,14 @@ import json
 import sys
 
 from fastforward.api import build_decoder
-from fastforward.cli import add_compile_flag, add_precision_flags, add_threads_flag, positive_int, precision
+from fastforward.cli import (
+    add_command,
+    add_compile_flag,
+    add_precision_flags,
+    add_threads_flag,
+    positive_int,
+    precision,
+)
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
 from fastforward.decoding.decoders import Generation, registry
 from fastforward.decoding.runtime import GenerationInterrupted
@@ -16,7 +23,7 @@ from fastforward.model import check_device, load_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text for one or more prompts")
+    p = add_command(sub, "generate")
     p.add_argument("prompts", nargs="*", help="prompts (default: read one per line from stdin)")
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
     add_decoder_flags(p, default=None, default_help="lookup; ar with --temperature, --top-p or --seed")

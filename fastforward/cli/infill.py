@@ -7,15 +7,22 @@ import json
 import sys
 
 from fastforward.api import build_decoder, infill
-from fastforward.cli import add_compile_flag, add_precision_flags, add_threads_flag, positive_int, precision
+from fastforward.cli import (
+    add_command,
+    add_compile_flag,
+    add_precision_flags,
+    add_threads_flag,
+    positive_int,
+    precision,
+)
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
 from fastforward.model import check_device, load_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "infill",
-        help="fill the middle between a prefix and a suffix (setdlm; ar continues the prefix alone, the baseline)",
         description=__doc__,
     )
     p.add_argument("--model", required=True, help="a model trained with --objective setdlm (directory or preset)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from fastforward.cli import add_threads_flag
+from fastforward.cli import add_command, add_threads_flag
 from fastforward.cli.train import add_only_correct_flag, add_optimizer_flags, train_config
 from fastforward.cli.trajectories import add_collect_flags, add_prompt_flags, collection, load_prompt_source
 from fastforward.errors import FastForwardError
@@ -23,9 +23,9 @@ from fastforward.training.rounds import Round, per_round, progressive_rounds
 
 def register(sub: argparse._SubParsersAction) -> None:
     jf = JacobiForcing()
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "jacobi-forcing",
-        help="progressive Jacobi Forcing: rounds of trajectory collection and training (resumable)",
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from fastforward.cli import positive_int
+from fastforward.cli import add_command, positive_int
 from fastforward.evaluation.lm_eval_tasks import write_tasks
 from fastforward.tasks import ArithmeticTask, parse_options, task_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("lm-eval-tasks", help="write lm-eval task YAMLs over local files (use with --include_path)")
+    p = add_command(sub, "lm-eval-tasks")
     p.add_argument("out", help="folder for the YAML, JSONL and helper files")
     p.add_argument("--n", type=positive_int, default=150, help="held-out arithmetic problems")
     p.add_argument("--seed", type=int, default=0)

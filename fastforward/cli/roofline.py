@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from fastforward.cli import add_compile_flag, add_precision_flags, precision
+from fastforward.cli import add_command, add_compile_flag, add_precision_flags, precision
 from fastforward.errors import FastForwardError
 from fastforward.evaluation import roofline
 
@@ -16,9 +16,9 @@ LLAMA_8B = roofline.Transformer()
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "roofline",
-        help="roofline slowdown/speedup tables (SBD paper Tables 3-4) and measured block costs",
         description="Print the SBD paper's roofline Table 3 (time(k)/time(1)) and Table 4 (eq. 16 wall-clock "
         "speedups) for a hardware and transformer shape; --measure times block forwards of a real model.",
     )

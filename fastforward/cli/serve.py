@@ -7,14 +7,21 @@ import contextlib
 import signal
 
 from fastforward.api import build_decoder
-from fastforward.cli import add_compile_flag, add_precision_flags, add_threads_flag, positive_int, precision
+from fastforward.cli import (
+    add_command,
+    add_compile_flag,
+    add_precision_flags,
+    add_threads_flag,
+    positive_int,
+    precision,
+)
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
 from fastforward.model import check_device, load_model
 from fastforward.serving.engine import warm_up
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API", description=__doc__)
+    p = add_command(sub, "serve", description=__doc__)
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
     p.add_argument("--served-name", help="the model id clients send (default: --model)")
     add_decoder_flags(p)

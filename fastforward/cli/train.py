@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fastforward.cli import add_threads_flag
+from fastforward.cli import add_command, add_threads_flag
 from fastforward.errors import FastForwardError
 from fastforward.model import DTYPES, load_model
 from fastforward.training.data import PackedData, load_examples, split_examples
@@ -16,9 +16,9 @@ from fastforward.training.trajectories import trajectory_datasets
 
 def register(sub: argparse._SubParsersAction) -> None:
     d, sbd, jf, mtf, sd = TrainConfig(), SBD(), JacobiForcing(), MultiTF(), SetDLM()
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "train",
-        help="train a model with an objective (resumes an unfinished run in --out)",
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fastforward.cli import add_threads_flag
+from fastforward.cli import add_command, add_threads_flag
 from fastforward.errors import FastForwardError
 from fastforward.model import DTYPES, load_model
 from fastforward.tasks import parse_options
@@ -48,9 +48,9 @@ def add_collect_flags(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "trajectories",
-        help="write Jacobi trajectories of a model over prompts (JSONL, resumable)",
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
