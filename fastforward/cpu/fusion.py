@@ -37,6 +37,12 @@ class SharedInput:
         self.fused, self.widths = fused, widths
         self._last = threading.local()
 
+    def __getstate__(self) -> dict:  # pickled (`model.quantized_store`) without the per-thread last output
+        return {"fused": self.fused, "widths": self.widths}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["fused"], state["widths"])
+
     def output(self, x: torch.Tensor, member: int) -> torch.Tensor:
         if torch.compiler.is_compiling():  # a graph holds no state; compiled.MergeRepeatedCalls merges the calls
             return self.fused(x).split(self.widths, dim=-1)[member]

@@ -40,6 +40,7 @@ from fastforward.cpu.quantize import quantize as quantize_linears
 from fastforward.errors import FastForwardError
 from fastforward.model import softcap, windows
 from fastforward.model.cache import new_cache, prepare_cache, track_positions, truncate
+from fastforward.model.quantized_store import QuantizedStore
 
 MASK_TOKEN = "<|mask|>"
 MASK_CONFIG_KEY = "fastforward_mask_token_id"
@@ -398,6 +399,49 @@ def _check_config(path: Path) -> None:
         raise FastForwardError(f"{path} is corrupt: a JSON {type(config).__name__}, not an object of model settings")
 
 
+def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    try:
+        if path.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, struct.error) as exc:  # truncated files, unsupported architectures
+        where = f"the GGUF file {path}" if path.suffix == ".gguf" else path
+        raise FastForwardError(f"could not load a causal LM from {where}: {exc}") from exc
+
+
+def _load_hf(
+    path: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    dtype: torch.dtype,
+    quantize: str,
+    exact: bool,
+    fuse: bool,
+    device: str | None,
+) -> PreTrainedModel:
+    """The model from `path` in `dtype` on `device`, with the attention `exact` asks for, its linear
+    layers quantized (`quantize`; `fuse`: where fusing measured faster, int8 eager and native int4
+    compiled: docs/notes/2026-11-smoothing-and-fused-projections.md, docs/notes/2026-11-avx2-kernels.md)."""
+    if path.suffix == ".gguf":
+        hf, _ = _load_gguf(path)
+    else:
+        try:
+            with quiet_progress():
+                config = AutoConfig.from_pretrained(path)
+                implementation = softcap.attention_for(config.get_text_config(), exact) or "sdpa"
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=implementation)
+        except (OSError, ValueError, SafetensorError) as exc:
+            raise FastForwardError(f"could not load a causal LM from {path}: {exc}") from exc
+    hf.to(dtype=dtype)
+    # SDPA, or row-invariant attention for --exact; soft-capped attention (Gemma 2) needs its own
+    hf.config._attn_implementation = softcap.attention_for(hf.config, exact) or (attention.NAME if exact else "sdpa")
+    if device:
+        hf.to(device)
+    hf.eval()
+    calibration = smoothing.calibration_ids(tokenizer) if uses_int8(hf, quantize) else None
+    quantize_linears(hf, quantize, fuse=fuse, calibration=calibration)
+    return hf
+
+
 def load_model(
     name_or_path: str,
     dtype: str | torch.dtype = "float32",
@@ -417,27 +461,16 @@ def load_model(
     check_device(device)
     check_scheme(quantize)  # before the load, which takes seconds
     path = resolve_model_path(name_or_path)
-    if path.suffix == ".gguf":
-        hf, tokenizer = _load_gguf(path)
-    else:
-        try:
-            with quiet_progress():
-                config = AutoConfig.from_pretrained(path)
-                implementation = softcap.attention_for(config.get_text_config(), exact) or "sdpa"
-                hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=implementation)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError, SafetensorError) as exc:
-            raise FastForwardError(f"could not load a causal LM from {path}: {exc}") from exc
-    hf.to(dtype=torch_dtype)
-    # SDPA, or row-invariant attention for --exact; soft-capped attention (Gemma 2) needs its own
-    hf.config._attn_implementation = softcap.attention_for(hf.config, exact) or (attention.NAME if exact else "sdpa")
-    if device:
-        hf.to(device)
-    hf.eval()
-    calibration = smoothing.calibration_ids(tokenizer) if uses_int8(hf, quantize) else None
-    # Fused where it measured faster: int8 eager, native int4 compiled (measured with a script since
-    # removed: docs/notes/2026-11-smoothing-and-fused-projections.md, docs/notes/2026-11-avx2-kernels.md).
-    quantize_linears(hf, quantize, fuse=compile if quantize == "int4" else not compile, calibration=calibration)
+    tokenizer = _load_tokenizer(path)
+    fuse = compile if quantize == "int4" else not compile
+    store = None
+    if quantize != "none" and device in (None, "cpu"):
+        store = QuantizedStore(fastforward_home(), path, dtype=torch_dtype, scheme=quantize, exact=exact, fuse=fuse)
+    hf = store.load() if store is not None else None
+    if hf is None:
+        hf = _load_hf(path, tokenizer, torch_dtype, quantize, exact, fuse, device)
+        if store is not None:
+            store.save(hf)  # quantized once: the next load at this setting reads it back
     if exact:
         row_chunks.chunk_rows(hf)  # bfloat16 GEMMs round by row count past 32 rows
     model = Model(hf, tokenizer, name=name_or_path)

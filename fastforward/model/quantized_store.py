@@ -1,0 +1,117 @@
+"""Quantized weights made once: a model's quantized form kept under $FASTFORWARD_HOME/quantized/.
+
+Quantizing SmolLM2-135M to int4 takes seconds, and to int8 longer (its smoothing runs calibration
+forwards); every `generate` used to pay it again. The first load at a setting writes the quantized
+model (its modules, as `torch.save` pickles them) and later loads read it back in a fraction of a
+second. An entry is keyed by everything its bits depend on: the source weights' SHA-256, the dtype,
+the scheme, `--exact` (the calibration forwards run through its attention), fusion, the int4 kernel,
+the quantization code itself and the torch and transformers versions; so a stale entry is never found.
+Each entry carries the SHA-256 of its own bytes, checked before it is read: a corrupt entry is
+reported in one line, removed and made again, never loaded. Only files this module wrote are read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from fastforward.cpu import native, w4a8
+
+CODE = Path(__file__).resolve().parents[1] / "cpu"  # the quantization code: its files are part of the key
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class QuantizedStore:
+    """The cache entry of one model at one quantization setting."""
+
+    def __init__(self, root: Path, source: Path, **setting: object):
+        self.directory = root / "quantized"
+        self.source = source
+        self.setting = {key: str(value) for key, value in sorted(setting.items())}
+
+    # ---- the key ------------------------------------------------------------------------------
+    def _source_digest(self) -> str:
+        """SHA-256 of the source's weight files, remembered per (path, size, mtime) so that a model
+        is read through once, not at every load."""
+        if self.source.is_file():
+            files = [self.source]
+        else:
+            files = sorted(p for p in self.source.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+        stamp = json.dumps([[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files])
+        index_path = self.directory / "sources.json"
+        try:
+            index = json.loads(index_path.read_text())
+        except (OSError, ValueError):
+            index = {}
+        if stamp not in index:
+            index[stamp] = hashlib.sha256("".join(_digest(p) for p in files).encode()).hexdigest()
+            _write_atomically(index_path, json.dumps(index, indent=1).encode())
+        return index[stamp]
+
+    def _key(self) -> str:
+        code = hashlib.sha256()
+        for path in sorted(CODE.rglob("*")):
+            if path.is_file() and path.suffix in (".py", ".cpp", ".h"):
+                code.update(path.name.encode() + path.read_bytes())
+        int4_kernel = f"native-{native.instruction_set()}" if w4a8.enabled() else "pytorch"
+        parts = {
+            "source": self._source_digest(),
+            **self.setting,
+            "int4_kernel": int4_kernel,
+            "code": code.hexdigest(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        }
+        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+    # ---- reading and writing ------------------------------------------------------------------
+    def load(self) -> nn.Module | None:
+        """The quantized model, or None when there is no sound entry (a corrupt one is said and removed)."""
+        entry = self.directory / f"{self._key()}.pt"
+        checksum = entry.with_suffix(".sha256")
+        if not entry.exists():
+            return None
+        try:
+            if not checksum.exists() or checksum.read_text().strip() != _digest(entry):
+                raise ValueError("its checksum does not match")
+            return torch.load(entry, weights_only=False, map_location="cpu")
+        except Exception as error:  # a truncated or altered file: make it again
+            print(f"fastforward: {entry} is unusable ({error}); quantizing again", file=sys.stderr)
+            entry.unlink(missing_ok=True)
+            checksum.unlink(missing_ok=True)
+            return None
+
+    def save(self, hf: nn.Module) -> None:
+        """Write the entry atomically (checksum last: an entry without one is never read)."""
+        entry = self.directory / f"{self._key()}.pt"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.directory, suffix=".tmp", delete=False) as f:
+                torch.save(hf, f)
+            os.replace(f.name, entry)
+            _write_atomically(entry.with_suffix(".sha256"), _digest(entry).encode())
+        except OSError as error:  # a full or read-only disk: the next load quantizes again
+            print(f"fastforward: could not keep the quantized weights in {self.directory} ({error})", file=sys.stderr)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+        f.write(data)
+    os.replace(f.name, path)

@@ -1,0 +1,69 @@
+"""Quantized weights made once: the first load at a setting keeps them, later loads read them back
+with the same bits, and a corrupt entry is said, made again and never used."""
+
+import pytest
+import torch
+
+from fastforward.cpu import quantize
+from fastforward.model import load_model
+from fastforward.model.tiny import tiny_model
+
+PROMPT = torch.tensor([[3, 17, 42, 8, 99, 5]])
+
+
+@pytest.fixture
+def saved(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTFORWARD_HOME", str(tmp_path / "home"))
+    tiny_model(seed=0, init_std=0.5, hidden_size=64).save(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
+@pytest.fixture
+def quantizations(monkeypatch) -> list[str]:
+    """The schemes `quantize` actually ran (a load from the store runs none)."""
+    ran, real = [], quantize.quantize
+
+    def counted(hf, scheme, *args, **kwargs):
+        ran.append(scheme)
+        return real(hf, scheme, *args, **kwargs)
+
+    monkeypatch.setattr("fastforward.model.quantize_linears", counted)
+    return ran
+
+
+def logits(model) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.hf(input_ids=PROMPT).logits
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_second_load_reads_the_quantized_weights_back(saved, quantizations, scheme):
+    first = load_model(saved, quantize=scheme, exact=True)
+    second = load_model(saved, quantize=scheme, exact=True)
+    assert quantizations == [scheme]
+    assert torch.equal(logits(first), logits(second))
+    load_model(saved, quantize=scheme, exact=False)  # another setting: another entry
+    assert quantizations == [scheme, scheme]
+
+
+def test_a_corrupt_entry_is_said_made_again_and_never_used(saved, quantizations, tmp_path, capsys):
+    expected = logits(load_model(saved, quantize="int8"))
+    (entry,) = (tmp_path / "home" / "quantized").glob("*.pt")
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit pattern inside the weights
+    entry.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert torch.equal(logits(load_model(saved, quantize="int8")), expected)
+    assert quantizations == ["int8", "int8"]
+    said = capsys.readouterr().err
+    assert said.count("unusable") == 1 and "checksum" in said
+    assert torch.equal(logits(load_model(saved, quantize="int8")), expected)
+    assert quantizations == ["int8", "int8"]  # made again, then read
+
+
+def test_new_source_weights_are_a_new_entry(saved, quantizations):
+    old = logits(load_model(saved, quantize="int4"))
+    tiny_model(seed=1, init_std=0.5, hidden_size=64).save(saved)  # the same folder, other weights
+    new = logits(load_model(saved, quantize="int4"))
+    assert not torch.equal(new, old) and torch.equal(logits(load_model(saved, quantize="int4")), new)
+    assert quantizations == ["int4", "int4"]
