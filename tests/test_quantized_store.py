@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fastforward.cpu import quantize
-from fastforward.model import load_model
+from fastforward.model import load_model, quantized_store
 from fastforward.model.tiny import tiny_model
 
 PROMPT = torch.tensor([[3, 17, 42, 8, 99, 5]])
@@ -67,3 +67,12 @@ def test_new_source_weights_are_a_new_entry(saved, quantizations):
     new = logits(load_model(saved, quantize="int4"))
     assert not torch.equal(new, old) and torch.equal(logits(load_model(saved, quantize="int4")), new)
     assert quantizations == ["int4", "int4"]
+
+
+def test_an_entry_made_by_other_code_is_replaced_not_kept_beside(saved, quantizations, tmp_path, monkeypatch):
+    load_model(saved, quantize="int4")
+    load_model(saved, quantize="int8")  # another setting: kept
+    monkeypatch.setattr(quantized_store.transformers, "__version__", "0.0.0")  # as after an upgrade
+    load_model(saved, quantize="int4")
+    assert quantizations == ["int4", "int8", "int4"]
+    assert len(list((tmp_path / "home" / "quantized").glob("*.pt"))) == 2

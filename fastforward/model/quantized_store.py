@@ -55,16 +55,19 @@ class QuantizedStore:
             files = sorted(p for p in self.source.iterdir() if p.suffix in WEIGHT_SUFFIXES)
         stamp = json.dumps([[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files])
         index_path = self.directory / "sources.json"
-        try:
-            index = json.loads(index_path.read_text())
-        except (OSError, ValueError):
-            index = {}
+        index = _read_json(index_path)
+        index = index if isinstance(index, dict) else {}
         if stamp not in index:
             index[stamp] = hashlib.sha256("".join(_digest(p) for p in files).encode()).hexdigest()
             _write_atomically(index_path, json.dumps(index, indent=1).encode())
         return index[stamp]
 
     def _key(self) -> str:
+        return self._parts()[0]
+
+    def _parts(self) -> tuple[str, dict[str, str]]:
+        """The entry's key, and the part of it that names the model and setting (an entry made by
+        older code or an older torch for the same model and setting replaces that one)."""
         code = hashlib.sha256()
         for path in sorted(CODE.rglob("*")):
             if path.is_file() and path.suffix in (".py", ".cpp", ".h"):
@@ -78,7 +81,8 @@ class QuantizedStore:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         }
-        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+        key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+        return key, {"source": parts["source"], **self.setting}
 
     # ---- reading and writing ------------------------------------------------------------------
     def load(self) -> nn.Module | None:
@@ -98,16 +102,30 @@ class QuantizedStore:
             return None
 
     def save(self, hf: nn.Module) -> None:
-        """Write the entry atomically (checksum last: an entry without one is never read)."""
-        entry = self.directory / f"{self._key()}.pt"
+        """Write the entry atomically (checksum last: an entry without one is never read), and remove
+        the entries it replaces."""
+        key, name = self._parts()
+        entry = self.directory / f"{key}.pt"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+            for old in self.directory.glob("*.json"):
+                if old.stem != key and old.name != "sources.json" and _read_json(old) == name:
+                    for suffix in (".pt", ".sha256", ".json"):
+                        old.with_suffix(suffix).unlink(missing_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.directory, suffix=".tmp", delete=False) as f:
                 torch.save(hf, f)
             os.replace(f.name, entry)
+            _write_atomically(entry.with_suffix(".json"), json.dumps(name).encode())
             _write_atomically(entry.with_suffix(".sha256"), _digest(entry).encode())
         except OSError as error:  # a full or read-only disk: the next load quantizes again
             print(f"fastforward: could not keep the quantized weights in {self.directory} ({error})", file=sys.stderr)
+
+
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
