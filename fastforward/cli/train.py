@@ -1,4 +1,7 @@
-"""`fastforward train`: fine-tune a causal LM with an objective; rerun the same command to resume."""
+"""`fastforward train`: fine-tune a causal LM with an objective; rerun the same command to resume.
+
+Several processes: `torchrun --nproc_per_node N -m fastforward train ...` or `accelerate launch
+--multi_gpu --num_processes N -m fastforward train ...`; --batch-size is per process."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from fastforward.cli import add_command, add_threads_flag
 from fastforward.errors import FastForwardError
 from fastforward.model import DTYPES, load_model
 from fastforward.training.data import PackedData, load_examples, split_examples
+from fastforward.training.launch import reported_once, say, share_threads
 from fastforward.training.objectives import OBJECTIVES, SBD, JacobiForcing, MultiTF, SetDLM, make_objective
 from fastforward.training.objectives.multitf import LAYOUTS, SCHEDULES
 from fastforward.training.trainer import TrainConfig, train
@@ -106,7 +110,9 @@ def train_config(args: argparse.Namespace, **overrides) -> TrainConfig:
     return config
 
 
+@reported_once
 def run(args: argparse.Namespace) -> int:
+    share_threads(args.threads)
     config = train_config(args, eval_every=args.eval_every, max_eval_batches=args.max_eval_batches)
     weight = {} if args.ntp_weight is None else {"ntp_weight": args.ntp_weight}
     objective = make_objective(
@@ -137,18 +143,16 @@ def run(args: argparse.Namespace) -> int:
         train_data, eval_data = trajectory_datasets(
             args.trajectories, args.seq_len, args.eval_data, args.eval_fraction, args.seed, args.only_correct
         )
-        print(f"{len(train_data)} trajectories in rows of up to {args.seq_len} tokens", flush=True)
-        train(model, objective, train_data, config, args.out, eval_data=eval_data, overwrite=args.overwrite)
-        print(f"saved the model in {args.out} (fastforward generate --model {args.out})", flush=True)
-        return 0
-    chat = not args.no_chat_template
-    examples = load_examples(args.data, model.tokenizer, chat)
-    held = load_examples(args.eval_data, model.tokenizer, chat) if args.eval_data else None
-    if held is None and args.eval_fraction:
-        examples, held = split_examples(examples, args.eval_fraction, args.seed)
-    train_data = PackedData(examples, args.seq_len, model.pad_token_id)
-    eval_data = PackedData(held, args.seq_len, model.pad_token_id) if held else None
-    print(f"{len(examples)} examples → {len(train_data)} rows of {args.seq_len} tokens", flush=True)
+        say(f"{len(train_data)} trajectories in rows of up to {args.seq_len} tokens")
+    else:
+        chat = not args.no_chat_template
+        examples = load_examples(args.data, model.tokenizer, chat)
+        held = load_examples(args.eval_data, model.tokenizer, chat) if args.eval_data else None
+        if held is None and args.eval_fraction:
+            examples, held = split_examples(examples, args.eval_fraction, args.seed)
+        train_data = PackedData(examples, args.seq_len, model.pad_token_id)
+        eval_data = PackedData(held, args.seq_len, model.pad_token_id) if held else None
+        say(f"{len(examples)} examples → {len(train_data)} rows of {args.seq_len} tokens")
     train(model, objective, train_data, config, args.out, eval_data=eval_data, overwrite=args.overwrite)
-    print(f"saved the model in {args.out} (fastforward generate --model {args.out})", flush=True)
+    say(f"saved the model in {args.out} (fastforward generate --model {args.out})")
     return 0

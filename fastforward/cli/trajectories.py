@@ -1,4 +1,7 @@
-"""`fastforward trajectories`: write a model's Jacobi trajectories over prompts (rerun the command to resume)."""
+"""`fastforward trajectories`: write a model's Jacobi trajectories over prompts (rerun the command to resume).
+
+Several processes share the prompts: `torchrun --nproc_per_node N -m fastforward trajectories ...` (with
+`--device cuda`, process k takes GPU k); the file is the one a single process writes."""
 
 from __future__ import annotations
 
@@ -8,11 +11,13 @@ from fastforward.cli import add_command, add_threads_flag
 from fastforward.errors import FastForwardError
 from fastforward.model import DTYPES, load_model
 from fastforward.tasks import parse_options
+from fastforward.training.launch import launched_processes, local_rank, reported_once, say, share_threads
 from fastforward.training.trajectories import (
     DRAFT_INITS,
     Collection,
     PromptSource,
     collect_from,
+    collect_shards,
     describe,
     read_prompts,
     task_prompts,
@@ -77,13 +82,17 @@ def collection(args: argparse.Namespace) -> Collection:
     )
 
 
+@reported_once
 def run(args: argparse.Namespace) -> int:
+    share_threads(args.threads)
     source = load_prompt_source(args)
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
-    summary = collect_from(model, source, collection(args), args.out, args.block_size)
-    print(
+    sharded = launched_processes() > 1
+    device = f"cuda:{local_rank()}" if sharded and args.device == "cuda" else args.device
+    model = load_model(args.model, dtype=args.dtype, device=device)
+    collect_all = collect_shards if sharded else collect_from
+    summary = collect_all(model, source, collection(args), args.out, args.block_size)
+    say(
         f"{summary.written} prompts written, {summary.skipped} already there → {args.out} "
-        f"({describe(summary, source.grade is not None)} this run)",
-        flush=True,
+        f"({describe(summary, source.grade is not None)} this run)"
     )
     return 0

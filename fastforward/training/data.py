@@ -7,7 +7,9 @@ examples (ordinary packing: tokens attend across the boundary). The last row is 
 token, which never carries loss and is never attended to.
 
 The batch for a given index is a pure function of (seed, index), so resuming a run needs only the
-step number.
+step number. Each row of a batch carries its place in the endless stream of rows (`Batch.ids`):
+objectives seed a row's random draws with it, so a row draws the same masks whichever process or
+micro-batch it lands in.
 """
 
 from __future__ import annotations
@@ -42,14 +44,24 @@ class Example:
 
 @dataclass
 class Batch:
-    """Rows of packed tokens [B, L]; `loss_mask`: token is a prediction target; `valid`: not padding."""
+    """Rows of packed tokens [B, L]; `loss_mask`: token is a prediction target; `valid`: not padding;
+    `ids`: each row's place in the data stream (default 0..B-1), which seeds its random draws."""
 
     tokens: torch.Tensor
     loss_mask: torch.Tensor
     valid: torch.Tensor
+    ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.ids is None:
+            self.ids = list(range(self.tokens.shape[0]))
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(self.tokens.to(device), self.loss_mask.to(device), self.valid.to(device))
+        return Batch(self.tokens.to(device), self.loss_mask.to(device), self.valid.to(device), self.ids)
+
+    def row(self, r: int) -> Batch:
+        """Row `r` alone, as a batch of one."""
+        return Batch(self.tokens[r : r + 1], self.loss_mask[r : r + 1], self.valid[r : r + 1], self.ids[r : r + 1])
 
     @property
     def n_tokens(self) -> int:
@@ -151,20 +163,24 @@ class PackedData:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def rows(self, index: torch.Tensor) -> Batch:
-        return Batch(self.tokens[index], self.loss_mask[index], self.valid[index])
+    def rows(self, index: torch.Tensor, ids: range) -> Batch:
+        return Batch(self.tokens[index], self.loss_mask[index], self.valid[index], list(ids))
 
     def batch(self, index: int, batch_size: int, seed: int) -> Batch:
-        """The `index`-th batch of an endless stream: epoch e visits the rows in a permutation seeded by (seed, e)."""
+        """The `index`-th batch of an endless stream: epoch e visits the rows in a permutation seeded by (seed, e).
+
+        Its rows are the stream's rows index·B … (index+1)·B − 1, so batch i of size B holds the rows of
+        batches 2i and 2i+1 of size B/2: how a step's rows are split into batches changes no row."""
         n = len(self)
         samples = range(index * batch_size, (index + 1) * batch_size)
         orders = {epoch: self._order(seed, epoch) for epoch in {s // n for s in samples}}
-        return self.rows(torch.stack([orders[s // n][s % n] for s in samples]))
+        return self.rows(torch.stack([orders[s // n][s % n] for s in samples]), samples)
 
     def in_order(self, batch_size: int) -> Iterator[Batch]:
         """Every row once, in order (evaluation)."""
         for start in range(0, len(self), batch_size):
-            yield self.rows(torch.arange(start, min(start + batch_size, len(self))))
+            stop = min(start + batch_size, len(self))
+            yield self.rows(torch.arange(start, stop), range(start, stop))
 
     def _order(self, seed: int, epoch: int) -> torch.Tensor:
         return torch.randperm(len(self), generator=torch.Generator().manual_seed(derive_seed(seed, epoch)))

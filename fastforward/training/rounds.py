@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fastforward.errors import FastForwardError
 from fastforward.model import load_model
+from fastforward.training.launch import launched_processes
 from fastforward.training.objectives import JacobiForcing
 from fastforward.training.trainer import TrainConfig, train
 from fastforward.training.trajectories import Collection, PromptSource, TrajectoryData, collect_from, describe
@@ -53,6 +54,12 @@ def progressive_rounds(
     schedule, context and AR weight; each round trains with its own noise window."""
     if not rounds:
         raise FastForwardError("progressive Jacobi Forcing needs at least one round")
+    if launched_processes() > 1:
+        raise FastForwardError(
+            "progressive Jacobi Forcing runs in one process (every process would write the same trajectory "
+            "file); launch its stages instead: `torchrun ... -m fastforward trajectories` and `torchrun ... "
+            "-m fastforward train --objective jacobi_forcing`, round by round"
+        )
     out = Path(out)
     for r, spec in enumerate(rounds, start=1):
         run_dir = out / f"round-{r}"

@@ -1,4 +1,6 @@
-"""One trainer for every objective, on `accelerate` (CPU, one GPU, or `accelerate launch` DDP/FSDP).
+"""One trainer for every objective, on `accelerate`: one process (CPU or GPU), or a group of N processes
+launched by `torchrun --nproc_per_node N` or `accelerate launch --multi_gpu --num_processes N` (DDP over
+NCCL on GPUs, gloo on CPUs; FSDP through an accelerate config).
 
 A run directory holds everything about a run:
 
@@ -8,11 +10,16 @@ A run directory holds everything about a run:
     out/config.json, *.safetensors, tokenizer files   the final model (`--model out` loads it)
     out/.lock                    flock'ed by the run in progress (holds its pid)
 
-Resuming is exact: the batch and every random draw of a step are functions of (seed, step), and a
-checkpoint holds the rest of the state. Checkpoints are written to a hidden temporary directory and
-renamed into place, so a crash never leaves a half-written `step-*` behind; their manifest (sizes and
-sha256 of every file, written last) catches what a rename cannot, such as files truncated by a lost
-write, and a resume falls back to the newest checkpoint that matches its manifest.
+Resuming is exact: the rows of a step are a function of (seed, step), every random draw a function
+of (seed, step, row), and a checkpoint holds the rest of the state. How a step's rows are split across
+processes and micro-batches changes neither the draws nor the loss (each term is divided by its token
+count over the whole step), so N processes × batch B/N train the model 1 process × batch B does, up to
+float summation order, and a run may resume with another split of the same rows per step.
+
+Checkpoints are written to a hidden temporary directory and renamed into place, so a crash never
+leaves a half-written `step-*` behind; their manifest (sizes and sha256 of every file, written last)
+catches what a rename cannot, such as files truncated by a lost write, and a resume falls back to
+the newest checkpoint that matches its manifest.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import DistributedType, broadcast_object_list, parse_flag_from_env
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
@@ -42,6 +49,7 @@ from transformers import get_cosine_schedule_with_warmup
 from fastforward.errors import FastForwardError
 from fastforward.model import PRESETS, Model, quiet_progress
 from fastforward.training.data import derive_seed
+from fastforward.training.launch import launched_processes
 from fastforward.training.objectives import Objective
 
 RUN_CONFIG = "train_config.json"
@@ -49,8 +57,9 @@ METRICS = "metrics.jsonl"
 MANIFEST = "manifest.json"
 LOCK = ".lock"
 CHECKPOINT = re.compile(r"step-(\d+)")
-# Options that do not change the trained weights: a resumed run may change them.
-RESUME_NEUTRAL = {"eval_every", "save_every", "keep_checkpoints", "max_eval_batches"}
+# Options that do not change the trained weights: a resumed run may change them. (batch_size and grad_accum
+# only split a step's rows, whose number, rows_per_step, the run record holds.)
+RESUME_NEUTRAL = {"eval_every", "save_every", "keep_checkpoints", "max_eval_batches", "batch_size", "grad_accum"}
 
 Callback = Callable[[int, dict], None]
 
@@ -115,8 +124,52 @@ class _ObjectiveModule(nn.Module):
         self.model = model
         self.objective = objective
 
-    def forward(self, batch: Any, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
-        return self.objective.loss(self.model, batch, generator)
+    def forward(
+        self, batch: Any, generator: torch.Generator, norms: dict[str, float] | None = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.objective.loss(self.model, batch, generator, norms)
+
+    def counts(self, batch: Any, generator: torch.Generator) -> dict[str, int]:
+        return self.objective.counts(self.model, batch, generator)
+
+
+# ---- the process group --------------------------------------------------------------------------
+LAUNCH_HELP = (
+    "launch N processes with `torchrun --nproc_per_node N -m fastforward train ...` or "
+    "`accelerate launch --multi_gpu --num_processes N -m fastforward train ...` (without --cpu; on a "
+    "machine without GPUs the processes form a CPU group)"
+)
+
+
+def _accelerator(mixed_precision: str) -> Accelerator:
+    """This process's accelerate state: one group over every process of a torchrun or accelerate launch.
+
+    accelerate forms a CPU (gloo) group only when told to run on the CPU, so a launch of several
+    processes on a machine without a GPU says so; a launch asked for several processes that would
+    train alone fails instead (accelerate's launcher without --multi_gpu starts a single process).
+    """
+    launched = launched_processes()
+    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    cpu = launched > 1 and (device is None or device.type == "mps")  # MPS forms no group of its own either
+    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu)
+    if accelerator.num_processes == 1 and launched > 1:
+        raise FastForwardError(
+            f"this process was launched as one of {launched} (WORLD_SIZE) but joined no process group, so it "
+            f"would train alone; {LAUNCH_HELP}"
+        )
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and accelerator.distributed_type != DistributedType.FSDP:
+        raise FastForwardError(
+            "FSDP was asked for (accelerate launch --use_fsdp) but accelerate shards models only on GPUs: here "
+            f"every process would hold the whole model ({accelerator.distributed_type.value}); launch without "
+            "--use_fsdp, or on GPUs"
+        )
+    if accelerator.num_processes == 1 and "ACCELERATE_USE_CPU" in os.environ and "MASTER_ADDR" in os.environ:
+        raise FastForwardError(
+            "`accelerate launch` was asked for several processes but started one (its launcher for --cpu, and "
+            f"for machines without GPUs unless --multi_gpu is given, starts a single process); {LAUNCH_HELP}. "
+            "To train in one process, run `fastforward train` (or unset MASTER_ADDR)"
+        )
+    return accelerator
 
 
 # ---- the run directory --------------------------------------------------------------------------
@@ -251,6 +304,7 @@ def _open_run_dir(out: Path, record: dict, overwrite: bool) -> tuple[Path | None
         return None, True
     previous = json.loads((out / RUN_CONFIG).read_text())
     previous["model"]["name"] = _model_identity(previous["model"]["name"])  # runs recorded before _model_identity
+    previous.setdefault("rows_per_step", previous["train"]["batch_size"] * previous["train"]["grad_accum"])
     changed = _differences(previous, record)
     if changed:
         raise FastForwardError(
@@ -278,7 +332,8 @@ def _clear(out: Path) -> None:
 def _claim_run_dir(accelerator: Accelerator, out: Path, record: dict, overwrite: bool) -> Iterator[Path | None]:
     """Lock `out` for the whole run and prepare it; yields the checkpoint to resume from (None: step 0).
 
-    The main process locks and decides (verifying checkpoints reads them all once), then tells the others.
+    The main process locks and decides (verifying checkpoints reads them all once), then tells the others;
+    when it fails, the others fail with a FastForwardError that says so (the main process reports the error).
     """
     with contextlib.ExitStack() as stack:
         decision: list[Any] = [None]
@@ -296,7 +351,9 @@ def _claim_run_dir(accelerator: Accelerator, out: Path, record: dict, overwrite:
                 decision = [exc]
         broadcast_object_list(decision)
         if isinstance(decision[0], Exception):
-            raise decision[0]
+            if accelerator.is_main_process:
+                raise decision[0]
+            raise FastForwardError(f"process 0 could not prepare {out}: {decision[0]}")
         yield decision[0]
 
 
@@ -379,29 +436,48 @@ def _mean_over_processes(accelerator: Accelerator, metrics: dict[str, float]) ->
     return dict(zip(metrics, values.tolist(), strict=True))
 
 
+def _norms(accelerator: Accelerator, counts: list[dict[str, int]]) -> dict[str, float]:
+    """Each loss term's denominator: its token count over the whole step (every micro-batch of every
+    process) shared out over those micro-batches, whose gradients DDP and the accumulation average."""
+    keys = sorted(counts[0])
+    totals = [float(sum(c[k] for c in counts)) for k in keys]
+    if accelerator.num_processes > 1:
+        summed = accelerator.reduce(torch.tensor(totals, dtype=torch.float64, device=accelerator.device), "sum")
+        totals = summed.tolist()
+    shares = accelerator.num_processes * len(counts)
+    return {k: max(total, 1.0) / shares for k, total in zip(keys, totals, strict=True)}
+
+
 def _train_step(accelerator, module, optimizer, scheduler, data: TrainData, config: TrainConfig, step: int) -> dict:
-    """One optimizer step over grad_accum micro-batches; returns metrics averaged over them."""
+    """One optimizer step over grad_accum micro-batches of every process; returns metrics averaged over them.
+
+    The step's rows are the data stream's rows step·R … (step+1)·R − 1 (R rows per step), process p's
+    micro-batch m the B of them from (m·N + p)·B on. Every draw comes from the step's generator and each
+    row's own stream, and the loss terms are divided by their counts over the whole step (`_norms`,
+    counted before the first backward pass), so the update does not depend on how the rows are split.
+    """
+    processes, micro_batches = accelerator.num_processes, config.grad_accum
+    indices = [(step * micro_batches + micro) * processes + accelerator.process_index for micro in range(micro_batches)]
+    batches = [data.batch(i, config.batch_size, config.seed).to(accelerator.device) for i in indices]
+    seed = derive_seed(config.seed, "step", step)
+    unwrapped = accelerator.unwrap_model(module)
+    norms = _norms(accelerator, [unwrapped.counts(b, torch.Generator().manual_seed(seed)) for b in batches])
     totals: dict[str, float] = {}
-    tokens = 0
-    for micro in range(config.grad_accum):
-        index = (step * config.grad_accum + micro) * accelerator.num_processes + accelerator.process_index
-        batch = data.batch(index, config.batch_size, config.seed).to(accelerator.device)
-        generator = torch.Generator().manual_seed(derive_seed(config.seed, "step", index))
-        last = micro == config.grad_accum - 1
+    for micro, batch in enumerate(batches):
+        last = micro == micro_batches - 1
         with contextlib.nullcontext() if last else accelerator.no_sync(module):
-            loss, metrics = module(batch, generator)
-            accelerator.backward(loss / config.grad_accum)
+            loss, metrics = module(batch, torch.Generator().manual_seed(seed), norms)
+            accelerator.backward(loss / micro_batches)
         for key, value in metrics.items():
-            totals[key] = totals.get(key, 0.0) + value / config.grad_accum
-        tokens += batch.n_tokens
+            totals[key] = totals.get(key, 0.0) + value / micro_batches
     if config.max_grad_norm > 0:
         totals["grad_norm"] = float(accelerator.clip_grad_norm_(module.parameters(), config.max_grad_norm))
     totals["lr"] = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    metrics = _mean_over_processes(accelerator, totals)
-    metrics["tokens"] = float(tokens * accelerator.num_processes)
+    metrics = _mean_over_processes(accelerator, {**totals, "tokens": float(sum(b.n_tokens for b in batches))})
+    metrics["tokens"] *= processes  # the mean over processes times their number: the step's tokens
     return metrics
 
 
@@ -451,10 +527,11 @@ def train(
     if model.max_context and config.seq_len > model.max_context:
         raise FastForwardError(f"seq_len {config.seq_len} exceeds the model's context of {model.max_context} tokens")
     out = Path(out_dir)
-    accelerator = Accelerator(mixed_precision=config.mixed_precision)
+    accelerator = _accelerator(config.mixed_precision)
     objective.setup(model)
     record = {
         "train": asdict(config),
+        "rows_per_step": config.batch_size * config.grad_accum * accelerator.num_processes,
         "objective": objective.describe(),
         "model": {"name": _model_identity(model.name), "parameters": sum(p.numel() for p in model.hf.parameters())},
         "data": train_data.fingerprint(),

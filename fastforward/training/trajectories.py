@@ -15,10 +15,16 @@ generations pass their unit tests): the AR term then never reinforces a wrong an
 
 A rerun of the same command skips the prompts already written, so a killed run loses at most the
 batch it was decoding; a half-written last line is cut off.
+
+In a launch of N processes (`collect_shards`) process k decodes the prompts whose index is k mod N
+into its own part file beside the output; process 0 then folds the parts into the output in prompt
+order (a trajectory does not depend on the batch it is decoded in, so the file is the one a single
+process writes).
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -27,6 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from fastforward.errors import FastForwardError
@@ -97,13 +104,16 @@ def collect(
     progress: bool = True,
     callback: Callable[[Trajectory], None] | None = None,
     grade: Callable[[int, str], bool] | None = None,
+    shard: tuple[int, int] = (0, 1),
 ) -> CollectSummary:
     """Write the Jacobi trajectories of `prompts` (text, or token ids) to the JSONL file `path`.
 
     Resumable: prompts whose index is already in the file are skipped (the file must have been
     written with the same prompts, block size and initialisation). Lines are appended and flushed
     one by one; callback(trajectory) runs after each line is written. grade(prompt index, response
-    text up to its stop token) → correct, stored in the record's `correct`.
+    text up to its stop token) → correct, stored in the record's `correct`. shard=(k, n): only the
+    prompts whose index is k mod n, written to `part_path(path, k)` (`path` is only read: the
+    prompts it holds are skipped); `merge_parts(path)` folds the parts into `path`.
     """
     if init not in DRAFT_INITS:
         raise FastForwardError(f"unknown draft init {init!r}; choose one of {', '.join(DRAFT_INITS)}")
@@ -112,31 +122,29 @@ def collect(
     if ids is not None and len(ids) != len(prompts):
         raise FastForwardError(f"got {len(ids)} ids for {len(prompts)} prompts")
     path = Path(path)
+    rank, processes = shard
+    target = path if processes == 1 else part_path(path, rank)
+    if processes == 1:
+        merge_parts(path)  # what a killed launch of several processes left
     encoded = [model.encode_prompt(p, chat_template) if isinstance(p, str) else list(p) for p in prompts]
     for i, p in enumerate(encoded):
         if not p:
             raise FastForwardError(f"prompt {i} is empty; give at least one token")
     written: dict[int, Trajectory] = {}
     good = 0
-    if path.exists():
-        existing, good = _scan(path)
-        for t in existing:
-            if t.index >= len(encoded) or t.prompt_ids != encoded[t.index]:
-                raise FastForwardError(
-                    f"{path} holds a trajectory for prompt {t.index} that is not among the prompts given "
-                    "(different prompts, order or tokenizer); choose another output file"
-                )
-            if t.block_size != block_size or t.init != init:
-                raise FastForwardError(
-                    f"{path} was written with block size {t.block_size} and init {t.init!r}, not {block_size} "
-                    f"and {init!r}; choose another output file"
-                )
-            written[t.index] = t
+    for source in dict.fromkeys([path, target]):
+        if source.exists():
+            existing, size = _scan(source)
+            for t in existing:
+                _check_written(t, source, encoded, block_size, init)
+                written[t.index] = t
+            good = size if source == target else good
     path.parent.mkdir(parents=True, exist_ok=True)
-    todo = [i for i in range(len(encoded)) if i not in written]
-    summary = CollectSummary(skipped=len(written), path=str(path))
-    bar = tqdm(total=len(encoded), initial=len(written), desc=f"trajectories n={block_size}", disable=not progress)
-    with path.open("r+b" if path.exists() else "wb") as f:
+    mine = [i for i in range(len(encoded)) if i % processes == rank]
+    todo = [i for i in mine if i not in written]
+    summary = CollectSummary(skipped=len(mine) - len(todo), path=str(path))
+    bar = tqdm(total=len(mine), initial=summary.skipped, desc=f"trajectories n={block_size}", disable=not progress)
+    with target.open("r+b" if target.exists() else "wb") as f:
         f.truncate(good)  # drop a line a killed run left half-written
         f.seek(good)
         for start in range(0, len(todo), batch_size):
@@ -171,12 +179,56 @@ def collect(
     return summary
 
 
+def _check_written(t: Trajectory, path: Path, encoded: list[list[int]], block_size: int, init: str) -> None:
+    """Refuse a record already in `path` that this collection would not have written."""
+    if t.index >= len(encoded) or t.prompt_ids != encoded[t.index]:
+        raise FastForwardError(
+            f"{path} holds a trajectory for prompt {t.index} that is not among the prompts given "
+            "(different prompts, order or tokenizer); choose another output file"
+        )
+    if t.block_size != block_size or t.init != init:
+        raise FastForwardError(
+            f"{path} was written with block size {t.block_size} and init {t.init!r}, not {block_size} "
+            f"and {init!r}; choose another output file"
+        )
+
+
+def part_path(path: str | Path, rank: int) -> Path:
+    """Where process `rank` of a sharded collection writes its trajectories, beside `path`."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.part-{rank}")
+
+
+def merge_parts(path: str | Path) -> None:
+    """Fold the part files of a sharded collection (finished, or left by a killed launch) into `path`:
+    every prompt once, in prompt order, then the parts are deleted."""
+    path = Path(path)
+    parts = sorted(path.parent.glob(f"{glob.escape(path.name)}.part-*"))
+    if not parts:
+        return
+    records = {t.index: t for source in (path, *parts) if source.exists() for t in _scan(source)[0]}
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as f:
+        f.writelines(_line(records[i]) for i in sorted(records))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    for part in parts:
+        part.unlink()
+
+
 # ---- serving them for training ------------------------------------------------------------------
 @dataclass
 class TrajectoryBatch:
-    """Trajectories of one training batch (plain ids: the objective builds the layout on its device)."""
+    """Trajectories of one training batch (plain ids: the objective builds the layout on its device);
+    `ids`: each example's place in the data stream (default 0..B-1), which seeds its random draws."""
 
     examples: list[Trajectory]
+    ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.ids is None:
+            self.ids = list(range(len(self.examples)))
 
     def to(self, device: torch.device | str) -> TrajectoryBatch:
         return self
@@ -246,11 +298,12 @@ class TrajectoryData:
         n = len(self)
         samples = range(index * batch_size, (index + 1) * batch_size)
         orders = {epoch: self._order(seed, epoch) for epoch in {s // n for s in samples}}
-        return TrajectoryBatch([self.examples[int(orders[s // n][s % n])] for s in samples])
+        return TrajectoryBatch([self.examples[int(orders[s // n][s % n])] for s in samples], list(samples))
 
     def in_order(self, batch_size: int) -> Iterator[TrajectoryBatch]:
         for start in range(0, len(self), batch_size):
-            yield TrajectoryBatch(self.examples[start : start + batch_size])
+            chosen = self.examples[start : start + batch_size]
+            yield TrajectoryBatch(chosen, list(range(start, start + len(chosen))))
 
     def _order(self, seed: int, epoch: int) -> torch.Tensor:
         return torch.randperm(len(self), generator=torch.Generator().manual_seed(derive_seed(seed, epoch)))
@@ -339,9 +392,14 @@ class Collection:
 
 
 def collect_from(
-    model: Model, source: PromptSource, collection: Collection, path: str | Path, block_size: int
+    model: Model,
+    source: PromptSource,
+    collection: Collection,
+    path: str | Path,
+    block_size: int,
+    shard: tuple[int, int] = (0, 1),
 ) -> CollectSummary:
-    """`collect` over the prompts of `source`, with their ids and grader."""
+    """`collect` over the prompts of `source` (those of `shard`), with their ids and grader."""
     return collect(
         model,
         source.prompts,
@@ -354,7 +412,32 @@ def collect_from(
         chat_template=collection.chat_template,
         ids=source.ids,
         grade=source.grade,
+        shard=shard,
+        progress=shard[0] == 0,
     )
+
+
+def collect_shards(
+    model: Model, source: PromptSource, collection: Collection, path: str | Path, block_size: int
+) -> CollectSummary:
+    """`collect_from` in every process of a launch (torchrun), each on its share of the prompts; process 0
+    folds the shares into `path`. The summary counts the work of every process."""
+    dist.init_process_group("gloo")
+    try:
+        rank, processes = dist.get_rank(), dist.get_world_size()
+        if rank == 0:
+            merge_parts(path)  # what a killed launch left, perhaps of another number of processes
+        dist.barrier()
+        mine = collect_from(model, source, collection, path, block_size, shard=(rank, processes))
+        dist.barrier()
+        if rank == 0:
+            merge_parts(path)
+        counts = ("written", "skipped", "forwards", "tokens", "correct")
+        totals = torch.tensor([getattr(mine, name) for name in counts], dtype=torch.float64)
+        dist.all_reduce(totals)
+        return CollectSummary(**{name: int(v) for name, v in zip(counts, totals.tolist(), strict=True)}, path=str(path))
+    finally:
+        dist.destroy_process_group()
 
 
 def describe(summary: CollectSummary, graded: bool) -> str:

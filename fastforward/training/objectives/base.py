@@ -3,21 +3,31 @@
 An objective turns a batch into a layout, runs it, and returns a scalar loss plus float metrics.
 Labels use -100 (IGNORE) where a row has no target, like Hugging Face; only the rows that have a
 label are projected to the vocabulary, so full-sequence logits are never materialised.
+
+So that a training step gives the same update however its rows are split across processes and
+micro-batches, an objective's loss is a weighted sum of terms, each a sum over its tokens divided
+by a denominator the trainer may set (`norms`: the term's token count over the whole step, which
+`counts` tells it beforehand), and every random draw is a function of the step and of the row
+(`row_generators`), never of the process or micro-batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from fastforward.model import Layout, Model
 from fastforward.model.visibility import against_cache, causal
-from fastforward.training.data import Batch
+from fastforward.training.data import Batch, derive_seed
 
 IGNORE = -100
+
+# The denominator of each loss term, by name (see `Objective.loss`); None: each term's own token count.
+Norms = Mapping[str, float] | None
 
 
 class Objective:
@@ -28,8 +38,20 @@ class Objective:
     def setup(self, model: Model) -> None:
         """Prepare the model before the optimizer sees its parameters (e.g. add a mask token)."""
 
-    def loss(self, model: Model, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
-        """Scalar loss of one batch and float metrics. All randomness must come from `generator` (CPU)."""
+    def loss(
+        self, model: Model, batch: Any, generator: torch.Generator, norms: Norms = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Scalar loss of one batch and float metrics.
+
+        Each term is the sum over its tokens divided by `norms[term]`, by default the batch's own count
+        of them (a mean). Randomness: draws shared by the whole batch (SBD's block size) come from
+        `generator` (CPU), each row's own draws from its stream in `row_generators(batch, generator)`.
+        """
+        raise NotImplementedError
+
+    def counts(self, model: Model, batch: Any, generator: torch.Generator) -> dict[str, int]:
+        """How many tokens each term of `loss(model, batch, generator)` sums over, without running the model:
+        the trainer adds them up over a step before its first backward pass."""
         raise NotImplementedError
 
     def describe(self) -> dict:
@@ -55,12 +77,45 @@ def next_token_labels(batch: Batch) -> torch.Tensor:
     return torch.cat([following, following.new_full((following.shape[0], 1), IGNORE)], dim=1)
 
 
-def label_loss(model: Model, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Mean cross entropy (fp32) over the rows of `hidden` that have a label, and their count.
+def row_generators(batch: Any, generator: torch.Generator) -> list[torch.Generator]:
+    """One random stream per row of `batch` (a `Batch` or `TrajectoryBatch`), seeded by `generator`'s
+    seed and the row's place in the data stream (`batch.ids`): a row draws the same whichever process
+    or micro-batch of the step it lands in."""
+    seed = generator.initial_seed()
+    return [torch.Generator().manual_seed(derive_seed(seed, "row", i)) for i in batch.ids]
+
+
+def per_row(
+    batch: Batch, generator: torch.Generator, draw: Callable[[Batch, torch.Generator], torch.Tensor]
+) -> torch.Tensor:
+    """`draw(row, its generator)` ([1, ...]) for every row of `batch`, concatenated: [B, ...]."""
+    return torch.cat([draw(batch.row(r), g) for r, g in enumerate(row_generators(batch, generator))])
+
+
+def term_norm(norms: Norms, term: str) -> float | None:
+    """The denominator `norms` gives a loss term, or None for the term's own token count."""
+    return None if norms is None else norms[term]
+
+
+def mean_over(total: torch.Tensor, count: int, norm: float | None) -> torch.Tensor:
+    """`total` (a sum over `count` tokens) over `norm`, or over the count itself (at least 1) when None."""
+    return total / (max(count, 1) if norm is None else norm)
+
+
+def labelled(labels: torch.Tensor) -> int:
+    """How many positions of `labels` have a label."""
+    return int((labels != IGNORE).sum())
+
+
+def label_loss(
+    model: Model, hidden: torch.Tensor, labels: torch.Tensor, norm: float | None = None
+) -> tuple[torch.Tensor, int]:
+    """Cross entropy (fp32) summed over the rows of `hidden` that have a label, over `norm` (default:
+    their count, a mean), and their count.
 
     With no labelled row the loss is an exact zero that still belongs to the graph.
     """
     chosen = labels != IGNORE
     logits = model.logits(hidden[chosen]).float()
     count = int(chosen.sum())
-    return F.cross_entropy(logits, labels[chosen], reduction="sum") / max(count, 1), count
+    return mean_over(F.cross_entropy(logits, labels[chosen], reduction="sum"), count, norm), count

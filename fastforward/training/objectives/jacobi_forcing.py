@@ -25,7 +25,8 @@ Blocks are cut after the response's first stop token (collection decodes whole b
 fixed points run on past the answer; those tokens are not trained on).
 
 Schedules (eq. 7, with blocks numbered from 0 within a row): W = {0, 1/w, …, (w-1)/w};
-"progressive" tᵢ = W[i mod w]; "reverse" tᵢ = W[w-1 - (i mod w)]; "random" tᵢ drawn uniformly from W.
+"progressive" tᵢ = W[i mod w]; "reverse" tᵢ = W[w-1 - (i mod w)]; "random" tᵢ drawn uniformly from W
+(each example from its own stream, `row_generators`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,15 @@ import torch.nn.functional as F
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, visibility
 from fastforward.training.jacobi_trajectories import Block
-from fastforward.training.objectives.base import IGNORE, Objective
+from fastforward.training.objectives.base import (
+    IGNORE,
+    Norms,
+    Objective,
+    labelled,
+    mean_over,
+    row_generators,
+    term_norm,
+)
 from fastforward.training.trajectories import TrajectoryBatch
 
 SCHEDULES = ("progressive", "random", "reverse")
@@ -158,6 +167,13 @@ def pack(
     )
 
 
+def slot_counts(rows: Sequence[tuple[list[int], list[list[int]], list[list[int]]]]) -> dict[str, int]:
+    """How many slots `pack(rows)`'s two losses average over: a response of R tokens has R − 1 noisy
+    slots with a next token (consistency) and R AR labels (the last prompt slot's and R − 1 clean ones)."""
+    lengths = [sum(map(len, clean)) for _, _, clean in rows]
+    return {"consistency": sum(n - 1 for n in lengths), "ar": sum(lengths)}
+
+
 # ---- the objective ------------------------------------------------------------------------------
 @dataclass
 class JacobiForcing(Objective):
@@ -200,15 +216,15 @@ class JacobiForcing(Objective):
                 "(written by `fastforward trajectories`), not --data"
             )
         out = []
-        for example in batch.examples:
-            ratios = noise_ratios(len(example.blocks), self.noise_schedule, self.noise_window, generator)
+        for example, g in zip(batch.examples, row_generators(batch, generator), strict=True):
+            ratios = noise_ratios(len(example.blocks), self.noise_schedule, self.noise_window, g)
             noisy = [choose_point(b, t) for b, t in zip(example.blocks, ratios, strict=True)]
             clean = [b.fixed for b in example.blocks]
             out.append((example.prompt_ids, *cut_after_stop(noisy, clean, stop_ids)))
         return out
 
     def loss(
-        self, model: Model, batch: TrajectoryBatch, generator: torch.Generator
+        self, model: Model, batch: TrajectoryBatch, generator: torch.Generator, norms: Norms = None
     ) -> tuple[torch.Tensor, dict[str, float]]:
         rows = self.rows(batch, generator, model.stop_token_ids)
         packed = pack(rows, model.pad_token_id, self.noisy_context, model.device)
@@ -217,9 +233,11 @@ class JacobiForcing(Objective):
         student = F.log_softmax(model.logits(hidden[packed.noisy]).float(), dim=-1)
         with torch.no_grad() if self.ar_weight == 0 else contextlib.nullcontext():
             clean = model.logits(hidden[packed.read]).float()
-            ar = F.cross_entropy(clean, packed.labels, ignore_index=IGNORE)
+            ar_sum = F.cross_entropy(clean, packed.labels, ignore_index=IGNORE, reduction="sum")
+            ar = mean_over(ar_sum, labelled(packed.labels), term_norm(norms, "ar"))
         teacher = F.log_softmax(clean[packed.teacher].detach(), dim=-1)  # θ⁻: stop-gradient
-        consistency = F.kl_div(student, teacher, log_target=True, reduction="sum") / max(len(student), 1)
+        kl = F.kl_div(student, teacher, log_target=True, reduction="sum")
+        consistency = mean_over(kl, len(student), term_norm(norms, "consistency"))
         loss = consistency + self.ar_weight * ar
         return loss, {
             "loss": loss.item(),
@@ -229,5 +247,8 @@ class JacobiForcing(Objective):
             "blocks": sum(len(clean_blocks) for _, _, clean_blocks in rows) / len(rows),
         }
 
+    def counts(self, model: Model, batch: TrajectoryBatch, generator: torch.Generator) -> dict[str, int]:
+        return slot_counts(self.rows(batch, generator, model.stop_token_ids))
 
-__all__ = ["JacobiForcing", "choose_point", "cut_after_stop", "noise_ratios", "pack"]
+
+__all__ = ["JacobiForcing", "choose_point", "cut_after_stop", "noise_ratios", "pack", "slot_counts"]

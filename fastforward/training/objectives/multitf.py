@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from fastforward.errors import FastForwardError
-from fastforward.model import Model, visibility
+from fastforward.model import visibility
 from fastforward.training.data import Batch
-from fastforward.training.objectives.sbd import SBD, draw_block, dual_stream_loss
+from fastforward.training.objectives.base import row_generators
+from fastforward.training.objectives.sbd import SBD, Masking, draw_block
 
 LAYOUTS = ("systematic", "random", "both")
 SCHEDULES = ("chain-uniform", "d2f", "uniform")
@@ -103,17 +104,21 @@ class MultiTF(SBD):
         if self.schedule not in SCHEDULES:
             raise FastForwardError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
 
-    def loss(self, model: Model, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+    def draw(self, batch: Batch, generator: torch.Generator) -> Masking:
+        """The block size (once per step); each row's noise-groups, mask ratios and masks (its own stream)."""
         block = draw_block(self.min_block, self.max_block, generator)
-        batch_size, length = batch.tokens.shape
+        length = batch.tokens.shape[1]
         n_blocks = -(-length // block)
-        groups = draw_groups(batch_size, n_blocks, self.max_group, self.layouts, generator)
-        ratios = group_ratios(groups, self.schedule, generator)
-        per_token = ratios[:, torch.arange(length) // block]
-        masked = (torch.rand(batch_size, length, generator=generator) < per_token).to(batch.tokens.device)
-        masked &= batch.loss_mask
-        rule = visibility.multitf_train(length, block, groups.to(batch.tokens.device))
-        mask_id = model.require_mask_token(self.name)
-        loss, metrics = dual_stream_loss(model, batch, masked, rule, self.ntp_weight, mask_id)
-        group_size = (n_blocks / (groups[:, -1] + 1).float()).mean().item()
-        return loss, {**metrics, "block": float(block), "group_size": group_size}
+        groups, coins, ratios = [], [], []
+        for g in row_generators(batch, generator):
+            groups.append(draw_groups(1, n_blocks, self.max_group, self.layouts, g))
+            ratios.append(group_ratios(groups[-1], self.schedule, g))
+            coins.append(torch.rand(1, length, generator=g))
+        grouped = torch.cat(groups)
+        per_token = torch.cat(ratios)[:, torch.arange(length) // block]
+        masked = (torch.cat(coins) < per_token).to(batch.tokens.device) & batch.loss_mask
+        group_size = (n_blocks / (grouped[:, -1] + 1).float()).mean().item()
+        return Masking(block, masked, grouped, {"block": float(block), "group_size": group_size})
+
+    def rule(self, length: int, masking: Masking, device: torch.device) -> torch.Tensor:
+        return visibility.multitf_train(length, masking.block, masking.groups.to(device))

@@ -8,7 +8,15 @@ import torch
 
 from fastforward.model import Model
 from fastforward.training.data import Batch
-from fastforward.training.objectives.base import Objective, causal_layout, label_loss, next_token_labels
+from fastforward.training.objectives.base import (
+    Norms,
+    Objective,
+    causal_layout,
+    label_loss,
+    labelled,
+    next_token_labels,
+    term_norm,
+)
 
 
 @dataclass
@@ -17,7 +25,12 @@ class NTP(Objective):
 
     name = "ntp"
 
-    def loss(self, model: Model, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(
+        self, model: Model, batch: Batch, generator: torch.Generator, norms: Norms = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         hidden = model.hidden_states(causal_layout(batch))
-        loss, count = label_loss(model, hidden, next_token_labels(batch))
+        loss, count = label_loss(model, hidden, next_token_labels(batch), term_norm(norms, "ntp"))
         return loss, {"loss": loss.item(), "ntp_loss": loss.item(), "ntp_tokens": float(count)}
+
+    def counts(self, model: Model, batch: Batch, generator: torch.Generator) -> dict[str, int]:
+        return {"ntp": labelled(next_token_labels(batch))}

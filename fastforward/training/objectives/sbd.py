@@ -5,7 +5,9 @@ mask token with probability η ~ U(0, 1), drawn per row (prompt tokens stay clea
 token is always one the model should learn to produce). Both halves share positions 0..L-1. Under
 `visibility.sbd_train(L, k)` the clean half is an ordinary causal LM, and a copy position in block
 b sees the clean tokens of blocks before b and the whole of its own block in the copy. The block
-size k is drawn uniformly from [min_block, max_block] once per step.
+size k is drawn uniformly from [min_block, max_block] once per step (from the step's generator, so
+every process and micro-batch of a step uses the same k); η and the masks are drawn per row, from the
+row's own stream.
 
 Loss = mask term + ntp_weight · NTP term, each term the mean cross entropy over its own tokens
 (targets of the clean half; masked positions of the copy, whose label is the token *at* that
@@ -17,14 +19,24 @@ computed and logged, without gradient.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, visibility
 from fastforward.training.data import Batch
-from fastforward.training.objectives.base import IGNORE, Objective, label_loss, next_token_labels, positions
+from fastforward.training.objectives.base import (
+    IGNORE,
+    Norms,
+    Objective,
+    label_loss,
+    labelled,
+    next_token_labels,
+    per_row,
+    positions,
+    term_norm,
+)
 
 
 def draw_block(min_block: int, max_block: int, generator: torch.Generator) -> int:
@@ -60,19 +72,37 @@ def dual_stream_layout(
 
 
 def dual_stream_loss(
-    model: Model, batch: Batch, masked: torch.Tensor, rule: torch.Tensor, ntp_weight: float, mask_id: int
+    model: Model,
+    batch: Batch,
+    masked: torch.Tensor,
+    rule: torch.Tensor,
+    ntp_weight: float,
+    mask_id: int,
+    norms: Norms = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """mask term + ntp_weight · NTP term over `dual_stream_layout` (the NTP term is still computed
-    and logged at weight 0, without gradient); `mask_rate` is the share of target tokens masked."""
+    and logged at weight 0, without gradient); `mask_rate` is the share of target tokens masked.
+    The terms' denominators are `norms["mask"]` and `norms["ntp"]` (see `Objective.loss`)."""
     layout, labels = dual_stream_layout(batch, masked, rule, mask_id)
     hidden = model.hidden_states(layout)
     length = batch.tokens.shape[1]
     with torch.no_grad() if ntp_weight == 0 else contextlib.nullcontext():
-        ntp, _ = label_loss(model, hidden[:, :length], labels[:, :length])
-    mask, count = label_loss(model, hidden[:, length:], labels[:, length:])
+        ntp, _ = label_loss(model, hidden[:, :length], labels[:, :length], term_norm(norms, "ntp"))
+    mask, count = label_loss(model, hidden[:, length:], labels[:, length:], term_norm(norms, "mask"))
     loss = mask + ntp_weight * ntp
     rate = count / max(int(batch.loss_mask.sum()), 1)
     return loss, {"loss": loss.item(), "ntp_loss": ntp.item(), "mask_loss": mask.item(), "mask_rate": rate}
+
+
+@dataclass
+class Masking:
+    """One batch's draws for the dual stream: the block size, the masked targets, the noise-groups of
+    its blocks (MultiTF; None: every block alone) and what to log about them."""
+
+    block: int
+    masked: torch.Tensor
+    groups: torch.Tensor | None = None
+    stats: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -95,10 +125,24 @@ class SBD(Objective):
     def setup(self, model: Model) -> None:
         model.add_mask_token()
 
-    def loss(self, model: Model, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+    def draw(self, batch: Batch, generator: torch.Generator) -> Masking:
+        """The block size (once per step) and each row's masks (from the row's stream)."""
         block = draw_block(self.min_block, self.max_block, generator)
-        masked = draw_masked(batch.loss_mask, generator)
-        rule = visibility.sbd_train(batch.tokens.shape[1], block, batch.tokens.device)
+        masked = per_row(batch, generator, lambda row, g: draw_masked(row.loss_mask, g))
+        return Masking(block, masked, stats={"block": float(block)})
+
+    def rule(self, length: int, masking: Masking, device: torch.device) -> torch.Tensor:
+        """The visibility rule of the dual stream under `masking`."""
+        return visibility.sbd_train(length, masking.block, device)
+
+    def loss(
+        self, model: Model, batch: Batch, generator: torch.Generator, norms: Norms = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        masking = self.draw(batch, generator)
+        rule = self.rule(batch.tokens.shape[1], masking, batch.tokens.device)
         mask_id = model.require_mask_token(self.name)
-        loss, metrics = dual_stream_loss(model, batch, masked, rule, self.ntp_weight, mask_id)
-        return loss, {**metrics, "block": float(block)}
+        loss, metrics = dual_stream_loss(model, batch, masking.masked, rule, self.ntp_weight, mask_id, norms)
+        return loss, {**metrics, **masking.stats}
+
+    def counts(self, model: Model, batch: Batch, generator: torch.Generator) -> dict[str, int]:
+        return {"ntp": labelled(next_token_labels(batch)), "mask": int(self.draw(batch, generator).masked.sum())}

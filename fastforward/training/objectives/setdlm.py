@@ -9,6 +9,7 @@ time is loc_ℓ + b · (1 − e^(−E/k)), E ~ Exp(1). Sorting the times gives t
 a loss (the prompt) come first, in position order (each at its window's opening minus b, so in a
 packed row a later example's prompt comes just before that example's targets); padding comes last.
 Small `max_set`: nearly left to right; large: close to any-order masked diffusion.
+Each row draws from its own stream (`row_generators`).
 
 **Layout.** `[clean x ; masked copy]` at true positions; the copy has every target replaced by
 the mask token. Under `visibility.reveal_order` a clean token sees the clean tokens revealed
@@ -30,11 +31,15 @@ from fastforward.model import Layout, Model, visibility
 from fastforward.training.data import Batch
 from fastforward.training.objectives.base import (
     IGNORE,
+    Norms,
     Objective,
     causal_layout,
     label_loss,
+    labelled,
     next_token_labels,
+    per_row,
     positions,
+    term_norm,
 )
 
 
@@ -97,15 +102,26 @@ class SetDLM(Objective):
     def setup(self, model: Model) -> None:
         model.add_mask_token()
 
-    def loss(self, model: Model, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
-        ranks = reveal_ranks(batch, self.set_size, self.max_set, generator)
+    def loss(
+        self, model: Model, batch: Batch, generator: torch.Generator, norms: Norms = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        ranks = per_row(batch, generator, lambda row, g: reveal_ranks(row, self.set_size, self.max_set, g))
         layout, labels = setdlm_layout(batch, ranks, model.require_mask_token(self.name))
         length = batch.tokens.shape[1]
-        mask, count = label_loss(model, model.hidden_states(layout)[:, length:], labels[:, length:])
+        hidden = model.hidden_states(layout)[:, length:]
+        mask, count = label_loss(model, hidden, labels[:, length:], term_norm(norms, "mask"))
         metrics = {"mask_loss": mask.item(), "masked": float(count)}
         loss = mask
         if self.ntp_weight > 0:
-            ntp, _ = label_loss(model, model.hidden_states(causal_layout(batch)), next_token_labels(batch))
+            clean = model.hidden_states(causal_layout(batch))
+            ntp, _ = label_loss(model, clean, next_token_labels(batch), term_norm(norms, "ntp"))
             loss = mask + self.ntp_weight * ntp
             metrics["ntp_loss"] = ntp.item()
         return loss, {"loss": loss.item(), **metrics}
+
+    def counts(self, model: Model, batch: Batch, generator: torch.Generator) -> dict[str, int]:
+        """Every target is masked once, whatever the order: the counts need no draw."""
+        counts = {"mask": int(batch.loss_mask.sum())}
+        if self.ntp_weight > 0:
+            counts["ntp"] = labelled(next_token_labels(batch))
+        return counts
