@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from fastforward.api import build_decoder
 from fastforward.decoding.decoders import (
     ARDecoder,
     JacobiDecoder,
@@ -16,7 +15,6 @@ from fastforward.decoding.decoders.mbd import MultiBlockDiffusionDecoder
 from fastforward.decoding.decoders.multiblock_jacobi import MultiBlockJacobiDecoder
 from fastforward.decoding.policies import EntropyBounded
 from fastforward.decoding.sampling import Sampler
-from fastforward.errors import FastForwardError
 
 INF = float("inf")
 
@@ -191,11 +189,6 @@ def test_verified_sbd_commits_accepted_drafts_and_keeps_an_exact_cache(tiny, pro
     assert session.outputs[0] == truth
     # one forward drafts the first block; then each forward verifies a whole block and drafts the next
     assert session.nfe.item() == 1 + -(-(len(truth) - 1) // block)
-
-
-def test_verified_sbd_is_greedy_only():
-    with pytest.raises(FastForwardError, match="temperature 0"):
-        build_decoder("sbd-verified", temperature=0.7)
 
 
 @pytest.mark.parametrize("init", ["repeat", "random"])

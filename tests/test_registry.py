@@ -67,7 +67,7 @@ def test_generate_picks_lookup_unless_an_option_asks_for_ar():
     from fastforward.cli.generate import default_decoder
 
     assert default_decoder({}) == "lookup" and default_decoder({"lookup_tokens": 4}) == "lookup"
-    assert default_decoder({"temperature": 0.7}) == "ar" and default_decoder({"seed": 1}) == "ar"
+    assert default_decoder({"temperature": 0.7, "top_p": 0.9, "seed": 1}) == "lookup"  # lookup samples too
 
 
 def test_generate_reports_the_decoder_it_chose(tmp_path, capsys):

@@ -111,7 +111,7 @@ def test_stop_strings_cut_the_output(tiny, client):
         ({"model": "other", "prompt": "x"}, 404, "does not exist"),
         ({"model": "tiny", "prompt": "x", "decoder": "nope"}, 400, "unknown decoder"),
         ({"model": "tiny", "prompt": "x", "block_size": 0, "decoder": "jacobi"}, 400, "block-size"),
-        ({"model": "tiny", "prompt": "x", "temperature": 0.7, "decoder": "jacobi"}, 400, "temperature"),
+        ({"model": "tiny", "prompt": "x", "temperature": -0.7, "decoder": "jacobi"}, 400, "temperature"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n=2"),
         ({"model": "tiny", "prompt": "word " * 5000}, 400, "context"),

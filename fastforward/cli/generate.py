@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "generate")
     p.add_argument("prompts", nargs="*", help="prompts (default: read one per line from stdin)")
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
-    add_decoder_flags(p, default=None, default_help="lookup; ar with --temperature, --top-p or --seed")
+    add_decoder_flags(p, default=None, default_help="lookup, sampling too; ar if an option given is not lookup's")
     p.add_argument("--max-new-tokens", type=int, default=256)
     add_precision_flags(p, dtype="float32", quantize="int4", exact=True)
     add_compile_flag(p)
@@ -39,8 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def default_decoder(knobs: dict) -> str:
-    """`lookup`: lossless, and measured as fast as `ar` on chat prompts and faster on code
-    (docs/results.md); `ar` when an option given is one lookup does not take (sampling)."""
+    """`lookup`: lossless (greedy, or AR's own samples with --temperature), and measured as fast as
+    `ar` on chat prompts and faster on code (docs/results.md); `ar` when an option given is one
+    lookup does not take."""
     lookup = registry.spec("lookup")
     return "lookup" if all(lookup.knob(name) for name in knobs) else "ar"
 

@@ -114,10 +114,12 @@ def make_policy(name: str, value: float):
 
 
 def greedy_prefix(drafts, predictions):
-    """How many leading drafts equal the greedy prediction made just before each.
+    """How many leading drafts equal the prediction made just before each.
 
-    The acceptance rule of every verifying decoder: drafts confirmed this way are exactly what
-    greedy AR decoding would produce. Tensors [..., n] give a count per row (tensor ops, no
+    The acceptance rule of every verifying decoder: with greedy predictions, drafts confirmed this
+    way are exactly what greedy AR decoding would produce; with predictions sampled with each
+    position's own draw, exactly what AR sampling would (speculative sampling with one-hot drafts,
+    see `fastforward.decoding.sampling`). Tensors [..., n] give a count per row (tensor ops, no
     sync); token lists give an int (for decoders that decide on the host after one read-back).
     """
     if isinstance(drafts, torch.Tensor):

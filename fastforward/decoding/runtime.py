@@ -3,6 +3,7 @@
 Every decoder drives a `Session` the same way:
 
     logits = session.forward(tokens, positions, rule, read)   # one layout; its new entries enter the cache
+    tokens = session.sample(logits, positions)                # greedy, or sampled with each position's own draw
     session.commit(tokens, at, mask) / session.append(tokens, count)  # tokens onto the output canvas
     session.advance(keep)                                     # which new cache entries stay; closes the step
 
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastforward.decoding import metrics
+from fastforward.decoding.sampling import Sampler, greedy, row_key, uniforms
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, visibility
 from fastforward.model.cache import GrowingLayer, gather_entries, stack_rows, truncate
@@ -112,12 +114,14 @@ class Prompt:
 
     Without a suffix the row generates up to max_new_tokens after the prefix. With one, the row
     fills exactly the `gap` positions between them (its canvas), and the suffix is in the cache
-    from the start, at its true positions.
+    from the start, at its true positions. seed: the row's own sampling seed (None: the decoder's),
+    so rows of one batch can be sampled apart (a request's seed, or many samples of one prompt).
     """
 
     prefix: Sequence[int]
     suffix: Sequence[int] = ()
     gap: int = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prefix:
@@ -144,6 +148,7 @@ class Session:
         prompts: Sequence[Sequence[int] | Prompt],
         max_new_tokens: int,
         suffix_upfront: bool = True,
+        sampler: Sampler | None = None,
     ):
         self.start = time.perf_counter()
         if not prompts:
@@ -173,6 +178,9 @@ class Session:
         # put it in the cache; if not, the decoder brings it in (`Prompt` says where it goes).
         self.suffixes = [list(p.suffix) for p in rows]
         self.suffix_upfront = suffix_upfront
+        self.sampler = sampler or Sampler()  # how `sample` chooses tokens
+        self.seeds = [p.seed for p in rows]
+        self._sampling_keys: torch.Tensor | None = None
         self.origin = torch.tensor(self.origins, device=device)
         self.stop_ids = torch.tensor(model.stop_token_ids or [-1], device=device)
         self._stops = set(model.stop_token_ids)
@@ -349,6 +357,20 @@ class Session:
             self.key_valid = torch.ones(self.batch, base + new, dtype=torch.bool, device=self.device)
         kept = torch.arange(high, device=self.device)[None] < torch.tensor(counts, device=self.device)[:, None]
         self.key_valid = torch.cat([self.key_valid[:, :base], kept & self.key_valid[:, base : base + high]], dim=1)
+
+    def sample(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Tokens [B, ...] for logits [B, ..., V], the tokens to sit at RoPE `positions` [B, ...]:
+        greedy, or sampled by the session's sampler with the row's draw for each position (a
+        token's position keys its draw, `fastforward.decoding.sampling`; greedy ignores it)."""
+        if self.sampler.temperature == 0:
+            return greedy(logits)
+        if self._sampling_keys is None:  # a row's own seed, else the sampler's, hashed with its tokens
+            keys = [
+                row_key(self.sampler.seed if own is None else own, prefix, suffix)
+                for own, prefix, suffix in zip(self.seeds, self.prefixes, self.suffixes, strict=True)
+            ]
+            self._sampling_keys = torch.tensor(keys, device=self.device)
+        return self.sampler.inverse_cdf(logits, uniforms(self._sampling_keys, positions))
 
     # ---- the canvas ---------------------------------------------------------------------------
     def commit(self, tokens: torch.Tensor, at: torch.Tensor, mask: torch.Tensor | None = None) -> None:

@@ -1,12 +1,33 @@
-"""Turning logits into tokens: greedy, or temperature with optional nucleus (top-p) truncation."""
+"""Turning logits into tokens: greedy, or sampled at a temperature within the top-p mass.
+
+**Randomness is keyed, not streamed.** The token a row samples at position i (counted from the
+start of its prompt) uses one uniform draw u(key, i), a hash of the row's key and i: no generator
+state, so a row draws the same numbers whatever shares its batch, and however many forwards,
+drafts or reveal steps led to position i. A row's key hashes its seed with its prompt's tokens
+(`row_key`). The token is the inverse CDF of the sampling distribution p (softmax(logits / T),
+cut to the top-p mass) at u.
+
+**Verification by sampling is then exact.** A verifying decoder samples a target at every position
+it reads, with that position's own draw, and keeps a draft while it equals the target. For a draft
+x that does not depend on the draw (n-gram drafts, a mask model's), this is speculative rejection
+sampling with a one-hot draft: x is accepted with probability p(x), and on rejection the target is
+distributed as p with x removed and renormalised. Either way the token committed at i is the inverse
+CDF at u(key, i) of p given the committed text before i: the very token AR sampling with the same
+seed commits. Drafts sampled with the same draws (Jacobi's carried predictions) agree with their
+targets more often, and the output is still exact.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from fastforward.errors import FastForwardError
+
+_M32 = 0xFFFFFFFF
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -19,14 +40,39 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-@dataclass
+def row_key(seed: int, *tokens: Sequence[int]) -> int:
+    """A row's 32-bit key for its random draws: its seed hashed with its prompt's token lists (the
+    same on every run and machine, unlike Python's `hash`)."""
+    text = repr((int(seed), *([int(t) for t in part] for part in tokens))).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=4).digest(), "little")
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) of int64 tensors holding 32-bit values. Both
+    multipliers are below 2^31, so no int64 product overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def uniforms(keys: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """Uniform draws in (0, 1) [B, ...] (float64, 32 random bits) for positions `at` [B, ...] of the
+    rows with `keys` [B]: a function of (key, position) alone, computed on the device without a sync."""
+    key = keys.view(-1, *([1] * (at.dim() - 1)))
+    bits = _mix(key ^ _mix(at.long() & _M32))
+    return (bits.double() + 0.5) / 2.0**32
+
+
+@dataclass(frozen=True)
 class Sampler:
-    """temperature 0 is greedy (argmax); otherwise sample softmax(logits / T) within the top-p mass."""
+    """How a session chooses tokens (`Session.sample`): temperature 0 is greedy (argmax); otherwise
+    softmax(logits / T) within the top-p mass is sampled with each row's draw for each position."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -34,17 +80,15 @@ class Sampler:
         if not 0 < self.top_p <= 1:
             raise FastForwardError(f"top_p must be in (0, 1], got {self.top_p}")
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """Tokens for logits [..., V]; returns [...]."""
-        if self.temperature == 0:
-            return greedy(logits)
-        if self._generator is None or self._generator.device != logits.device:
-            self._generator = torch.Generator(device=logits.device).manual_seed(self.seed)
+    def inverse_cdf(self, logits: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+        """The token of logits [..., V] whose share of the sampling distribution's CDF holds each
+        draw [...] in (0, 1): a token outside the top-p mass has no share and is never chosen."""
         probs = torch.softmax(logits.float() / self.temperature, dim=-1)
         if self.top_p < 1:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             outside = sorted_probs.cumsum(dim=-1) - sorted_probs > self.top_p
             sorted_probs = sorted_probs.masked_fill(outside, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        flat = probs.reshape(-1, probs.shape[-1])
-        return torch.multinomial(flat, 1, generator=self._generator).reshape(probs.shape[:-1])
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        # the first token whose CDF passes the draw, scaled to the kept mass (so no renormalising)
+        return torch.searchsorted(cdf, (draws * cdf[..., -1])[..., None], right=True)[..., 0]

@@ -3,10 +3,11 @@
 Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
 (both with `stream`), `GET /metrics` (Prometheus text). A request may choose its decoder and knobs
 with extra body fields (`decoder`, `block_size`, `gamma`, ...: the CLI's names and checks, from the
-decoder registry); anything it leaves out comes from the server's flags. `usage` carries prompt and
-completion tokens plus `nfe`, `tpf` and `queries`. Completions use the prompt as raw text (as
-`fastforward generate --no-chat-template`); chat applies the model's chat template (as `fastforward
-generate`).
+decoder registry); anything it leaves out comes from the server's flags. `temperature` and `top_p`
+are knobs of every decoder; `seed` is the request's own (its row's sampling seed), so requests that
+differ only in their seeds share a batch. `usage` carries prompt and completion tokens plus `nfe`,
+`tpf` and `queries`. Completions use the prompt as raw text (as `fastforward generate
+--no-chat-template`); chat applies the model's chat template (as `fastforward generate`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from fastforward.model import Model
 from fastforward.serving.engine import Engine, Event, Job
 from fastforward.serving.metrics import Metrics
 
-SAMPLING = ("temperature", "top_p", "seed")
+SAMPLING = ("temperature", "top_p")  # request fields that are decoder knobs (a request's `seed` is its row's)
 
 
 class ApiError(Exception):
@@ -110,7 +111,7 @@ class Server:
             raise ApiError(400, str(exc), param="decoder") from exc
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         setting = json.dumps({"decoder": name, **knobs}, sort_keys=True, default=str)
-        return Job(prompt, decoder, setting, budget, stop, asyncio.get_running_loop())
+        return Job(prompt, decoder, setting, budget, stop, asyncio.get_running_loop(), seed=body.seed)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         if not getattr(self.model.tokenizer, "chat_template", None):

@@ -1,12 +1,15 @@
 """The serving engine: one worker thread decodes batches of requests that share a decoder setting.
 
-A request becomes a `Job` (token ids, a built decoder, its budget, stop strings). The worker takes
-the oldest waiting job and every other waiting job with the same decoder setting and budget (up to
-`max_batch_size`), and decodes them together in one session (left-padded, as `--batch-size` does;
-a decoder that lays rows out one by one, `rows_apart`, gets one session per job). After every step
-the session's `on_step` hook turns each row's newly committed tokens into text deltas, cuts the
-text before a stop string (and cancels that row), cancels the rows whose clients left, and hands
-the deltas to the jobs' event queues, which the HTTP layer reads (`fastforward.serving.app`).
+A request becomes a `Job` (token ids, a built decoder, its budget, stop strings, its sampling seed).
+The worker takes the oldest waiting job and every other waiting job with the same decoder setting
+and budget (up to `max_batch_size`), and decodes them together in one session (left-padded, as
+`--batch-size` does; a decoder that lays rows out one by one, `rows_apart`, gets one session per
+job). Each row samples with its own request's seed (`Prompt.seed`), so requests that differ only in
+their seed share a batch and each gets the tokens it would get alone. After every step the
+session's `on_step` hook turns each row's newly committed tokens into text deltas (`TextStream`:
+incremental, so a long stream costs no more per step than a short one), cuts the text before a stop
+string (and cancels that row), cancels the rows whose clients left, and hands the deltas to the
+jobs' event queues, which the HTTP layer reads (`fastforward.serving.app`).
 
 A failure inside decoding fails only the jobs of that batch; the worker goes on with the next.
 """
@@ -18,13 +21,14 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from fastforward.decoding.decoders import Decoder
-from fastforward.decoding.runtime import Session
+from fastforward.decoding.runtime import Prompt, Session
 from fastforward.model import Model
 from fastforward.serving.metrics import Metrics
 
@@ -49,11 +53,11 @@ class Job:
     max_tokens: int
     stop: list[str]
     loop: asyncio.AbstractEventLoop
+    seed: int | None = None  # the request's own sampling seed (None: the decoder's)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: bool = False
     created: float = field(default_factory=time.perf_counter)
-    text: str = ""  # sent so far (never past a stop string)
     done: bool = False
 
     def send(self, event: Event) -> None:
@@ -137,11 +141,13 @@ class Engine:
 
     def _decode(self, batch: list[Job]) -> None:
         decoder = batch[0].decoder
-        session = decoder.open_session(self.model, [job.prompt for job in batch], batch[0].max_tokens)
-        sent = [0] * len(batch)  # tokens turned into text per row
+        rows = [Prompt(job.prompt, seed=job.seed) for job in batch]
+        session = decoder.open_session(self.model, rows, batch[0].max_tokens)
+        streams = [TextStream(self.model.decode, job.stop) for job in batch]
+        sent = [0] * len(batch)  # tokens handed to each row's text stream
 
         def on_step(s: Session) -> None:
-            lengths = s.lengths  # committed leading tokens per row; their ids are read only on growth
+            lengths = s.lengths  # committed leading tokens per row; only the new ones are read
             for row, job in enumerate(batch):
                 if job.done:
                     continue
@@ -150,9 +156,9 @@ class Engine:
                     job.done = True
                     continue
                 if lengths[row] > sent[row]:
-                    ids = s.canvas[row][: lengths[row]]
-                    sent[row] = len(ids)
-                    self._emit(s, row, job, ids)
+                    ids = s.canvas[row][sent[row] : lengths[row]]
+                    sent[row] = lengths[row]
+                    self._emit(s, row, job, streams[row].push(ids))
 
         session.on_step = on_step
         decoder.decode(session)
@@ -163,43 +169,79 @@ class Engine:
             )
             if job.done:
                 continue
-            self._emit(session, row, job, gen.token_ids, final=True)
+            self._emit(session, row, job, streams[row].push(gen.token_ids[sent[row] :], final=True))
             if not job.done:
                 job.done = True
                 reason = "stop" if gen.finish_reason == "stop" else "length"
-                job.send(
-                    Event(finish_reason=reason, usage=self._usage(job, gen.token_ids, gen.stats.nfe, gen.stats.queries))
-                )
+                usage = self._usage(job, len(gen.token_ids), gen.stats.nfe, gen.stats.queries)
+                job.send(Event(finish_reason=reason, usage=usage))
 
-    def _emit(self, session: Session, row: int, job: Job, ids: list[int], final: bool = False) -> None:
-        """Send the text the row's tokens add; at a stop string, cut there, end the job and cancel the row.
-        Until `final`, text ending in a partial multi-byte character waits for the tokens that complete it."""
-        text = self.model.decode(ids)
-        cut = min((i for i in (text.find(s) for s in job.stop if s) if i >= 0), default=-1)
-        if cut >= 0:
-            text = text[:cut]
-        elif text.endswith("\ufffd") and not final:
-            return
-        if text.startswith(job.text) and len(text) > len(job.text):
-            job.send(Event(delta=text[len(job.text) :]))
-            job.text = text
-        if cut >= 0:
+    def _emit(self, session: Session, row: int, job: Job, pushed: tuple[str, bool]) -> None:
+        """Send a row's new text (`TextStream.push`); after a stop string, end the job and cancel the row."""
+        delta, stopped = pushed
+        if delta:
+            job.send(Event(delta=delta))
+        if stopped:
             session.cancel(row)
             job.done = True
-            job.send(
-                Event(finish_reason="stop", usage=self._usage(job, ids, session.forwards[row], session.queries[row]))
-            )
+            usage = self._usage(job, session.lengths[row], session.forwards[row], session.queries[row])
+            job.send(Event(finish_reason="stop", usage=usage))
 
     @staticmethod
-    def _usage(job: Job, ids: list[int], nfe: int, queries: int) -> dict[str, Any]:
+    def _usage(job: Job, tokens: int, nfe: int, queries: int) -> dict[str, Any]:
         return {
             "prompt_tokens": len(job.prompt),
-            "completion_tokens": len(ids),
-            "total_tokens": len(job.prompt) + len(ids),
+            "completion_tokens": tokens,
+            "total_tokens": len(job.prompt) + tokens,
             "nfe": nfe,
-            "tpf": round(len(ids) / nfe, 4) if nfe else 0.0,
+            "tpf": round(tokens / nfe, 4) if nfe else 0.0,
             "queries": queries,  # tokens the decoding forwards ran, drafts included (`runtime.Stats`)
         }
+
+
+class TextStream:
+    """A row's text as its tokens arrive: each push returns only the new, complete text, and nothing
+    from the first stop string on.
+
+    Incremental, so streaming n tokens costs O(n), not a decode of the whole text per step: a push
+    decodes a short window, the tokens not yet out plus those of the piece of text before them (so a
+    tokenizer that spaces a word by what precedes it decodes it as in the whole text), and sends what
+    the new tokens add. A window whose text ends in U+FFFD (a multi-byte character split across
+    tokens) waits for the tokens that complete it, until `final`; byte-level BPE text sent this way
+    concatenates to exactly the decode of all the tokens. Text that could begin a stop string waits
+    until it does not (or `final`), so the text is cut exactly before the first stop string, even
+    one that spans several steps.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
+        self.decode, self.stop = decode, [s for s in stop if s]
+        self.ids: list[int] = []
+        self.start = 0  # the window's first token: the piece of text before the tokens not yet out
+        self.out = 0  # tokens whose text is out (sent, or held for a stop string)
+        self.held = ""  # text out of the tokens but not sent: it may begin a stop string
+
+    def push(self, ids: list[int], final: bool = False) -> tuple[str, bool]:
+        """Add tokens; returns the text to send and whether a stop string ended the text."""
+        self.ids += ids
+        before = self.decode(self.ids[self.start : self.out])
+        text = self.decode(self.ids[self.start :])
+        new = ""
+        if final or not text.endswith("\ufffd"):
+            new = text[len(before) :]
+            self.start, self.out = self.out, len(self.ids)
+        pending = self.held + new
+        cut = min((i for i in (pending.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            return pending[:cut], True
+        wait = 0 if final else self._stop_start(pending)
+        self.held = pending[len(pending) - wait :] if wait else ""
+        return pending[: len(pending) - wait], False
+
+    def _stop_start(self, text: str) -> int:
+        """How many of the text's last characters begin a stop string (the longest such ending)."""
+        return max(
+            (n for s in self.stop for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])), default=0
+        )
 
 
 WARM_UP_TEXT = "one two three, one two three, one two three, one two three"  # repeats: drafting decoders draft

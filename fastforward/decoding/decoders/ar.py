@@ -17,15 +17,16 @@ class ARDecoder(Decoder):
         self.sampler = sampler or Sampler()
 
     def decode(self, session: Session) -> None:
-        token = self.sampler(session.next_logits)[:, None]
+        token = session.sample(session.next_logits, session.next_pos)[:, None]
         session.append(token)
         while not session.finished:
-            logits = session.forward(token, session.span(-1, 1), read=range(1))[:, 0]
-            token = self.sampler(logits)[:, None]
+            positions = session.span(-1, 1)  # the last committed token's
+            logits = session.forward(token, positions, read=range(1))[:, 0]
+            token = session.sample(logits, positions[:, 0] + 1)[:, None]
             session.append(token)
             session.advance(keep=1)
 
 
 @register("ar", knobs=SAMPLING, summary="next-token decoding, one token per forward (the baseline)", lossless=True)
-def _build(temperature: float, top_p: float, seed: int) -> ARDecoder:
-    return ARDecoder(Sampler(temperature, top_p, seed))
+def _build(sampler: Sampler) -> ARDecoder:
+    return ARDecoder(sampler)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from fastforward.decoding.runtime import Generation, GenerationInterrupted, Prompt, Session
+from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
 
@@ -18,6 +19,7 @@ class Decoder(ABC):
     name: str
     rows_apart: bool = False  # decode a batch one prompt at a time (for layouts that differ per row)
     infills: bool = False  # can fill the gap of an infilling `Prompt` (prefix, gap, suffix)
+    sampler: Sampler = Sampler()  # how the sessions it opens choose tokens (`Session.sample`)
 
     @abstractmethod
     def decode(self, session: Session) -> None:
@@ -25,7 +27,7 @@ class Decoder(ABC):
 
     def open_session(self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int) -> Session:
         """The session this decoder decodes (a decoder may choose how it is prefilled)."""
-        return Session(model, prompts, max_new_tokens)
+        return Session(model, prompts, max_new_tokens, sampler=self.sampler)
 
     def generate(
         self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int = 256

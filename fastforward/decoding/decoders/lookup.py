@@ -5,7 +5,8 @@ followed them then are a draft for what follows now (prompt lookup decoding; `tr
 `prompt_lookup_num_tokens` and vLLM's n-gram proposer do the same). The draft is verified as a
 candidate of a multi-block Jacobi forward (`multiblock_jacobi.verify`), next to a short Jacobi
 chain of the predictions the last forward made past its accepted tokens, so the output is exactly
-greedy AR decoding.
+AR decoding: greedy, or sampled (a draft token is then kept with the probability the model gives
+it, `fastforward.decoding.sampling`).
 
 A draft that stops paying costs little: with no n-gram match and nothing carried, a step is a
 one-token forward on the model's own causal path (an AR step), and the draft length adapts
@@ -16,9 +17,9 @@ from __future__ import annotations
 
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.multiblock_jacobi import verify
-from fastforward.decoding.decoders.registry import Knob, register
+from fastforward.decoding.decoders.registry import SAMPLING, Knob, register
 from fastforward.decoding.runtime import Session
-from fastforward.decoding.sampling import greedy
+from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
 
 
@@ -93,16 +94,24 @@ class PromptLookupDecoder(Decoder):
     name = "lookup"
     rows_apart = True  # each row's draft has its own length and layout
 
-    def __init__(self, lookup_tokens: int = 10, max_match: int = 3, min_match: int = 2, jacobi_drafts: int = 0):
+    def __init__(
+        self,
+        lookup_tokens: int = 10,
+        max_match: int = 3,
+        min_match: int = 2,
+        jacobi_drafts: int = 0,
+        sampler: Sampler | None = None,
+    ):
         if lookup_tokens < 1 or jacobi_drafts < 0 or not 1 <= min_match <= max_match:
             raise FastForwardError("need lookup_tokens >= 1, jacobi_drafts >= 0 and 1 <= min_match <= max_match")
         self.lookup_tokens, self.jacobi_drafts = lookup_tokens, jacobi_drafts
         self.max_match, self.min_match = max_match, min_match
+        self.sampler = sampler or Sampler()
 
     def decode(self, session: Session) -> None:
         index = NgramIndex(self.max_match, self.min_match)
         index.extend(session.prefixes[0])
-        last = int(greedy(session.next_logits[0]))
+        last = int(session.sample(session.next_logits, session.next_pos)[0])
         session.append([[last]])
         index.extend([last])
         chain: list[int] = []
@@ -132,11 +141,14 @@ class PromptLookupDecoder(Decoder):
             check=lambda v: v >= 0,
             rule=">= 0",
         ),
+        *SAMPLING,
     ),
     summary="prompt lookup: n-gram drafts from the prompt and output, verified with a Jacobi chain",
     lossless=True,
 )
-def _build(lookup_tokens: int, max_match: int, min_match: int, jacobi_drafts: int) -> PromptLookupDecoder:
+def _build(
+    lookup_tokens: int, max_match: int, min_match: int, jacobi_drafts: int, sampler: Sampler
+) -> PromptLookupDecoder:
     if min_match > max_match:
         raise FastForwardError(f"min match ({min_match}) must be <= max match ({max_match})")
-    return PromptLookupDecoder(lookup_tokens, max_match, min_match, jacobi_drafts)
+    return PromptLookupDecoder(lookup_tokens, max_match, min_match, jacobi_drafts, sampler)

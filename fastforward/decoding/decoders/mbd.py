@@ -8,7 +8,8 @@ running blocks of `block_size` positions; a block goes active → to-cache → i
   running, at most `buffer_size` blocks (running or to-cache) are in the buffer, and the row's
   budget (and its first revealed stop token) leaves room; the last block may be shorter.
 * **Acceptance.** After a forward every masked position whose confidence (max probability) is
-  above `accept_threshold` is revealed with its greedy token. A block where none passes reveals
+  above `accept_threshold` is revealed with its token: greedy, or sampled from its distribution
+  with the position's own draw (`fastforward.decoding.sampling`). A block where none passes reveals
   its most confident position only if it is the front running block or the block before it was
   at least `semi_threshold` complete (before this forward); otherwise it waits.
 * **Commit.** A block with nothing masked whose predecessor is to-cache or in-cache (or that is
@@ -41,10 +42,10 @@ from dataclasses import dataclass
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.decoders.registry import BLOCK_SIZE, Knob, fraction, register
+from fastforward.decoding.decoders.registry import BLOCK_SIZE, SAMPLING, Knob, fraction, register
 from fastforward.decoding.policies import entropy_and_confidence
 from fastforward.decoding.runtime import Session
-from fastforward.decoding.sampling import greedy
+from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
 from fastforward.model import visibility
 
@@ -73,7 +74,7 @@ class _Block:
 
 
 class MultiBlockDiffusionDecoder(Decoder):
-    """Block Buffer decoding with greedy tokens; see the module docstring for the rules."""
+    """Block Buffer decoding, greedy or sampled; see the module docstring for the rules."""
 
     name = "mbd"
     rows_apart = True
@@ -86,6 +87,7 @@ class MultiBlockDiffusionDecoder(Decoder):
         accept_threshold: float = 0.9,
         semi_threshold: float = 0.9,
         static: bool = False,
+        sampler: Sampler | None = None,
     ):
         if block_size <= 0 or buffer_size < 1:
             raise FastForwardError(f"need block_size > 0 and buffer_size >= 1, got {block_size} and {buffer_size}")
@@ -95,6 +97,7 @@ class MultiBlockDiffusionDecoder(Decoder):
         self.block_size, self.buffer_size = block_size, buffer_size
         self.add_threshold, self.accept_threshold, self.semi_threshold = add_threshold, accept_threshold, semi_threshold
         self.static = static
+        self.sampler = sampler or Sampler()
 
     def decode(self, session: Session) -> None:
         if session.batch != 1:
@@ -117,9 +120,10 @@ class MultiBlockDiffusionDecoder(Decoder):
             layout = torch.tensor([ids + [mask_id] * padding, positions], device=session.device)
             sizes = tuple(b.size for b in running)
             rule = visibility.block_causal_decode(commit, sizes, session.device, padding)
-            logits = session.forward(layout[:1], layout[1:], rule, read=range(commit, used))[0]
-            _, confidence = entropy_and_confidence(logits)
-            tokens, confidence = torch.stack([greedy(logits).double(), confidence.double()]).tolist()
+            logits = session.forward(layout[:1], layout[1:], rule, read=range(commit, used))
+            _, confidence = entropy_and_confidence(logits[0])
+            tokens = session.sample(logits, layout[1:, commit:used])[0]
+            tokens, confidence = torch.stack([tokens.double(), confidence.double()]).tolist()
             reveals = self._choose(running, confidence)
             self._reveal(session, running, reveals, [int(t) for t in tokens])
             session.advance(keep=commit)
@@ -197,6 +201,7 @@ class MultiBlockDiffusionDecoder(Decoder):
         fraction("accept_threshold", 0.9, "mbd: reveal every masked token whose confidence is above this"),
         fraction("semi_threshold", 0.9, "mbd: force a block's top token only if the block before it is this complete"),
         Knob("static", bool, False, "mbd: feed every forward at the fixed width (buffer_size + 1) x block_size"),
+        *SAMPLING,
     ),
     summary="Multi-Block Diffusion: a buffer of mask blocks decoded at once, exact KV cache",
     needs_mask=True,
@@ -208,5 +213,8 @@ def _build(
     accept_threshold: float,
     semi_threshold: float,
     static: bool,
+    sampler: Sampler,
 ) -> MultiBlockDiffusionDecoder:
-    return MultiBlockDiffusionDecoder(block_size, buffer_size, add_threshold, accept_threshold, semi_threshold, static)
+    return MultiBlockDiffusionDecoder(
+        block_size, buffer_size, add_threshold, accept_threshold, semi_threshold, static, sampler
+    )

@@ -8,10 +8,11 @@ One forward holds `[last committed token ; draft chain ; candidates]`:
 * candidates are n-grams recycled from earlier rejected drafts that start where the committed
   text ends; each sees only the cache, the last token and itself.
 
-Whichever of the chain or the candidates has the longest greedily confirmed prefix is committed,
-with the prediction after it, so the output is exactly greedy AR decoding. A new pseudo-active
-block is spawned once a block has ⌈r·n⌉ confirmed (or stationary) tokens. Rows of a batch are
-decoded one after another: their candidate layouts differ.
+Whichever of the chain or the candidates has the longest confirmed prefix is committed, with the
+prediction after it, so the output is exactly AR decoding (greedy, or sampled with each position's
+own draw: `fastforward.decoding.sampling`). A new pseudo-active block is spawned once a block has
+⌈r·n⌉ confirmed (or stationary) tokens. Rows of a batch are decoded one after another: their
+candidate layouts differ.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.decoders.registry import BLOCK_SIZE, Knob, register
+from fastforward.decoding.decoders.registry import BLOCK_SIZE, SAMPLING, Knob, register
 from fastforward.decoding.policies import greedy_prefix
 from fastforward.decoding.runtime import Session
-from fastforward.decoding.sampling import greedy
+from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
 from fastforward.model import visibility
 
@@ -59,7 +60,13 @@ class MultiBlockJacobiDecoder(Decoder):
     rows_apart = True
 
     def __init__(
-        self, block_size: int = 16, max_blocks: int = 2, spawn_ratio: float = 0.85, verify: int = 2, ngram: int = 0
+        self,
+        block_size: int = 16,
+        max_blocks: int = 2,
+        spawn_ratio: float = 0.85,
+        verify: int = 2,
+        ngram: int = 0,
+        sampler: Sampler | None = None,
     ):
         if block_size <= 0:
             raise FastForwardError(f"block size must be > 0, got {block_size}")
@@ -68,6 +75,7 @@ class MultiBlockJacobiDecoder(Decoder):
         self.n, self.max_blocks, self.verify = block_size, max_blocks, verify
         self.spawn_at = math.ceil(spawn_ratio * block_size)
         self.ngram = ngram or block_size
+        self.sampler = sampler or Sampler()
 
     def new_pool(self) -> NgramPool:
         """The candidate pool for one prompt (empty; a subclass may seed it, e.g. from the prompt)."""
@@ -76,7 +84,7 @@ class MultiBlockJacobiDecoder(Decoder):
     def decode(self, session: Session) -> None:
         n = self.n
         pool = self.new_pool()
-        last = int(greedy(session.next_logits[0]))
+        last = int(session.sample(session.next_logits, session.next_pos)[0])
         session.append([[last]])
         drafts, ra_left, pseudo = [last] * n, n, 0
         while not session.finished:
@@ -97,10 +105,11 @@ class MultiBlockJacobiDecoder(Decoder):
 
 def verify(session: Session, last: int, drafts: list[int], cands: list[list[int]], tail: int) -> Verdict:
     """One forward of `[last ; drafts ; candidates]` (see `visibility.jacobi_candidates`); commit
-    the contender (the chain or a candidate) with the longest greedily confirmed prefix, and the
-    prediction after it; keep exactly those entries in the cache. Decided on the host after one
-    read-back of the forward's greedy tokens. `tail`: how many of the last drafts count as the last
-    block when measuring how stationary it is (0: not measured)."""
+    the contender (the chain or a candidate) with the longest confirmed prefix, and the prediction
+    after it; keep exactly those entries in the cache. Decided on the host after one read-back of
+    the forward's predictions (`session.sample`'s: a position's draw is the same in every contender).
+    `tail`: how many of the last drafts count as the last block when measuring how stationary it
+    is (0: not measured)."""
     chain = 1 + len(drafts)
     lengths = tuple(len(c) for c in cands)
     total = chain + sum(lengths)
@@ -112,8 +121,9 @@ def verify(session: Session, last: int, drafts: list[int], cands: list[list[int]
     offsets = [*range(chain), *(j for length in lengths for j in range(1, length + 1))]
     start = session.origins[0] + session.frontiers[0] - 1  # where `last` sits
     layout = torch.tensor([ids, [start + o for o in offsets]], device=session.device)  # tokens, positions
-    guesses = greedy(session.forward(layout[:1], layout[1:], rule, read=range(total))[0]).tolist()
-    # Each contender's token slots, and the slot whose greedy prediction should equal each token.
+    logits = session.forward(layout[:1], layout[1:], rule, read=range(total))
+    guesses = session.sample(logits, layout[1:] + 1)[0].tolist()  # each slot's prediction of the next token
+    # Each contender's token slots, and the slot whose prediction should equal each token.
     token_slots, pred_slots = [list(range(1, chain))], [list(range(chain - 1))]
     begin = chain
     for length in lengths:
@@ -169,9 +179,12 @@ class Verdict:
             "verify", int, 2, "jacobi-mr: recycled n-gram candidates per forward", check=lambda v: v >= 0, rule=">= 0"
         ),
         Knob("ngram", int, 0, "jacobi-mr: candidate length (0: the block size)", check=lambda v: v >= 0, rule=">= 0"),
+        *SAMPLING,
     ),
     summary="multi-block Jacobi with rejection recycling (Jacobi Forcing, Algorithm 1)",
     lossless=True,
 )
-def _build(block_size: int, max_blocks: int, spawn_ratio: float, verify: int, ngram: int) -> MultiBlockJacobiDecoder:
-    return MultiBlockJacobiDecoder(block_size, max_blocks, spawn_ratio, verify, ngram)
+def _build(
+    block_size: int, max_blocks: int, spawn_ratio: float, verify: int, ngram: int, sampler: Sampler
+) -> MultiBlockJacobiDecoder:
+    return MultiBlockJacobiDecoder(block_size, max_blocks, spawn_ratio, verify, ngram, sampler)

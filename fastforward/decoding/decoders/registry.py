@@ -4,7 +4,8 @@ all come from here.
 A decoder module registers itself with `@register(name, knobs=..., summary=...)` on a function that
 builds the decoder from its knob values. Every module in `fastforward.decoding.decoders` is imported on first
 lookup, so a new method is one new file. Knobs with the same name are one knob (one CLI flag); a
-decoder may give it its own default with `knob.with_default(value)`.
+decoder may give it its own default with `knob.with_default(value)`. A decoder that declares the
+`SAMPLING` knobs gets them as one `Sampler`, its build function's `sampler` argument.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fastforward.decoding.policies import POLICIES
+from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
 
 
@@ -64,7 +66,7 @@ class DecoderSpec:
     build: Callable[..., Any]
     knobs: tuple[Knob, ...]
     summary: str
-    lossless: bool = False  # output equals greedy AR decoding of the same model
+    lossless: bool = False  # output equals AR decoding of the same model (greedy, or sampled with the same seed)
     needs_mask: bool = False  # needs a model trained with a mask token
 
     def knob(self, name: str) -> Knob | None:
@@ -86,14 +88,13 @@ class DecoderSpec:
             if name not in known:
                 raise FastForwardError(f"unknown decoder option {name!r}; the options are {', '.join(known)}")
             if value != known[name].default:
-                raise FastForwardError(self._not_applicable(known[name], value))
+                options = ", ".join(k.flag for k in self.knobs) or "none"
+                raise FastForwardError(
+                    f"{known[name].flag} {value} does not apply to the {self.name!r} decoder; its options: {options}"
+                )
+        if all(self.knob(k.name) for k in SAMPLING):
+            chosen["sampler"] = Sampler(**{k.name: chosen.pop(k.name) for k in SAMPLING})
         return self.build(**chosen)
-
-    def _not_applicable(self, knob: Knob, value: Any) -> str:
-        if self.lossless and knob.name in ("temperature", "top_p"):
-            return f"{self.name} decoding is greedy (its output equals greedy AR); use --temperature 0"
-        options = ", ".join(k.flag for k in self.knobs) or "none"
-        return f"{knob.flag} {value} does not apply to the {self.name!r} decoder; its options: {options}"
 
 
 _SPECS: dict[str, DecoderSpec] = {}

@@ -4,7 +4,10 @@ Each block starts as k mask tokens. A forward reads the whole block (it sees the
 bidirectionally); a reveal policy picks which masked positions to fill. When the block is full it
 is not written to the cache at once: it rides along, causally, in front of the next block's first
 forward (the paper's time(2k) term) and only those entries are kept, so the cache always holds
-exactly what a causal prefill of the same tokens would.
+exactly what a causal prefill of the same tokens would. With a sampler at temperature > 0 each
+revealed position's token is sampled from its predicted distribution (with the position's own draw,
+`fastforward.decoding.sampling`); the policy still decides which positions on the model's
+distributions, so temperature 0 is greedy SBD, unchanged.
 """
 
 from __future__ import annotations
@@ -65,20 +68,21 @@ class SBDDecoder(Decoder):
             block = torch.full((session.batch, size), mask_id, dtype=torch.long, device=session.device)
             masked = torch.ones_like(block, dtype=torch.bool)
             if self.first_token_from_ntp and pending is None:
-                block[:, 0] = self.sampler(session.next_logits)
+                block[:, 0] = session.sample(session.next_logits, positions[:, 0])
                 masked[:, 0] = False
                 session.commit(block[:, :1], slots[:, :1])
             while still_masked(session, masked):
                 logits = self._forward(session, block, pending, positions)
                 first = None
                 if pending is not None and self.first_token_from_ntp:
-                    block[:, 0] = self.sampler(logits[:, 0])  # the NTP prediction after the pending block
+                    # the NTP prediction after the pending block
+                    block[:, 0] = session.sample(logits[:, 0], positions[:, 0])
                     first = torch.zeros_like(masked)
                     first[:, 0] = masked[:, 0]
                     masked &= ~first
                     logits = logits[:, 1:]
                 reveal = self.policy(logits, masked)
-                block = torch.where(reveal, self.sampler(logits), block)
+                block = torch.where(reveal, session.sample(logits, positions), block)
                 if first is not None:
                     reveal |= first
                 session.commit(block, slots, reveal)
@@ -119,7 +123,5 @@ FIRST_TOKEN_FROM_NTP = Knob(
     summary="Set Block Decoding: blocks of masks revealed by a policy, exact KV cache",
     needs_mask=True,
 )
-def _build(
-    block_size: int, policy: str, gamma: float, first_token_from_ntp: bool, temperature: float, top_p: float, seed: int
-) -> SBDDecoder:
-    return SBDDecoder(block_size, make_policy(policy, gamma), Sampler(temperature, top_p, seed), first_token_from_ntp)
+def _build(block_size: int, policy: str, gamma: float, first_token_from_ntp: bool, sampler: Sampler) -> SBDDecoder:
+    return SBDDecoder(block_size, make_policy(policy, gamma), sampler, first_token_from_ntp)

@@ -1,4 +1,4 @@
-"""SBD drafting, next-token verification: the SBD model's greedy AR output in fewer forwards.
+"""SBD drafting, next-token verification: the SBD model's AR output in fewer forwards.
 
 Plain SBD decoding (`sbd.py`) keeps whatever its reveal policy picks, so its output can leave the
 model's own greedy NTP-mode output (eq. 9a): every forced or wrong reveal is kept. Here a finished
@@ -13,7 +13,10 @@ forward are valid and the policy reveals from them; otherwise the next block sta
 correction and that forward's mask predictions are dropped.
 
 The output equals greedy AR decoding of the same model, whatever the policy and γ: they only trade
-forwards spent per draft against how much of a draft survives verification.
+forwards spent per draft against how much of a draft survives verification. With a sampler, drafts
+and next-token predictions are sampled with each position's own draw, and a draft is kept while it
+equals the sampled prediction (speculative sampling with a one-hot draft,
+`fastforward.decoding.sampling`): the output is AR sampling's, token for token, for the same seed.
 
 Forwards that only reveal commit nothing, so drafts that keep failing verification could cost more
 than one forward per token (out of domain, TPF fell to 0.29 at γ = 0.1). A row may therefore spend
@@ -31,11 +34,11 @@ from functools import partial
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.decoders.registry import BLOCK_SIZE, GAMMA, POLICY, register
+from fastforward.decoding.decoders.registry import BLOCK_SIZE, GAMMA, POLICY, SAMPLING, register
 from fastforward.decoding.decoders.sbd import after_stop, still_masked
 from fastforward.decoding.policies import EntropyBounded, greedy_prefix, make_policy
 from fastforward.decoding.runtime import Session
-from fastforward.decoding.sampling import greedy
+from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
 from fastforward.model import visibility
 
@@ -45,15 +48,16 @@ class VerifiedSBDDecoder(Decoder):
 
     name = "sbd-verified"
 
-    def __init__(self, block_size: int = 16, policy=None):
+    def __init__(self, block_size: int = 16, policy=None, sampler: Sampler | None = None):
         if block_size <= 0:
             raise FastForwardError(f"block size must be > 0, got {block_size}")
         self.block_size = block_size
         self.policy = policy or EntropyBounded(0.35)
+        self.sampler = sampler or Sampler()
 
     def decode(self, session: Session) -> None:
         mask_id = session.model.require_mask_token(self.name)
-        first = greedy(session.next_logits)
+        first = session.sample(session.next_logits, session.next_pos)
         session.append(first[:, None])
         block, masked = self._open(session, first[:, None], self._size(session, 0), mask_id)
         while not session.finished:
@@ -66,7 +70,7 @@ class VerifiedSBDDecoder(Decoder):
                 logits = session.forward(block, positions, rule, read=range(size), rows=drafting)
                 session.advance(keep=0)  # drafts only: nothing is committed yet
                 block, masked = self._reveal(session, logits, block, masked)
-                block, masked = self._fill_if_broke(session, block, masked, partial(greedy, logits))
+                block, masked = self._fill_if_broke(session, block, masked, partial(session.sample, logits, positions))
             block, masked = self._verify(session, block, start, mask_id)
 
     def _size(self, session: Session, drafted: int) -> int:
@@ -88,9 +92,11 @@ class VerifiedSBDDecoder(Decoder):
     def _reveal(
         self, session: Session, logits: torch.Tensor, block: torch.Tensor, masked: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fill the positions the policy picks with their greedy tokens; nothing after a stop token."""
+        """Fill the positions the policy picks with their tokens (greedy, or sampled with each
+        position's draw); nothing after a stop token. block[:, 0] sits at the last committed token."""
         reveal = self.policy(logits, masked)
-        block = torch.where(reveal, greedy(logits), block)
+        at = session.next_pos[:, None] - 1 + torch.arange(block.shape[1], device=session.device)
+        block = torch.where(reveal, session.sample(logits, at), block)
         masked = masked & ~reveal
         return block, masked & ~after_stop(block, masked, session.stop_ids)
 
@@ -119,12 +125,13 @@ class VerifiedSBDDecoder(Decoder):
         positions = start[:, None] + torch.arange(total, device=session.device)
         rule = visibility.sbd_decode(size, following, session.device)
         logits = session.forward(tokens, positions, rule, read=range(total))
-        guess = greedy(logits[:, :size])  # guess[:, i]: the greedy token after draft[:, i]
+        guess = session.sample(logits[:, :size], positions[:, :size] + 1)  # guess[:, i]: the token after draft[:, i]
         accepted = greedy_prefix(draft[:, 1:], guess[:, : size - 1])
         session.append(guess, accepted + 1)  # the confirmed drafts and the exact token after them
         session.advance(keep=accepted + 1)  # the exact first token and its confirmed drafts
-        # predicted[:, i]: the best guess at position start + i + 1 (greedy after the draft, then masks)
-        predicted = torch.cat([guess, greedy(logits[:, size + 1 :])], dim=1)
+        # predicted[:, i]: the best guess at position start + i + 1 (after the draft, then masks)
+        masks = session.sample(logits[:, size + 1 :], positions[:, size + 1 :])
+        predicted = torch.cat([guess, masks], dim=1)
         following_slots = accepted[:, None] + torch.arange(following, device=session.device)
         carried = predicted.gather(1, following_slots)
         block, masked = self._open(session, carried, following, mask_id)
@@ -137,10 +144,10 @@ class VerifiedSBDDecoder(Decoder):
 
 @register(
     "sbd-verified",
-    knobs=(BLOCK_SIZE, POLICY, GAMMA),
+    knobs=(BLOCK_SIZE, POLICY, GAMMA, *SAMPLING),
     summary="SBD blocks as drafts, verified by next-token logits in the commit forward; TPF >= 1",
     lossless=True,
     needs_mask=True,
 )
-def _build(block_size: int, policy: str, gamma: float) -> VerifiedSBDDecoder:
-    return VerifiedSBDDecoder(block_size, make_policy(policy, gamma))
+def _build(block_size: int, policy: str, gamma: float, sampler: Sampler) -> VerifiedSBDDecoder:
+    return VerifiedSBDDecoder(block_size, make_policy(policy, gamma), sampler)

@@ -4,7 +4,9 @@ Per row and step: the candidates are the still-masked positions from the row's f
 position up to `window` positions ahead (never past a revealed stop token or the budget). One
 forward reads a mask at each candidate; the row accepts its most confident candidate plus every
 candidate whose probability is at least `threshold`, committing them to the canvas at their
-positions.
+positions: each its most probable token, or with a sampler at temperature > 0 one sampled from its
+distribution with the position's own draw (`fastforward.decoding.sampling`; which candidates are
+accepted is still decided on the model's confidences).
 
 The forward is `[tokens accepted in the previous step ; candidate masks]` at true positions. The
 accepted tokens are causal among themselves in position order and see the whole cache; they are
@@ -32,8 +34,9 @@ import math
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.decoders.registry import Knob, register
+from fastforward.decoding.decoders.registry import SAMPLING, Knob, register
 from fastforward.decoding.runtime import Session
+from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
 from fastforward.model import visibility
 
@@ -46,7 +49,9 @@ class SetDiffusionDecoder(Decoder):
     name = "setdlm"
     infills = True
 
-    def __init__(self, window: int = 4, threshold: float = 0.9, suffix_cache: str = "promote"):
+    def __init__(
+        self, window: int = 4, threshold: float = 0.9, suffix_cache: str = "promote", sampler: Sampler | None = None
+    ):
         if window < 1:
             raise FastForwardError(f"window must be >= 1, got {window}")
         if not threshold >= 0:
@@ -54,9 +59,11 @@ class SetDiffusionDecoder(Decoder):
         if suffix_cache not in SUFFIX_CACHE:
             raise FastForwardError(f"unknown suffix cache {suffix_cache!r}; choose one of {', '.join(SUFFIX_CACHE)}")
         self.window, self.threshold, self.suffix_cache = window, threshold, suffix_cache
+        self.sampler = sampler or Sampler()
 
     def open_session(self, model, prompts, max_new_tokens) -> Session:
-        return Session(model, prompts, max_new_tokens, suffix_upfront=self.suffix_cache == "upfront")
+        upfront = self.suffix_cache == "upfront"
+        return Session(model, prompts, max_new_tokens, suffix_upfront=upfront, sampler=self.sampler)
 
     def decode(self, session: Session) -> None:
         mask_id = session.model.require_mask_token(self.name)
@@ -73,6 +80,8 @@ class SetDiffusionDecoder(Decoder):
             logits = session.forward(tokens, positions, rule, read, rows=torch.tensor(running))
             logits[..., mask_id] = -math.inf
             confidence, choice = torch.softmax(logits, dim=-1).max(dim=-1)
+            if session.sampler.temperature > 0:  # (greedy keeps the softmax's own choice, as it always did)
+                choice = session.sample(logits, positions[:, width:])
             choices, confidences = torch.stack([choice.double(), confidence.double()]).tolist()
             accepted = [self._accept(c, choices[r], confidences[r]) for r, c in enumerate(candidates)]
             self._commit(session, accepted)
@@ -168,9 +177,10 @@ class SetDiffusionDecoder(Decoder):
             "setdlm infilling: the suffix enters the cache up front or as the window reaches it",
             choices=SUFFIX_CACHE,
         ),
+        *SAMPLING,
     ),
     summary="Set Diffusion: a sliding window of masks, confident ones accepted anywhere in it, exact KV cache",
     needs_mask=True,
 )
-def _build(window: int, threshold: float, suffix_cache: str) -> SetDiffusionDecoder:
-    return SetDiffusionDecoder(window, threshold, suffix_cache)
+def _build(window: int, threshold: float, suffix_cache: str, sampler: Sampler) -> SetDiffusionDecoder:
+    return SetDiffusionDecoder(window, threshold, suffix_cache, sampler)
