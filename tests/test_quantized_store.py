@@ -76,3 +76,11 @@ def test_an_entry_made_by_other_code_is_replaced_not_kept_beside(saved, quantiza
     load_model(saved, quantize="int4")
     assert quantizations == ["int4", "int8", "int4"]
     assert len(list((tmp_path / "home" / "quantized").glob("*.pt"))) == 2
+
+
+def test_the_same_weights_with_another_config_are_another_entry(tmp_path, monkeypatch, quantizations):
+    monkeypatch.setenv("FASTFORWARD_HOME", str(tmp_path / "home"))
+    for positions in (512, 24):  # RoPE: the weights files are the same bytes, the context is not
+        tiny_model(seed=0, max_positions=positions).save(tmp_path / f"model-{positions}")
+    contexts = [load_model(str(tmp_path / f"model-{p}"), quantize="int4").max_context for p in (512, 24)]
+    assert contexts == [512, 24] and quantizations == ["int4", "int4"]

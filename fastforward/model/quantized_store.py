@@ -2,10 +2,11 @@
 
 Quantizing SmolLM2-135M to int4 takes seconds, and to int8 longer (its smoothing runs calibration
 forwards); every `generate` used to pay it again. The first load at a setting writes the quantized
-model (its modules, as `torch.save` pickles them) and later loads read it back in a fraction of a
-second. An entry is keyed by everything its bits depend on: the source weights' SHA-256, the dtype,
-the scheme, `--exact` (the calibration forwards run through its attention), fusion, the int4 kernel,
-the quantization code itself and the torch and transformers versions; so a stale entry is never found.
+model (its modules and config, as `torch.save` pickles them) and later loads read it back in a
+fraction of a second. An entry is keyed by everything it depends on: the SHA-256 of the source weights
+and configuration files, the dtype, the scheme, `--exact` (the calibration forwards run through its
+attention), fusion, the int4 kernel, the quantization code itself and the torch and transformers
+versions; so a stale entry is never found.
 Each entry carries the SHA-256 of its own bytes, checked before it is read: a corrupt entry is
 reported in one line, removed and made again, never loaded. Only files this module wrote are read.
 """
@@ -26,7 +27,7 @@ from torch import nn
 from fastforward.cpu import native, w4a8
 
 CODE = Path(__file__).resolve().parents[1] / "cpu"  # the quantization code: its files are part of the key
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
+SOURCE_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json")  # weights and configuration: all the entry holds
 
 
 def _digest(path: Path) -> str:
@@ -47,12 +48,13 @@ class QuantizedStore:
 
     # ---- the key ------------------------------------------------------------------------------
     def _source_digest(self) -> str:
-        """SHA-256 of the source's weight files, remembered per (path, size, mtime) so that a model
-        is read through once, not at every load."""
+        """SHA-256 of the source's weight and configuration files (a pickled model holds its config:
+        two models with the same weights and another context length are two entries), remembered per
+        (path, size, mtime) so that a model is read through once, not at every load."""
         if self.source.is_file():
             files = [self.source]
         else:
-            files = sorted(p for p in self.source.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+            files = sorted(p for p in self.source.iterdir() if p.is_file() and p.suffix in SOURCE_SUFFIXES)
         stamp = json.dumps([[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files])
         index_path = self.directory / "sources.json"
         index = _read_json(index_path)
