@@ -1,0 +1,127 @@
+"""Batch invariance on SmolLM2-135M: does a prompt decode to the same tokens alone and in a batch?
+
+`--check`: for each precision, the `cpu_speed.py` prompts (chat's 8, and `--n` `pycode` and `humaneval`)
+decoded one at a time with greedy `ar`, then in left-padded batches of 3 and of 8 with `ar` and
+`jacobi`; counts the prompts whose tokens equal one-prompt `ar`'s. `--cost`: what batch invariance
+costs: `ar` and `jacobi` at batch 1 and 8, tokens/s (prefill included), with `--exact`'s invariance
+(row-by-row prefill, bfloat16 GEMMs in calls of at most 32 rows) and without it, interleaved in one
+process, median of `--rounds`.
+
+    python benchmarks/batch_invariance.py --check        # 8 chat, 21 pycode, 21 humaneval prompts
+    python benchmarks/batch_invariance.py --cost
+
+Writes benchmarks/results/batch_invariance.json with the machine and its load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import contextmanager
+from unittest import mock
+
+from common import RESULTS, load_average, load_smollm2, log, prompt_groups, set_threads, write_report
+
+import fastforward as ff
+from fastforward.cpu.row_chunks import RowChunkedLinear
+from fastforward.model import Model
+
+PRECISIONS = {
+    "float32": {},
+    "bfloat16 --exact": {"dtype": "bfloat16", "exact": True},
+    "int8 --exact": {"quantize": "int8", "exact": True},
+    "int4 --exact": {"quantize": "int4", "exact": True},
+}
+
+
+def decode(model: Model, name: str, prompts: list[list[int]], batch: int, tokens: int) -> list[list[int]]:
+    decoder, out = ff.build_decoder(name), []
+    for start in range(0, len(prompts), batch):
+        out += [g.token_ids for g in decoder.generate(model, prompts[start : start + batch], tokens)]
+    return out
+
+
+def check(args: argparse.Namespace) -> dict:
+    table = {}
+    for label in args.precisions:
+        model = load_smollm2(**PRECISIONS[label])
+        prompts = [p for group in prompt_groups(model, args.n).values() for p in group]
+        alone = decode(model, "ar", prompts, 1, args.new_tokens)
+        row = {}
+        for name in ("ar", "jacobi"):
+            for batch in (3, 8):
+                batched = decode(model, name, prompts, batch, args.new_tokens)
+                same = sum(a == b for a, b in zip(alone, batched, strict=True))
+                row[f"{name} batch {batch}"] = f"{same}/{len(prompts)}"
+        table[label] = row
+        log(f"{label:18s} " + "   ".join(f"{k}: {v}" for k, v in row.items()))
+    return table
+
+
+@contextmanager
+def without_invariance(model: Model):
+    """`--exact` as it was before batch invariance: batched prefill, bfloat16 GEMMs in one call."""
+    chunked = [m for m in model.hf.modules() if type(m) is RowChunkedLinear]
+    for module in chunked:
+        module.__class__ = RowChunkedLinear.__mro__[1]
+    try:
+        with mock.patch.object(Model, "batch_invariant", property(lambda self: False)):
+            yield
+    finally:
+        for module in chunked:
+            module.__class__ = RowChunkedLinear
+
+
+def cost(args: argparse.Namespace) -> dict:
+    figures = {}
+    for label in ("bfloat16 --exact", "int4 --exact"):
+        model = load_smollm2(**PRECISIONS[label])
+        prompts = [p for group in prompt_groups(model, 8).values() for p in group][:8]
+        runs: dict[str, list[float]] = {}
+        for _ in range(args.rounds):
+            for name in ("ar", "jacobi"):
+                for batch in (1, 8):
+                    for variant in ("invariant", "not invariant"):
+                        with without_invariance(model) if variant == "not invariant" else _nothing():
+                            started = time.perf_counter()
+                            out = decode(model, name, prompts, batch, args.new_tokens)
+                            seconds = time.perf_counter() - started
+                        runs.setdefault(f"{name} batch {batch} {variant}", []).append(sum(map(len, out)) / seconds)
+        medians = {key: round(statistics.median(v), 2) for key, v in runs.items()}
+        for name in ("ar", "jacobi"):
+            for batch in (1, 8):
+                on, off = medians[f"{name} batch {batch} invariant"], medians[f"{name} batch {batch} not invariant"]
+                log(f"{label:18s} {name:7s} batch {batch}: {on:7.2f} tok/s invariant, {off:7.2f} not ({on / off:.3f}x)")
+        figures[label] = medians
+    return figures
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--cost", action="store_true")
+    parser.add_argument("--n", type=int, default=21, help="`pycode` and `humaneval` prompts (and chat's 8)")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS)[1:])
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    threads = set_threads(args.threads)
+    load_before = load_average()
+    figures = {"args": vars(args)}
+    if args.check:
+        figures["equal_to_one_prompt_ar"] = check(args)
+    if args.cost:
+        figures["tokens_per_second"] = cost(args)
+    name = "batch_invariance" + ("_check" if args.check else "") + ("_cost" if args.cost else "")
+    write_report(RESULTS / f"{name}.json", load_before, threads, **figures)
+
+
+if __name__ == "__main__":
+    main()
