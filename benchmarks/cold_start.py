@@ -30,6 +30,8 @@ from pathlib import Path
 
 from common import RESULTS, load_average, log, write_report
 
+from fastforward.cpu.threads import auto_threads
+
 PROMPT = "Write a Python function that reverses a string."
 FLOOR = (
     "import torch; from transformers import AutoModelForCausalLM, AutoTokenizer; "
@@ -88,7 +90,8 @@ def main() -> None:
     figures["fastforward minus the floor"] = round(figures["fastforward generate"] - figures["floor (imports only)"], 2)
     for name, value in figures.items():
         log(f"{name:45s} {value}")
-    write_report(RESULTS / "cold_start.json", load_before, 2, args=vars(args), medians=figures, walls=walls)
+    threads = auto_threads()  # what each fresh `generate` picks for itself (the cores not busy now)
+    write_report(RESULTS / "cold_start.json", load_before, threads, args=vars(args), medians=figures, walls=walls)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ reported in one line, removed and made again, never loaded. Only files this modu
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -65,8 +66,9 @@ class QuantizedStore:
         return index[stamp]
 
     def _key(self) -> str:
-        return self._parts()[0]
+        return self._parts[0]
 
+    @functools.cached_property
     def _parts(self) -> tuple[str, dict[str, str]]:
         """The entry's key, and the part of it that names the model and setting (an entry made by
         older code or an older torch for the same model and setting replaces that one)."""
@@ -106,7 +108,7 @@ class QuantizedStore:
     def save(self, hf: nn.Module) -> None:
         """Write the entry atomically (checksum last: an entry without one is never read), and remove
         the entries it replaces."""
-        key, name = self._parts()
+        key, name = self._parts
         entry = self.directory / f"{key}.pt"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
