@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from fastforward.cli import add_command, add_threads_flag
 from fastforward.errors import FastForwardError
-from fastforward.model import DTYPES, load_model
+from fastforward.model import DTYPES, flex, load_model
 from fastforward.training.data import PackedData, load_examples, split_examples
 from fastforward.training.launch import reported_once, say, share_threads
 from fastforward.training.objectives import OBJECTIVES, SBD, JacobiForcing, MultiTF, SetDLM, make_objective
@@ -56,6 +58,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--noisy-context", default=jf.noisy_context, help="noisy blocks see earlier noisy or clean blocks")
     p.add_argument("--ar-weight", type=float, default=jf.ar_weight, help="weight of the AR loss (jacobi_forcing)")
     add_only_correct_flag(p)
+    p.add_argument(
+        "--attention",
+        choices=flex.CHOICES,
+        default="auto",
+        help="sdpa (dense masks) or flex (FlexAttention, trains on GPUs only); auto: flex when a CUDA GPU is visible",
+    )
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evaluations")
     p.add_argument("--max-eval-batches", type=int, default=d.max_eval_batches)
     add_threads_flag(p)
@@ -86,7 +94,12 @@ def add_optimizer_flags(p: argparse.ArgumentParser, seq_len: int) -> None:
     p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast (weights and optimizer stay in --dtype)")
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 autocast; weights and optimizer stay in --dtype (default: on when a CUDA GPU is visible)",
+    )
 
 
 def train_config(args: argparse.Namespace, **overrides) -> TrainConfig:
@@ -101,7 +114,7 @@ def train_config(args: argparse.Namespace, **overrides) -> TrainConfig:
         weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm,
         seed=args.seed,
-        mixed_precision="bf16" if args.bf16 else "no",
+        mixed_precision="bf16" if (torch.cuda.is_available() if args.bf16 is None else args.bf16) else "no",
         save_every=args.save_every,
         keep_checkpoints=args.keep_checkpoints,
         **overrides,
@@ -138,7 +151,10 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.only_correct and not on_trajectories:
         raise FastForwardError("--only-correct filters Jacobi trajectories: use it with --objective jacobi_forcing")
-    model = load_model(args.model, dtype=args.dtype)
+    attention = args.attention
+    if attention == "auto":  # decided by where accelerate will train, not where the model loads
+        attention = "flex" if torch.cuda.is_available() else "sdpa"
+    model = load_model(args.model, dtype=args.dtype, attention=attention)
     if on_trajectories:
         train_data, eval_data = trajectory_datasets(
             args.trajectories, args.seq_len, args.eval_data, args.eval_fraction, args.seed, args.only_correct

@@ -33,12 +33,13 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from fastforward.cpu import attention, row_chunks, smoothing
+from fastforward.cpu import attention as exact_attention
+from fastforward.cpu import row_chunks, smoothing
 from fastforward.cpu.compiled import compile_forward
 from fastforward.cpu.quantize import check_scheme, prefill_kernels, uses_int8
 from fastforward.cpu.quantize import quantize as quantize_linears
 from fastforward.errors import FastForwardError
-from fastforward.model import softcap, windows
+from fastforward.model import flex, softcap, windows
 from fastforward.model.cache import new_cache, prepare_cache, track_positions, truncate
 from fastforward.model.quantized_store import QuantizedStore
 
@@ -94,6 +95,10 @@ class Model:
                 "load the model with attn_implementation='sdpa'"
             )
         self.window = windows.sliding_window(hf)  # None unless some layers attend within a sliding window
+        if self.window is not None and self.uses_flex:
+            raise FastForwardError(
+                "FlexAttention does not yet handle sliding-window layers; load this model with attention='sdpa'"
+            )
 
     # ---- properties -------------------------------------------------------------------------
     @property
@@ -105,10 +110,15 @@ class Model:
         return self.hf.dtype
 
     @property
+    def uses_flex(self) -> bool:
+        """Whether layouts go to FlexAttention as BlockMasks (`fastforward.model.flex`) rather than to SDPA."""
+        return self.hf.config._attn_implementation == flex.NAME
+
+    @property
     def batch_invariant(self) -> bool:
         """Whether a row's logits must not depend on what shares its forward (`--exact` attention): then a
         batch is also prefilled row by row (`Session`)."""
-        return self.hf.config._attn_implementation in (attention.NAME, softcap.EXACT)
+        return self.hf.config._attn_implementation in (exact_attention.NAME, softcap.EXACT)
 
     @property
     def vocab_size(self) -> int:
@@ -244,10 +254,13 @@ class Model:
 
     def _masks(self, layout: Layout, cache: DynamicCache | None, past: int) -> torch.Tensor | dict | None:
         """The attention mask argument of a layout's forward: its visibility [B, 1, T, S] (None: causal),
-        or with sliding layers the masks of each kind of layer, from the positions of queries and keys."""
+        a BlockMask of it for FlexAttention, or with sliding layers the masks of each kind of layer, from
+        the positions of queries and keys."""
+        batch, length = layout.tokens.shape
+        if self.uses_flex:
+            return flex.block_mask(layout.visibility, batch, length, past, layout.tokens.device)
         if self.window is None:
             return None if layout.visibility is None else layout.visibility[:, None]
-        batch, length = layout.tokens.shape
         queries = layout.positions.expand(batch, -1)
         keys = track_positions(cache, queries) if cache is not None else queries
         seen = layout.visibility
@@ -417,6 +430,7 @@ def _load_hf(
     exact: bool,
     fuse: bool,
     device: str | None,
+    attention: str,
 ) -> PreTrainedModel:
     """The model from `path` in `dtype` on `device`, with the attention `exact` asks for, its linear
     layers quantized (`quantize`; `fuse`: where fusing measured faster, int8 eager and native int4
@@ -432,8 +446,12 @@ def _load_hf(
         except (OSError, ValueError, SafetensorError) as exc:
             raise FastForwardError(f"could not load a causal LM from {path}: {exc}") from exc
     hf.to(dtype=dtype)
-    # SDPA, or row-invariant attention for --exact; soft-capped attention (Gemma 2) needs its own
-    hf.config._attn_implementation = softcap.attention_for(hf.config, exact) or (attention.NAME if exact else "sdpa")
+    # SDPA or FlexAttention (`attention`), or row-invariant attention for --exact; soft-capped attention
+    # (Gemma 2) needs its own
+    plain = exact_attention.NAME if exact else flex.implementation(attention, device)
+    if plain == flex.NAME and attention == "auto" and windows.sliding_window(hf) is not None:
+        plain = "sdpa"  # FlexAttention has no sliding-window masks yet (`Model` refuses it when asked for)
+    hf.config._attn_implementation = softcap.attention_for(hf.config, exact) or plain
     if device:
         hf.to(device)
     hf.eval()
@@ -449,6 +467,7 @@ def load_model(
     quantize: str = "none",
     exact: bool = False,
     compile: bool = False,
+    attention: str = "auto",
 ) -> Model:
     """Load a preset, a Hugging Face model directory or a GGUF file, ready to run layouts.
 
@@ -456,19 +475,21 @@ def load_model(
     attention (`fastforward.cpu.attention`), so that a token's logits do not depend on what shares its
     forward; with int8, int4 or bfloat16 weights, verifying decoders then give greedy AR's tokens bit
     for bit. compile: compile the decoding steps (`fastforward.cpu.compiled`): faster steps after a warm-up.
+    attention: "sdpa", "flex" (FlexAttention, `fastforward.model.flex`) or "auto" (flex on CUDA).
     """
     torch_dtype = _resolve_dtype(dtype)
     check_device(device)
     check_scheme(quantize)  # before the load, which takes seconds
+    flex.implementation(attention, device)  # likewise: an unknown choice fails now
     path = resolve_model_path(name_or_path)
     tokenizer = _load_tokenizer(path)
     fuse = compile if quantize == "int4" else not compile
     store = None
-    if quantize != "none" and device in (None, "cpu"):
+    if quantize != "none" and device in (None, "cpu") and attention != "flex":
         store = QuantizedStore(fastforward_home(), path, dtype=torch_dtype, scheme=quantize, exact=exact, fuse=fuse)
     hf = store.load() if store is not None else None
     if hf is None:
-        hf = _load_hf(path, tokenizer, torch_dtype, quantize, exact, fuse, device)
+        hf = _load_hf(path, tokenizer, torch_dtype, quantize, exact, fuse, device, attention)
         if store is not None:
             store.save(hf)  # quantized once: the next load at this setting reads it back
     if exact:

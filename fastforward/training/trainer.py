@@ -528,6 +528,11 @@ def train(
         raise FastForwardError(f"seq_len {config.seq_len} exceeds the model's context of {model.max_context} tokens")
     out = Path(out_dir)
     accelerator = _accelerator(config.mixed_precision)
+    if model.uses_flex and accelerator.device.type != "cuda":
+        raise FastForwardError(
+            f"FlexAttention trains only on CUDA GPUs (torch has no backward for it on {accelerator.device.type}); "
+            "train with --attention sdpa"
+        )
     objective.setup(model)
     record = {
         "train": asdict(config),

@@ -1,0 +1,101 @@
+"""FlexAttention for every layout: the layout's visibility as a `BlockMask`.
+
+With a dense boolean mask SDPA on a GPU falls back from its fused flash kernel to one that reads
+every query-key pair; an SBD training row is 2L tokens with a [2L, 2L] mask of which about a
+quarter is visible. FlexAttention skips the 128 × 128 tiles a `BlockMask` marks empty and runs the
+rest in one fused kernel. Any rule of `fastforward.model.visibility` (training or decoding, with or
+without a cache) reaches it the same way: its dense visibility [B, T, P + T] is looked up by the
+`mask_mod`, so a new rule needs nothing here.
+
+On CUDA the kernel is compiled (Triton); elsewhere flex_attention runs its unfused reference
+implementation, which has a forward but no backward on the CPU in torch 2.13: the CPU keeps SDPA
+unless FlexAttention is asked for (tests compare the two there).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import flex_attention_mask
+
+from fastforward.errors import FastForwardError
+
+NAME = "fastforward_flex"
+CHOICES = ("auto", "sdpa", "flex")  # `--attention`: auto is flex on CUDA, SDPA elsewhere
+
+
+def implementation(attention: str, device: str | torch.device | None) -> str:
+    """The attention implementation `--attention` asks for on `device` ("sdpa" or NAME)."""
+    if attention not in CHOICES:
+        raise FastForwardError(f"unknown attention {attention!r}; choose one of {', '.join(CHOICES)}")
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    return NAME if attention == "flex" or (attention == "auto" and on_cuda) else "sdpa"
+
+
+def block_mask(visibility: torch.Tensor | None, batch: int, length: int, past: int, device: torch.device) -> BlockMask:
+    """The BlockMask of a forward of `length` new tokens after `past` cached entries.
+
+    visibility: the layout's [B, T, P + T] booleans, or None for plain causal attention over
+    unpadded rows (the query at i sees keys up to past + i)."""
+    if visibility is None:
+
+        def causal(b, h, q, kv):
+            return kv <= q + past
+
+        return create_block_mask(causal, None, None, length, past + length, device=device)
+
+    def lookup(b, h, q, kv):
+        return visibility[b, q, kv]
+
+    return create_block_mask(lookup, visibility.shape[0], None, length, past + length, device=device)
+
+
+_compiled: Callable | None = None
+
+
+def _kernel(device: torch.device) -> Callable:
+    """flex_attention compiled once per process on CUDA (fused Triton kernels, forward and backward)."""
+    global _compiled
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled is None:
+        _compiled = torch.compile(flex_attention)
+    return _compiled
+
+
+def flex_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: BlockMask | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query [B, H, T, d]; key, value [B, Hkv, S, d]; attention_mask a BlockMask (`block_mask`) or None
+    (causal, the last T keys being the queries'). Returns [B, T, H, d]."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise FastForwardError("fastforward's FlexAttention has no logit soft-capping or attention sinks; use sdpa")
+    if dropout > 0:
+        raise FastForwardError("FlexAttention has no attention dropout; set the model's attention_dropout to 0")
+    length, total = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        attention_mask = block_mask(None, query.shape[0], length, total - length, query.device)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1 and groups & (groups - 1):  # as transformers does: GQA in the kernel wants a power of two
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out = _kernel(query.device)(
+            query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, flex_attention_forward)
+AttentionMaskInterface.register(NAME, flex_attention_mask)  # for callers that pass 2D padding masks
