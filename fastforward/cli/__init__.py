@@ -74,9 +74,14 @@ def add_threads_flag(p: argparse.ArgumentParser) -> None:
 
 
 def add_precision_flags(
-    p: argparse.ArgumentParser, dtype: str = "float32", quantize: str = "none", exact: bool = False
+    p: argparse.ArgumentParser,
+    dtype: str = "float32",
+    quantize: str = "none",
+    exact: bool = False,
+    attention: bool = True,
 ) -> None:
-    """--dtype, --quantize and --exact / --no-exact, for every command that loads a model to decode."""
+    """--dtype, --quantize, --exact / --no-exact and (`attention`) --attention, for every command that loads
+    a model to decode."""
     from fastforward.cpu.quantize import QUANTIZATIONS
     from fastforward.model import DTYPES
 
@@ -94,6 +99,14 @@ def add_precision_flags(
         help="row-invariant attention: verifying decoders give greedy AR's tokens bit for bit "
         f"(with int8, int4 or bfloat16 weights; default: {'on' if exact else 'off'})",
     )
+    if not attention:
+        return
+    p.add_argument(
+        "--attention",
+        choices=("auto", "sdpa", "flex"),  # fastforward.model.flex.CHOICES, without importing torch here
+        default="auto",
+        help="sdpa (dense masks) or flex (FlexAttention); auto: flex on a CUDA --device, sdpa elsewhere",
+    )
 
 
 def add_compile_flag(p: argparse.ArgumentParser) -> None:
@@ -108,7 +121,13 @@ def add_compile_flag(p: argparse.ArgumentParser) -> None:
 
 def precision(args: argparse.Namespace) -> dict:
     """load_model's arguments from the flags of `add_precision_flags` and `add_compile_flag`."""
-    return {"dtype": args.dtype, "quantize": args.quantize, "exact": args.exact, "compile": args.compile}
+    return {
+        "dtype": args.dtype,
+        "quantize": args.quantize,
+        "exact": args.exact,
+        "compile": args.compile,
+        "attention": args.attention,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,9 +42,10 @@ def block_mask(visibility: torch.Tensor | None, batch: int, length: int, past: i
     visibility: the layout's [B, T, P + T] booleans, or None for plain causal attention over
     unpadded rows (the query at i sees keys up to past + i)."""
     if visibility is None:
+        offset = torch.tensor(past, device=device)  # a tensor, not an int the compiled kernel would guard on
 
         def causal(b, h, q, kv):
-            return kv <= q + past
+            return kv <= q + offset
 
         return create_block_mask(causal, None, None, length, past + length, device=device)
 
