@@ -102,11 +102,27 @@ def test_lossless_decoders_on_flex_give_ar_tokens(pair, prompts, decoder):
     assert [g.token_ids for g in decoder.generate(flexed, prompts, max_new_tokens=12)] == ar
 
 
-def test_attention_choices():
-    assert flex.implementation("auto", "cpu") == "sdpa"
-    assert flex.implementation("auto", None) == "sdpa"
-    assert flex.implementation("auto", "cuda") == flex.NAME
-    assert flex.implementation("flex", "cpu") == flex.NAME
-    assert flex.implementation("sdpa", "cuda") == "sdpa"
+def test_attention_choices(monkeypatch):
+    assert flex.implementation("sdpa") == "sdpa"
+    assert flex.implementation("flex") == flex.NAME
     with pytest.raises(FastForwardError, match="unknown attention 'fast'"):
-        flex.implementation("fast", None)
+        flex.implementation("fast")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert [flex.for_training("auto", o) for o in ("ntp", "sbd", "setdlm")] == ["sdpa", "flex", "flex"]
+    assert flex.for_training("sdpa", "sbd") == "sdpa"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert flex.for_training("auto", "sbd") == "sdpa"
+
+
+def test_flex_training_on_the_cpu_is_refused(tmp_path):
+    """FlexAttention has no CPU backward: the trainer says so before the first step."""
+    from fastforward.model.tiny import tiny_model
+    from fastforward.training.data import Example, PackedData
+    from fastforward.training.objectives import make_objective
+    from fastforward.training.trainer import TrainConfig, train
+
+    model = tiny_model()
+    model.hf.config._attn_implementation = flex.NAME
+    data = PackedData([Example(list(range(3, 40)), [True] * 37)], 16, model.pad_token_id)
+    with pytest.raises(FastForwardError, match="FlexAttention trains only on CUDA"):
+        train(model, make_objective("sbd"), data, TrainConfig(steps=1, seq_len=16, batch_size=1), tmp_path / "run")

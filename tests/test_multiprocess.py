@@ -83,7 +83,7 @@ def free_port() -> int:
 
 def launch(*command: str) -> subprocess.CompletedProcess:
     """Run a launch command with one thread per process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # a CPU group, also beside a GPU
     return subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
 
 

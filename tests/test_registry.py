@@ -74,3 +74,19 @@ def test_generate_reports_the_decoder_it_chose(tmp_path, capsys):
     tiny_model(seed=0).save(tmp_path / "m")
     assert main(["generate", "--model", str(tmp_path / "m"), "--max-new-tokens", "4", "1 2 3"]) == 0
     assert capsys.readouterr().err.startswith("[lookup: 4 tokens")
+
+
+def test_precision_defaults_follow_the_device():
+    """The CPU's defaults (int4, --exact) are CPU kernels: a CUDA --device gets bfloat16 without them,
+    and a flag given keeps its value on either."""
+    from fastforward.cli import resolve_precision
+
+    def resolved(*argv: str) -> tuple:
+        args = build_parser().parse_args(["generate", *argv, "x"])
+        resolve_precision(args)
+        return args.dtype, args.quantize, args.exact
+
+    assert resolved() == ("float32", "int4", True)
+    assert resolved("--device", "cuda") == ("bfloat16", "none", False)
+    assert resolved("--device", "cuda:1", "--dtype", "float32") == ("float32", "none", False)
+    assert resolved("--quantize", "int8", "--no-exact") == ("float32", "int8", False)

@@ -85,27 +85,27 @@ def add_precision_flags(
     from fastforward.cpu.quantize import QUANTIZATIONS
     from fastforward.model import DTYPES
 
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=dtype, help=f"weight dtype (default: {dtype})")
+    # The defaults are the CPU's; a command run with a CUDA --device gets GPU_PRECISION (`resolve_precision`).
+    p.set_defaults(cpu_precision={"dtype": dtype, "quantize": quantize, "exact": exact})
+    p.add_argument("--dtype", choices=sorted(DTYPES), help=f"weight dtype (default: {dtype}; bfloat16 on a GPU)")
     p.add_argument(
         "--quantize",
         choices=QUANTIZATIONS,
-        default=quantize,
-        help=f"quantized linear layers on the CPU (default: {quantize}); see README, Precision",
+        help=f"quantized linear layers on the CPU (default: {quantize}; none on a GPU); see README, Precision",
     )
     p.add_argument(
         "--exact",
         action=argparse.BooleanOptionalAction,
-        default=exact,
-        help="row-invariant attention: verifying decoders give greedy AR's tokens bit for bit "
-        f"(with int8, int4 or bfloat16 weights; default: {'on' if exact else 'off'})",
+        help="row-invariant attention on the CPU: verifying decoders give greedy AR's tokens bit for bit "
+        f"(with int8, int4 or bfloat16 weights; default: {'on' if exact else 'off'}; off on a GPU)",
     )
     if not attention:
         return
     p.add_argument(
         "--attention",
-        choices=("auto", "sdpa", "flex"),  # fastforward.model.flex.CHOICES, without importing torch here
-        default="auto",
-        help="sdpa (dense masks) or flex (FlexAttention); auto: flex on a CUDA --device, sdpa elsewhere",
+        choices=("sdpa", "flex"),  # fastforward.model.flex.CHOICES, without importing torch here
+        default="sdpa",
+        help="sdpa, or flex (FlexAttention: a new BlockMask each step, slower to decode; see README, GPUs)",
     )
 
 
@@ -117,6 +117,19 @@ def add_compile_flag(p: argparse.ArgumentParser) -> None:
         help="compile the decoding steps with torch.compile: faster steps after a warm-up of tens of "
         "seconds (see README, Precision)",
     )
+
+
+GPU_PRECISION = {"dtype": "bfloat16", "quantize": "none", "exact": False}
+
+
+def resolve_precision(args: argparse.Namespace) -> None:
+    """Fill the precision flags left unset: the command's CPU defaults, or on a CUDA --device bfloat16
+    weights without quantization (a CPU kernel) or --exact (a CPU attention)."""
+    on_gpu = str(getattr(args, "device", None) or "").startswith("cuda")
+    defaults = GPU_PRECISION if on_gpu else args.cpu_precision
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def precision(args: argparse.Namespace) -> dict:
@@ -137,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:] if argv is None else argv
         args = build_parser(named_command(argv)).parse_args(argv)
         command = f"fastforward {args.command}"
+        if "cpu_precision" in vars(args):
+            resolve_precision(args)
         if "threads" in vars(args):
             from fastforward.cpu.threads import use_threads
 

@@ -60,9 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_only_correct_flag(p)
     p.add_argument(
         "--attention",
-        choices=flex.CHOICES,
+        choices=("auto", *flex.CHOICES),
         default="auto",
-        help="sdpa (dense masks) or flex (FlexAttention, trains on GPUs only); auto: flex when a CUDA GPU is visible",
+        help="sdpa (dense masks) or flex (FlexAttention, trains on GPUs only); auto: flex on a CUDA GPU, except ntp",
     )
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evaluations")
     p.add_argument("--max-eval-batches", type=int, default=d.max_eval_batches)
@@ -151,10 +151,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.only_correct and not on_trajectories:
         raise FastForwardError("--only-correct filters Jacobi trajectories: use it with --objective jacobi_forcing")
-    attention = args.attention
-    if attention == "auto":  # decided by where accelerate will train, not where the model loads
-        attention = "flex" if torch.cuda.is_available() else "sdpa"
-    model = load_model(args.model, dtype=args.dtype, attention=attention)
+    model = load_model(args.model, dtype=args.dtype, attention=flex.for_training(args.attention, args.objective))
     if on_trajectories:
         train_data, eval_data = trajectory_datasets(
             args.trajectories, args.seq_len, args.eval_data, args.eval_fraction, args.seed, args.only_correct

@@ -97,7 +97,8 @@ class Model:
         self.window = windows.sliding_window(hf)  # None unless some layers attend within a sliding window
         if self.window is not None and self.uses_flex:
             raise FastForwardError(
-                "FlexAttention does not yet handle sliding-window layers; load this model with attention='sdpa'"
+                "FlexAttention does not yet handle sliding-window layers; use --attention sdpa "
+                "(load_model(attention='sdpa'))"
             )
 
     # ---- properties -------------------------------------------------------------------------
@@ -448,9 +449,7 @@ def _load_hf(
     hf.to(dtype=dtype)
     # SDPA or FlexAttention (`attention`), or row-invariant attention for --exact; soft-capped attention
     # (Gemma 2) needs its own
-    plain = exact_attention.NAME if exact else flex.implementation(attention, device)
-    if plain == flex.NAME and attention == "auto" and windows.sliding_window(hf) is not None:
-        plain = "sdpa"  # FlexAttention has no sliding-window masks yet (`Model` refuses it when asked for)
+    plain = exact_attention.NAME if exact else flex.implementation(attention)
     hf.config._attn_implementation = softcap.attention_for(hf.config, exact) or plain
     if device:
         hf.to(device)
@@ -467,7 +466,7 @@ def load_model(
     quantize: str = "none",
     exact: bool = False,
     compile: bool = False,
-    attention: str = "auto",
+    attention: str = "sdpa",
 ) -> Model:
     """Load a preset, a Hugging Face model directory or a GGUF file, ready to run layouts.
 
@@ -475,12 +474,12 @@ def load_model(
     attention (`fastforward.cpu.attention`), so that a token's logits do not depend on what shares its
     forward; with int8, int4 or bfloat16 weights, verifying decoders then give greedy AR's tokens bit
     for bit. compile: compile the decoding steps (`fastforward.cpu.compiled`): faster steps after a warm-up.
-    attention: "sdpa", "flex" (FlexAttention, `fastforward.model.flex`) or "auto" (flex on CUDA).
+    attention: "sdpa" or "flex" (FlexAttention, `fastforward.model.flex`; GPUs train with it).
     """
     torch_dtype = _resolve_dtype(dtype)
     check_device(device)
     check_scheme(quantize)  # before the load, which takes seconds
-    flex.implementation(attention, device)  # likewise: an unknown choice fails now
+    flex.implementation(attention)  # likewise: an unknown choice fails now
     path = resolve_model_path(name_or_path)
     tokenizer = _load_tokenizer(path)
     fuse = compile if quantize == "int4" else not compile

@@ -7,9 +7,14 @@ rest in one fused kernel. Any rule of `fastforward.model.visibility` (training o
 without a cache) reaches it the same way: its dense visibility [B, T, P + T] is looked up by the
 `mask_mod`, so a new rule needs nothing here.
 
+Measured on an H200 (benchmarks/gpu_check.py, docs/results.md "GPU"): training SmolLM2-135M at
+2 × 2048 tokens per row, FlexAttention runs at SDPA's speed with 13-17 % less memory; a decoding
+step, which builds a new BlockMask each time, is several times slower than SDPA's. So training on
+CUDA takes it by default (`for_training`) and decoding only when asked (`--attention flex`).
+
 On CUDA the kernel is compiled (Triton); elsewhere flex_attention runs its unfused reference
-implementation, which has a forward but no backward on the CPU in torch 2.13: the CPU keeps SDPA
-unless FlexAttention is asked for (tests compare the two there).
+implementation, which has a forward but no backward on the CPU in torch 2.13 (tests compare it
+with SDPA there).
 """
 
 from __future__ import annotations
@@ -25,15 +30,23 @@ from transformers.masking_utils import flex_attention_mask
 from fastforward.errors import FastForwardError
 
 NAME = "fastforward_flex"
-CHOICES = ("auto", "sdpa", "flex")  # `--attention`: auto is flex on CUDA, SDPA elsewhere
+CHOICES = ("sdpa", "flex")
 
 
-def implementation(attention: str, device: str | torch.device | None) -> str:
-    """The attention implementation `--attention` asks for on `device` ("sdpa" or NAME)."""
+def implementation(attention: str) -> str:
+    """The transformers attention implementation of an `--attention` choice."""
     if attention not in CHOICES:
         raise FastForwardError(f"unknown attention {attention!r}; choose one of {', '.join(CHOICES)}")
-    on_cuda = device is not None and torch.device(device).type == "cuda"
-    return NAME if attention == "flex" or (attention == "auto" and on_cuda) else "sdpa"
+    return NAME if attention == "flex" else "sdpa"
+
+
+def for_training(attention: str, objective: str) -> str:
+    """`fastforward train --attention auto`: flex on a CUDA GPU for the objectives whose layouts are masks
+    (the same speed as SDPA's dense masks and 13-17 % less memory on an H200, docs/results.md "GPU"),
+    SDPA for NTP (its causal flash kernel is 18 % faster) and on every other device."""
+    if attention != "auto":
+        return attention
+    return "flex" if torch.cuda.is_available() and objective != "ntp" else "sdpa"
 
 
 def block_mask(visibility: torch.Tensor | None, batch: int, length: int, past: int, device: torch.device) -> BlockMask:
