@@ -36,12 +36,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from fastforward.decoding import metrics
 from fastforward.decoding.sampling import Sampler, greedy, row_key, uniforms
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, visibility
-from fastforward.model.cache import GrowingLayer, gather_entries, stack_rows, truncate
+from fastforward.model.cache import GrowingLayer, drop_leading, gather_entries, stack_rows, truncate
 
 
 @dataclass
@@ -192,9 +193,9 @@ class Session:
         self.finished_rows = [False] * self.batch
         self.forwards = [0] * self.batch
         self.queries = [0] * self.batch  # tokens run by the forwards each row took part in
-        self._offsets = torch.arange(self.max_new_tokens + 1, device=device)
+        self.steps: list[dict[int, int]] = [{} for _ in rows]  # per row: steps that committed k tokens, by k
+        self.row_state: dict[str, list] = {}  # a decoder's per-row lists (`per_row`), kept in step by join/leave
         self._reads: dict[tuple[int, int], torch.Tensor] = {}
-        self._log: list[tuple[list[bool], list[int]]] = []  # per step: rows taking part, tokens committed
         self._step: _Step | None = None
         self._mirrors: dict[str, torch.Tensor] = {}
         self._cancelled: set[int] = set()
@@ -202,6 +203,8 @@ class Session:
         self.cache = model.new_cache()
         self.next_logits = self._prefill(rows)
         self.prefill_seconds = time.perf_counter() - self.start
+        self.started = [self.start] * self.batch  # when each row's request began (rows may join later)
+        self.prefill_times = [self.prefill_seconds] * self.batch
 
     # ---- prefill ------------------------------------------------------------------------------
     def _prefill(self, rows: list[Prompt]) -> torch.Tensor:
@@ -317,7 +320,9 @@ class Session:
             raise RuntimeError("no step is open: session.advance follows session.forward")
         if not (isinstance(keep, int) and keep == step.new):
             self._keep(step, keep)
-        self._log.append((step.rows, step.committed))
+        for row, (took_part, k) in enumerate(zip(step.rows, step.committed, strict=True)):
+            if took_part:
+                self.steps[row][k] = self.steps[row].get(k, 0) + 1
         self._step = None
         if self.on_step is not None:
             self.on_step(self)
@@ -476,20 +481,95 @@ class Session:
 
     def histograms(self) -> list[dict[int, int]]:
         """Per row: how many of its steps committed k tokens, for each k (steps it took part in)."""
-        counts: list[dict[int, int]] = [{} for _ in range(self.batch)]
-        for rows, committed in self._log:
-            for row, (took_part, k) in enumerate(zip(rows, committed, strict=True)):
-                if took_part:
-                    counts[row][k] = counts[row].get(k, 0) + 1
-        return counts
+        return [dict(counts) for counts in self.steps]
 
     def results(self) -> list[Generation]:
-        seconds = time.perf_counter() - self.start
-        out = []
-        for row, (ids, steps) in enumerate(zip(self.outputs, self.histograms(), strict=True)):
-            stats = Stats(self.forwards[row], len(ids), seconds, self.prefill_seconds, steps, self.queries[row])
-            out.append(Generation(ids, self.model.decode(ids), stats, self.finish_reason(row)))
-        return out
+        return [self.result(row) for row in range(self.batch)]
+
+    def result(self, row: int) -> Generation:
+        ids = self.outputs[row]
+        seconds = time.perf_counter() - self.started[row]
+        stats = Stats(
+            self.forwards[row], len(ids), seconds, self.prefill_times[row], dict(self.steps[row]), self.queries[row]
+        )
+        return Generation(ids, self.model.decode(ids), stats, self.finish_reason(row))
+
+    # ---- rows joining and leaving (continuous batching) -----------------------------------------
+    def per_row(self, name: str) -> list:
+        """A decoder's per-row list `name` (None for rows it has not begun): `join` extends it and
+        `leave` drops the rows that left, so row r's entry stays row r's."""
+        if name not in self.row_state:
+            self.row_state[name] = [None] * self.batch
+        return self.row_state[name]
+
+    def join(self, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int) -> range:
+        """Add rows between steps: prefilled on their own (as a session of them would be), then their
+        cache entries stacked under the running rows', the shorter side left-padded with entries no
+        query sees. Returns the new rows' indices; their `next_logits` are set, and the decoder begins
+        them (`Decoder.begin`)."""
+        if self._step is not None:
+            raise RuntimeError("rows join between steps: call session.advance first")
+        new = Session(self.model, prompts, max_new_tokens, self.suffix_upfront, self.sampler)
+        mine, theirs = self.cache.get_seq_length(), new.cache.get_seq_length()
+        width = max(mine, theirs)
+        validity = []
+        for session, length in ((self, mine), (new, theirs)):
+            valid = session.key_valid
+            if valid is None:
+                valid = torch.ones(session.batch, length, dtype=torch.bool, device=self.device)
+            validity.append(F.pad(valid, (width - length, 0), value=False))
+        self.cache = stack_rows(self.model.hf.config, [self.cache, new.cache], [width - mine, width - theirs])
+        self.key_valid = torch.cat(validity)
+        added = range(self.batch, self.batch + new.batch)
+        for name in self._ROW_LISTS:
+            getattr(self, name).extend(getattr(new, name))
+        for values in self.row_state.values():
+            values.extend([None] * new.batch)
+        self.batch += new.batch
+        self.max_new_tokens = max(self.limits)
+        self.origin = torch.cat([self.origin, new.origin])
+        self.next_logits = torch.cat([self.next_logits, new.next_logits])
+        self._sampling_keys = None
+        self._mirrors.clear()
+        return added
+
+    def leave(self, rows: Sequence[int]) -> list[Generation]:
+        """Remove rows between steps (finished or cancelled), returning their generations. The cache
+        keeps the other rows' entries; leading entries no remaining row sees are dropped."""
+        if self._step is not None:
+            raise RuntimeError("rows leave between steps: call session.advance first")
+        gone = set(rows)
+        results = [self.result(row) for row in rows]
+        stay = [row for row in range(self.batch) if row not in gone]
+        index = torch.tensor(stay, dtype=torch.long, device=self.device)
+        self.cache.batch_select_indices(index)
+        if getattr(self.cache, "key_positions", None) is not None:
+            self.cache.key_positions = self.cache.key_positions[index]
+        if self.key_valid is not None:
+            self.key_valid = self.key_valid[index]
+            lead = int(self.key_valid.any(dim=0).long().argmax()) if stay else self.key_valid.shape[1]
+            if lead:
+                drop_leading(self.cache, lead)
+                self.key_valid = self.key_valid[:, lead:]
+        for name in self._ROW_LISTS:
+            values = getattr(self, name)
+            values[:] = [values[row] for row in stay]
+        for values in self.row_state.values():
+            values[:] = [values[row] for row in stay]
+        self._cancelled = {stay.index(row) for row in self._cancelled if row not in gone}
+        self.batch = len(stay)
+        self.max_new_tokens = max(self.limits, default=0)
+        self.origin = self.origin[index]
+        self.next_logits = self.next_logits[index]
+        self._sampling_keys = None
+        self._mirrors.clear()
+        return results
+
+    # The host lists indexed by row, which `join` extends and `leave` filters.
+    _ROW_LISTS = (
+        "limits", "context_bound", "prefixes", "origins", "suffixes", "seeds", "canvas", "frontiers",
+        "first_stops", "finished_rows", "forwards", "queries", "steps", "started", "prefill_times",
+    )  # fmt: skip
 
     def finish_reason(self, row: int) -> str:
         """Why a row ended (see `Generation`); "interrupted" while it has not."""

@@ -160,6 +160,19 @@ def truncate(cache: Cache, length: int) -> None:
         cache.key_positions = cache.key_positions[:, :length]
 
 
+def drop_leading(cache: Cache, count: int) -> None:
+    """Drop the first `count` entries of every row and layer (entries no query sees any more, after the
+    rows that needed them left). Growing layers keep views of their buffers: no copy."""
+    for layer in cache.layers:
+        if isinstance(layer, GrowingLayer):
+            layer.key_buffer, layer.value_buffer = layer.key_buffer[:, :, count:], layer.value_buffer[:, :, count:]
+            layer.length -= count
+        else:
+            layer.keys, layer.values = layer.keys[:, :, count:], layer.values[:, :, count:]
+    if getattr(cache, "key_positions", None) is not None:
+        cache.key_positions = cache.key_positions[:, count:]
+
+
 def gather_entries(cache: Cache, base: int, order: torch.Tensor) -> None:
     """Move each row's entries `base + order[r]` (order [B, L]) to slots base..base+L-1 of that row.
 

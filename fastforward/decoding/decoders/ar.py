@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import SAMPLING, register
 from fastforward.decoding.runtime import Session
@@ -16,15 +18,23 @@ class ARDecoder(Decoder):
     def __init__(self, sampler: Sampler | None = None):
         self.sampler = sampler or Sampler()
 
-    def decode(self, session: Session) -> None:
-        token = session.sample(session.next_logits, session.next_pos)[:, None]
-        session.append(token)
-        while not session.finished:
-            positions = session.span(-1, 1)  # the last committed token's
-            logits = session.forward(token, positions, read=range(1))[:, 0]
-            token = session.sample(logits, positions[:, 0] + 1)[:, None]
-            session.append(token)
-            session.advance(keep=1)
+    continuous = True
+
+    def begin(self, session: Session, rows: range) -> None:
+        first = session.sample(session.next_logits, session.next_pos).tolist()  # every row: a pure function
+        session.append([[t] for t in first], [int(row in rows) for row in range(session.batch)])
+        last = session.per_row("last")
+        for row in rows:
+            last[row] = first[row]
+
+    def step(self, session: Session) -> None:
+        last = session.per_row("last")
+        token = torch.tensor(last, device=session.device)[:, None]
+        positions = session.span(-1, 1)  # the last committed token's
+        logits = session.forward(token, positions, read=range(1))[:, 0]
+        last[:] = session.sample(logits, positions[:, 0] + 1).tolist()
+        session.append([[t] for t in last])
+        session.advance(keep=1)
 
 
 @register("ar", knobs=SAMPLING, summary="next-token decoding, one token per forward (the baseline)", lossless=True)

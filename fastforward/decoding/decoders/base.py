@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
 from collections.abc import Sequence
 
 import torch
@@ -20,10 +20,25 @@ class Decoder(ABC):
     rows_apart: bool = False  # decode a batch one prompt at a time (for layouts that differ per row)
     infills: bool = False  # can fill the gap of an infilling `Prompt` (prefix, gap, suffix)
     sampler: Sampler = Sampler()  # how the sessions it opens choose tokens (`Session.sample`)
+    continuous: bool = False  # decodes by `begin` and `step`: rows may join and leave between steps
 
-    @abstractmethod
     def decode(self, session: Session) -> None:
-        """Fill the session's canvas through `session.forward` / `commit` / `advance`."""
+        """Fill the session's canvas through `session.forward` / `commit` / `advance`. A continuous
+        decoder begins every row and steps until all have finished; the others override this."""
+        if not self.continuous:
+            raise NotImplementedError(f"{type(self).__name__} defines neither decode nor begin and step")
+        self.begin(session, range(session.batch))
+        while not session.finished:
+            self.step(session)
+
+    def begin(self, session: Session, rows: range) -> None:
+        """Start the rows `rows` of a session, just prefilled (or joined): their first tokens from
+        `session.next_logits` and their per-row state (`session.per_row`)."""
+        raise NotImplementedError(f"{self.name} does not decode step by step")
+
+    def step(self, session: Session) -> None:
+        """One step of every running row: at most one forward, closed by `session.advance`."""
+        raise NotImplementedError(f"{self.name} does not decode step by step")
 
     def open_session(self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int) -> Session:
         """The session this decoder decodes (a decoder may choose how it is prefilled)."""

@@ -51,25 +51,32 @@ class JacobiDecoder(Decoder):
         generator = torch.Generator().manual_seed(session.sampler.seed + 1000003 * row + session.frontiers[row])
         return torch.randint(0, vocab, (n,), generator=generator).tolist()
 
-    def decode(self, session: Session) -> None:
+    continuous = True
+
+    def begin(self, session: Session, rows: range) -> None:
+        first = session.sample(session.next_logits, session.next_pos).tolist()  # every row: a pure function
+        session.append([[t] for t in first], [int(row in rows) for row in range(session.batch)])
+        last, drafts = session.per_row("last"), session.per_row("drafts")
+        for row in rows:
+            last[row] = first[row]
+            drafts[row] = self._filler(session, row, first[row])
+
+    def step(self, session: Session) -> None:
         n = self.block_size
-        last = session.sample(session.next_logits, session.next_pos).tolist()
-        session.append([[t] for t in last])
-        drafts = [self._filler(session, row, t) for row, t in enumerate(last)]
-        while not session.finished:
-            tokens = torch.tensor([[t, *d] for t, d in zip(last, drafts, strict=True)], device=session.device)
-            # the last committed token, one position before the frontier, then the n drafts
-            positions = session.span(-1, n + 1)
-            logits = session.forward(tokens, positions, read=range(n + 1))
-            guesses = session.sample(logits, positions + 1).tolist()  # guesses[r][i]: the token after tokens[r][i]
-            accepted = [greedy_prefix(d, g) for d, g in zip(drafts, guesses, strict=True)]
-            session.append([g[: a + 1] for g, a in zip(guesses, accepted, strict=True)])  # confirmed + next
-            session.advance(keep=[a + 1 for a in accepted])  # the last token and its confirmed drafts
-            for row, (guess, a) in enumerate(zip(guesses, accepted, strict=True)):
-                last[row] = guess[a]
-                # The predictions past the first correction are the next drafts; fresh slots get filler.
-                carried = guess[a + 1 :]
-                drafts[row] = carried + self._filler(session, row, last[row])[len(carried) :]
+        last, drafts = session.per_row("last"), session.per_row("drafts")
+        tokens = torch.tensor([[t, *d] for t, d in zip(last, drafts, strict=True)], device=session.device)
+        # the last committed token, one position before the frontier, then the n drafts
+        positions = session.span(-1, n + 1)
+        logits = session.forward(tokens, positions, read=range(n + 1))
+        guesses = session.sample(logits, positions + 1).tolist()  # guesses[r][i]: the token after tokens[r][i]
+        accepted = [greedy_prefix(d, g) for d, g in zip(drafts, guesses, strict=True)]
+        session.append([g[: a + 1] for g, a in zip(guesses, accepted, strict=True)])  # confirmed + next
+        session.advance(keep=[a + 1 for a in accepted])  # the last token and its confirmed drafts
+        for row, (guess, a) in enumerate(zip(guesses, accepted, strict=True)):
+            last[row] = guess[a]
+            # The predictions past the first correction are the next drafts; fresh slots get filler.
+            carried = guess[a + 1 :]
+            drafts[row] = carried + self._filler(session, row, last[row])[len(carried) :]
 
 
 DRAFT_INIT = Knob("draft_init", str, "repeat", "jacobi: how fresh draft slots are filled", DRAFT_INITS)

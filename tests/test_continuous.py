@@ -1,0 +1,99 @@
+"""Continuous batching: rows join a running session and leave it between steps (`Session.join`,
+`Session.leave`); a lossless decoder's outputs equal its outputs alone, and the cache equals a fresh
+prefill of each running row's tokens after any sequence of joins and leaves."""
+
+import pytest
+import torch
+
+from fastforward.decoding.decoders import ARDecoder, JacobiDecoder, Prompt
+from fastforward.decoding.sampling import Sampler
+from fastforward.model import Layout
+
+# (step at which the request arrives, prompt index, budget): staggered, mixed budgets, two at once
+ARRIVALS = [(0, 0, 12), (0, 1, 5), (2, 2, 17), (3, 3, 9), (3, 0, 7), (9, 1, 14), (10, 2, 3)]
+
+
+def _check_cache(tiny, session) -> None:
+    """Every running row's valid cache entries are a causal prefill of its prompt and committed tokens
+    (all but the last, which the next step feeds)."""
+    for row in range(session.batch):
+        if session.finished_rows[row]:
+            continue
+        ids = session.prefixes[row] + session.outputs[row][:-1]
+        fresh = tiny.new_cache()
+        n = len(ids)
+        with torch.inference_mode():
+            tiny.run(Layout(torch.tensor([ids]), torch.arange(n)[None], None, keep=n), fresh)
+        valid = session.key_valid[row] if session.key_valid is not None else None
+        for a, b in zip(fresh.layers, session.cache.layers, strict=True):
+            keys, values = b.keys[row], b.values[row]
+            if valid is not None:
+                keys, values = keys[:, valid], values[:, valid]
+            torch.testing.assert_close(keys, a.keys[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(values, a.values[0], rtol=1e-4, atol=1e-4)
+
+
+def run_staggered(model, decoder, prompts, arrivals, check=None):
+    """Decode requests arriving at the given steps in one session; returns each request's tokens."""
+    pending = sorted(enumerate(arrivals), key=lambda item: item[1][0])
+    owners: list[int] = []  # session row → request
+    outputs: dict[int, list[int]] = {}
+    session, step = None, 0
+    with torch.inference_mode():
+        while pending or (session is not None and session.batch):
+            arrived = [(i, a) for i, a in pending if a[0] <= step]
+            pending = [(i, a) for i, a in pending if a[0] > step]
+            for request, (_, index, budget) in arrived:
+                prompt = Prompt(prompts[index], seed=request)
+                if session is None:
+                    session = decoder.open_session(model, [prompt], budget)
+                    rows = range(1)
+                else:
+                    rows = session.join([prompt], budget)
+                decoder.begin(session, rows)
+                owners.append(request)
+            if session is not None and not session.finished:
+                decoder.step(session)
+                if check:
+                    check(session)
+            if session is not None:
+                done = [row for row in range(session.batch) if session.finished_rows[row]]
+                for row, generation in zip(done, session.leave(done), strict=True):
+                    outputs[owners[row]] = generation.token_ids
+                owners = [owner for row, owner in enumerate(owners) if row not in done]
+            step += 1
+    return [outputs[i] for i in range(len(arrivals))]
+
+
+@pytest.mark.parametrize(
+    "decoder", [ARDecoder(), JacobiDecoder(4), JacobiDecoder(3, init="random")], ids=["ar", "jacobi", "jacobi-random"]
+)
+def test_staggered_rows_give_their_outputs_alone(tiny, prompts, decoder):
+    got = run_staggered(tiny, decoder, prompts, ARRIVALS, check=lambda s: _check_cache(tiny, s))
+    alone = [decoder.generate(tiny, [prompts[index]], budget)[0].token_ids for _, index, budget in ARRIVALS]
+    assert got == alone
+
+
+def test_sampled_rows_are_reproducible_whatever_joins(tiny, prompts):
+    """A request's seed makes its samples its own: the same as alone, however rows come and go."""
+    decoder = JacobiDecoder(4, sampler=Sampler(temperature=0.8, seed=3))
+    got = run_staggered(tiny, decoder, prompts, ARRIVALS)
+    alone = [
+        decoder.generate(tiny, [Prompt(prompts[index], seed=request)], budget)[0].token_ids
+        for request, (_, index, budget) in enumerate(ARRIVALS)
+    ]
+    assert got == alone
+
+
+def test_leave_drops_padding_no_row_needs(tiny, prompts):
+    decoder = ARDecoder()
+    with torch.inference_mode():
+        session = decoder.open_session(tiny, [prompts[2]], 4)  # the longest prompt
+        decoder.begin(session, range(1))
+        decoder.begin(session, session.join([prompts[3]], 20))  # the shortest: left-padded
+        assert session.key_valid is not None and not session.key_valid[1, 0]
+        while not session.finished_rows[0]:
+            decoder.step(session)
+        session.leave([0])
+        assert session.batch == 1 and bool(session.key_valid[0, 0])  # its padding went with the other row
+        assert session.cache.get_seq_length() == len(prompts[3]) + len(session.outputs[0]) - 1
