@@ -153,7 +153,6 @@ def test_every_objective_takes_a_training_step(family, prompts, tmp_path):
         assert torch.isfinite(loss), type(objective).__name__
 
 
-
 @pytest.mark.parametrize("kind", ["chunked_attention", "linear_attention"])
 def test_layer_kinds_it_cannot_run_are_refused_by_name(tokenizer, tmp_path, kind):
     config = T.LlamaConfig(

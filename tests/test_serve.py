@@ -149,7 +149,7 @@ def test_a_failure_inside_decoding_fails_only_its_batch(tiny, client, monkeypatc
     def broken(self, session):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(JacobiDecoder, "decode", broken)
+    monkeypatch.setattr(JacobiDecoder, "step", broken)
     response = httpx.post(
         str(client.base_url) + "completions", json={"model": "tiny", "prompt": "x", "decoder": "jacobi"}
     )

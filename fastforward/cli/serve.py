@@ -27,7 +27,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_decoder_flags(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch-size", type=positive_int, default=8, help="requests decoded together")
+    p.add_argument("--max-batch-size", type=positive_int, default=8, help="requests decoded together (rows)")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=positive_int,
+        default=None,
+        help="admit a request while the prompts and budgets of the running ones stay within this (default: no bound)",
+    )
+    p.add_argument(
+        "--max-queue", type=positive_int, default=256, help="waiting requests before new ones get 503 Retry-After"
+    )
     p.add_argument("--max-tokens", type=positive_int, default=256, help="budget of a request that gives none")
     add_precision_flags(p, dtype="float32", quantize="int4", exact=True)
     add_compile_flag(p)
@@ -57,7 +66,16 @@ def run(args: argparse.Namespace) -> int:
     check_device(args.device)
     model = load_model(args.model, device=args.device, **precision(args))
     name = args.served_name or args.model
-    server = Server(model, name, args.decoder, decoder_knobs(args), args.max_batch_size, args.max_tokens)
+    server = Server(
+        model,
+        name,
+        args.decoder,
+        decoder_knobs(args),
+        args.max_batch_size,
+        args.max_tokens,
+        args.max_batch_tokens,
+        args.max_queue,
+    )
     if args.compile:
         print("fastforward serve: compiling the decoding steps (one prompt, alone and in a batch)...", flush=True)
         seconds = warm_up(model, build_decoder(args.decoder, **decoder_knobs(args)))

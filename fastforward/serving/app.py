@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 from fastforward.api import build_decoder
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
-from fastforward.serving.engine import Engine, Event, Job
+from fastforward.serving.engine import Engine, Event, Job, QueueFull
 from fastforward.serving.metrics import Metrics
 
 SAMPLING = ("temperature", "top_p")  # request fields that are decoder knobs (a request's `seed` is its row's)
@@ -74,15 +74,25 @@ class Server:
 
     IGNORED = {"user", "logprobs", "echo", "presence_penalty", "frequency_penalty", "stream_options", "best_of"}
 
+    RETRY_AFTER = 1  # seconds a client refused for a full queue is asked to wait
+
     def __init__(
-        self, model: Model, name: str, decoder: str, knobs: dict[str, Any], max_batch_size: int, max_tokens: int = 256
+        self,
+        model: Model,
+        name: str,
+        decoder: str,
+        knobs: dict[str, Any],
+        max_batch_size: int,
+        max_tokens: int = 256,
+        max_batch_tokens: int | None = None,
+        max_queue: int = 256,
     ):
         build_decoder(decoder, **knobs)  # the server's own settings must be valid before it starts
         self.model, self.name = model, name
         self.decoder, self.knobs, self.max_tokens = decoder, knobs, max_tokens
         self.metrics = Metrics()
         self.engine: Engine | None = None
-        self.max_batch_size = max_batch_size
+        self.max_batch_size, self.max_batch_tokens, self.max_queue = max_batch_size, max_batch_tokens, max_queue
 
     # ---- requests → jobs --------------------------------------------------------------------------
     def job(self, body: _Request, prompt: list[int], max_tokens: int | None) -> Job:
@@ -128,7 +138,6 @@ class Server:
     async def events(self, job: Job, request: Request) -> AsyncIterator[Event]:
         """The job's events until its end; a client that leaves cancels the job."""
         assert self.engine is not None
-        self.engine.submit(job)
         try:
             while True:
                 try:
@@ -145,6 +154,13 @@ class Server:
                 self.engine.cancel(job)
 
     async def respond(self, job: Job, request: Request, chat: bool, stream: bool) -> Response:
+        assert self.engine is not None
+        try:
+            self.engine.submit(job)
+        except QueueFull as exc:
+            self.metrics.refused.inc()
+            body = error_body(f"the server is busy ({exc}); retry later", "server_busy")
+            return JSONResponse(body, status_code=503, headers={"Retry-After": str(self.RETRY_AFTER)})
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if stream:
@@ -193,7 +209,7 @@ class Server:
     def app(self) -> FastAPI:
         @asynccontextmanager
         async def lifespan(app: FastAPI):
-            self.engine = Engine(self.model, self.max_batch_size, self.metrics)
+            self.engine = Engine(self.model, self.max_batch_size, self.metrics, self.max_batch_tokens, self.max_queue)
             yield
             await asyncio.to_thread(self.engine.stop)
 

@@ -1,17 +1,24 @@
-"""The serving engine: one worker thread decodes batches of requests that share a decoder setting.
+"""The serving engine: one worker thread schedules requests continuously, step by step.
 
 A request becomes a `Job` (token ids, a built decoder, its budget, stop strings, its sampling seed).
-The worker takes the oldest waiting job and every other waiting job with the same decoder setting
-and budget (up to `max_batch_size`), and decodes them together in one session (left-padded, as
-`--batch-size` does; a decoder that lays rows out one by one, `rows_apart`, gets one session per
-job). Each row samples with its own request's seed (`Prompt.seed`), so requests that differ only in
-their seed share a batch and each gets the tokens it would get alone. After every step the
-session's `on_step` hook turns each row's newly committed tokens into text deltas (`TextStream`:
-incremental, so a long stream costs no more per step than a short one), cuts the text before a stop
-string (and cancels that row), cancels the rows whose clients left, and hands the deltas to the
-jobs' event queues, which the HTTP layer reads (`fastforward.serving.app`).
+Jobs whose decoders have equal settings form a **group**: one `Session` whose rows are its jobs.
+Between two steps of a group, waiting jobs of its setting join it (`Session.join`, prefilled on
+their own) and finished or cancelled rows leave it (`Session.leave`), so rows with different
+budgets and prompt lengths share forwards and nobody waits for a batch to drain. Groups of
+different settings take turns, one step each. Admission is bounded by `max_batch_size` rows and
+`max_batch_tokens` tokens in flight (prompt plus budget of every running row); a queue of more than
+`max_queue` waiting jobs refuses new ones (`QueueFull`: HTTP 503 with Retry-After).
 
-A failure inside decoding fails only the jobs of that batch; the worker goes on with the next.
+Decoders that cannot decode step by step (`Decoder.continuous` false: the block diffusion decoders,
+and `rows_apart` ones such as `lookup`) run as before: a batch of waiting jobs with the same setting
+and budget decodes to its end in one turn.
+
+Each row samples with its own request's seed (`Prompt.seed`), so a request gets the tokens it would
+get alone whatever shares its batch. After every step the session's rows turn their newly committed
+tokens into text deltas (`TextStream`: incremental, so a long stream costs no more per step than a
+short one), cut the text before a stop string (and cancel that row), cancel the rows whose clients
+left, and hand the deltas to the jobs' event queues, which the HTTP layer reads
+(`fastforward.serving.app`). A failure inside decoding fails only the jobs of that group.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any
 import torch
 
 from fastforward.decoding.decoders import Decoder
-from fastforward.decoding.runtime import Prompt, Session
+from fastforward.decoding.runtime import Generation, Prompt, Session
 from fastforward.model import Model
 from fastforward.serving.metrics import Metrics
 
@@ -65,14 +72,47 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
-class Engine:
-    """A queue of jobs and the worker thread that decodes them (see the module docstring)."""
+class QueueFull(RuntimeError):
+    """The engine holds `max_queue` waiting jobs already: the request should be retried later."""
 
-    def __init__(self, model: Model, max_batch_size: int = 8, metrics: Metrics | None = None):
+
+@dataclass
+class _Row:
+    """A job decoding in a session row: its text stream and the tokens already handed to it."""
+
+    job: Job
+    stream: TextStream
+    sent: int = 0
+
+
+@dataclass
+class _Group:
+    """The running jobs of one decoder setting: a session whose row r is rows[r]."""
+
+    decoder: Decoder
+    session: Session
+    rows: list[_Row]
+
+
+class Engine:
+    """A queue of jobs and the worker thread that schedules them (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: Model,
+        max_batch_size: int = 8,
+        metrics: Metrics | None = None,
+        max_batch_tokens: int | None = None,
+        max_queue: int = 256,
+    ):
         self.model = model
         self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self._waiting: deque[Job] = deque()
+        self._groups: dict[str, _Group] = {}
+        self._turn = 0  # round robin over the groups
         self._lock = threading.Condition()
         self._stopping = False
         self._worker = threading.Thread(target=self._run, name="fastforward-engine", daemon=True)
@@ -83,6 +123,8 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting already")
             self._waiting.append(job)
             self.metrics.queue_depth.set(len(self._waiting))
             self._lock.notify()
@@ -97,7 +139,7 @@ class Engine:
                 self.metrics.queue_depth.set(len(self._waiting))
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Refuse new jobs, let the worker finish the batch in flight, fail the jobs still waiting."""
+        """Refuse new jobs, let the worker finish the rows in flight, fail the jobs still waiting."""
         with self._lock:
             self._stopping = True
             left = list(self._waiting)
@@ -108,73 +150,155 @@ class Engine:
         self._worker.join(timeout)
 
     # ---- the worker -------------------------------------------------------------------------------
-    def _next_batch(self) -> list[Job] | None:
+    def _run(self) -> None:
+        while True:
+            static = self._admit()
+            if static is None:
+                return
+            if static:
+                self._guarded(static, lambda: self._decode_static(static))  # noqa: B023
+            elif self._groups:
+                names = list(self._groups)
+                name = names[self._turn % len(names)]
+                self._turn += 1
+                group = self._groups[name]
+                self._guarded([r.job for r in group.rows], lambda: self._step(name, group))  # noqa: B023
+            self.metrics.batch_size.set(sum(len(g.rows) for g in self._groups.values()))
+
+    def _admit(self) -> list[Job] | None:
+        """Move waiting jobs into their groups (opening groups as needed), as far as the limits allow.
+        Returns a static batch to decode now, [] to step the groups, or None to stop."""
         with self._lock:
-            while not self._waiting and not self._stopping:
+            while not self._waiting and not self._groups and not self._stopping:
                 self._lock.wait()
-            if not self._waiting:
+            if not self._waiting and not self._groups:
                 return None
-            first = self._waiting.popleft()
-            batch = [first]
-            if not first.decoder.rows_apart:
+            admitted: dict[str, list[Job]] = {}
+            rows = sum(len(g.rows) for g in self._groups.values())
+            tokens = sum(len(r.job.prompt) + r.job.max_tokens for g in self._groups.values() for r in g.rows)
+            static: list[Job] = []
+            for job in list(self._waiting):
+                if not job.decoder.continuous or job.decoder.rows_apart:
+                    if not static and not admitted:  # its turn: alone, or with its kind (below)
+                        static = [job]
+                        self._waiting.remove(job)
+                    continue
+                size = len(job.prompt) + job.max_tokens
+                full = rows >= self.max_batch_size or (
+                    self.max_batch_tokens is not None and tokens + size > self.max_batch_tokens and rows > 0
+                )
+                if full or static:
+                    break
+                self._waiting.remove(job)
+                admitted.setdefault(job.setting, []).append(job)
+                rows, tokens = rows + 1, tokens + size
+            if static and not static[0].decoder.rows_apart:
+                first = static[0]
                 for job in list(self._waiting):
-                    if len(batch) >= self.max_batch_size:
+                    if len(static) >= self.max_batch_size:
                         break
                     if job.setting == first.setting and job.max_tokens == first.max_tokens:
                         self._waiting.remove(job)
-                        batch.append(job)
+                        static.append(job)
             self.metrics.queue_depth.set(len(self._waiting))
-            return batch
+        for setting, jobs in admitted.items():
+            self._guarded(jobs, lambda: self._join(setting, jobs))  # noqa: B023
+        return static
 
-    def _run(self) -> None:
-        while (batch := self._next_batch()) is not None:
-            self.metrics.batch_size.set(len(batch))
-            try:
-                with torch.inference_mode():
-                    self._decode(batch)
-            except Exception as exc:  # one batch fails; the server goes on
-                for job in batch:
-                    if not job.done:
-                        job.done = True
-                        job.send(Event(finish_reason="error", error=f"decoding failed: {type(exc).__name__}: {exc}"))
-                self.metrics.failures.inc(len(batch))
+    def _guarded(self, jobs: list[Job], work: Callable[[], None]) -> None:
+        """Run `work`; if it fails, fail `jobs` (and the group they belong to) and go on."""
+        try:
+            with torch.inference_mode():
+                work()
+        except Exception as exc:  # one group fails; the server goes on
+            for name, group in list(self._groups.items()):
+                if any(r.job in jobs for r in group.rows):
+                    del self._groups[name]
+            for job in jobs:
+                if not job.done:
+                    job.done = True
+                    job.send(Event(finish_reason="error", error=f"decoding failed: {type(exc).__name__}: {exc}"))
+            self.metrics.failures.inc(len(jobs))
 
-    def _decode(self, batch: list[Job]) -> None:
+    def _join(self, setting: str, jobs: list[Job]) -> None:
+        """Start jobs in their setting's group: a new session, or rows joining the running one."""
+        group = self._groups.get(setting)
+        by_budget: dict[int, list[Job]] = {}
+        for job in jobs:
+            by_budget.setdefault(job.max_tokens, []).append(job)
+        for budget, same in by_budget.items():
+            prompts = [Prompt(job.prompt, seed=job.seed) for job in same]
+            if group is None:
+                decoder = same[0].decoder
+                group = _Group(decoder, decoder.open_session(self.model, prompts, budget), [])
+                group.session.on_step = lambda s, g=group: self._stream(g)
+                self._groups[setting] = group
+                rows = range(len(prompts))
+            else:
+                rows = group.session.join(prompts, budget)
+            group.rows += [_Row(job, TextStream(self.model.decode, job.stop)) for job in same]
+            group.decoder.begin(group.session, rows)
+        self._stream(group)
+        self._retire(setting, group)
+
+    def _step(self, setting: str, group: _Group) -> None:
+        self.metrics.step_rows.observe(group.session.batch)
+        group.decoder.step(group.session)  # streams through the session's on_step
+        self._retire(setting, group)
+
+    def _stream(self, group: _Group) -> None:
+        """After a step: each row's new text to its job, and the rows whose clients left cancelled."""
+        session = group.session
+        lengths = session.lengths
+        for index, row in enumerate(group.rows):
+            if row.job.done:
+                continue
+            if row.job.cancelled:
+                session.cancel(index)
+                row.job.done = True
+                continue
+            if lengths[index] > row.sent:
+                ids = session.canvas[index][row.sent : lengths[index]]
+                row.sent = lengths[index]
+                self._emit(session, index, row.job, row.stream.push(ids))
+
+    def _retire(self, setting: str, group: _Group) -> None:
+        """Finished rows leave the group (their jobs end); an empty group closes."""
+        session = group.session
+        done = [index for index in range(session.batch) if session.finished_rows[index]]
+        if not done:
+            return
+        for index, generation in zip(done, session.leave(done), strict=True):
+            self._finish(group.rows[index], generation)
+        group.rows = [row for index, row in enumerate(group.rows) if index not in set(done)]
+        if not group.rows:
+            del self._groups[setting]
+
+    def _finish(self, row: _Row, generation: Generation) -> None:
+        job = row.job
+        self.metrics.observe(
+            generation.stats.nfe, len(generation.token_ids), time.perf_counter() - job.created, generation.stats.queries
+        )
+        if job.done:
+            return
+        delta, stopped = row.stream.push(generation.token_ids[row.sent :], final=True)
+        if delta:
+            job.send(Event(delta=delta))
+        job.done = True
+        reason = "stop" if stopped or generation.finish_reason == "stop" else "length"
+        usage = self._usage(job, len(generation.token_ids), generation.stats.nfe, generation.stats.queries)
+        job.send(Event(finish_reason=reason, usage=usage))
+
+    def _decode_static(self, batch: list[Job]) -> None:
+        """A decoder that cannot decode step by step: the batch decodes to its end in one turn."""
         decoder = batch[0].decoder
         rows = [Prompt(job.prompt, seed=job.seed) for job in batch]
         session = decoder.open_session(self.model, rows, batch[0].max_tokens)
-        streams = [TextStream(self.model.decode, job.stop) for job in batch]
-        sent = [0] * len(batch)  # tokens handed to each row's text stream
-
-        def on_step(s: Session) -> None:
-            lengths = s.lengths  # committed leading tokens per row; only the new ones are read
-            for row, job in enumerate(batch):
-                if job.done:
-                    continue
-                if job.cancelled:
-                    s.cancel(row)
-                    job.done = True
-                    continue
-                if lengths[row] > sent[row]:
-                    ids = s.canvas[row][sent[row] : lengths[row]]
-                    sent[row] = lengths[row]
-                    self._emit(s, row, job, streams[row].push(ids))
-
-        session.on_step = on_step
+        group = _Group(decoder, session, [_Row(job, TextStream(self.model.decode, job.stop)) for job in batch])
+        session.on_step = lambda s: self._stream(group)
         decoder.decode(session)
-        results = session.results()
-        for row, (job, gen) in enumerate(zip(batch, results, strict=True)):
-            self.metrics.observe(
-                gen.stats.nfe, len(gen.token_ids), time.perf_counter() - job.created, gen.stats.queries
-            )
-            if job.done:
-                continue
-            self._emit(session, row, job, streams[row].push(gen.token_ids[sent[row] :], final=True))
-            if not job.done:
-                job.done = True
-                reason = "stop" if gen.finish_reason == "stop" else "length"
-                usage = self._usage(job, len(gen.token_ids), gen.stats.nfe, gen.stats.queries)
-                job.send(Event(finish_reason=reason, usage=usage))
+        for row, generation in zip(group.rows, session.results(), strict=True):
+            self._finish(row, generation)
 
     def _emit(self, session: Session, row: int, job: Job, pushed: tuple[str, bool]) -> None:
         """Send a row's new text (`TextStream.push`); after a stop string, end the job and cancel the row."""

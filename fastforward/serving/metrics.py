@@ -14,13 +14,19 @@ class Metrics:
         self.requests = Counter("fastforward_requests", "completion requests received", ["endpoint"], registry=r)
         self.failures = Counter("fastforward_failed_requests", "requests failed inside decoding", registry=r)
         self.cancelled = Counter("fastforward_cancelled_requests", "requests whose client left early", registry=r)
+        self.refused = Counter(
+            "fastforward_refused_requests", "requests refused with 503: the queue was full", registry=r
+        )
         self.tokens = Counter("fastforward_generated_tokens", "tokens generated", registry=r)
         self.forwards = Counter("fastforward_forwards", "decoding forwards (per request)", registry=r)
         self.queries = Counter(
             "fastforward_queries", "tokens the decoding forwards ran, drafts included (per request)", registry=r
         )
-        self.queue_depth = Gauge("fastforward_queue_depth", "requests waiting for a batch", registry=r)
-        self.batch_size = Gauge("fastforward_batch_size", "requests in the batch being decoded", registry=r)
+        self.queue_depth = Gauge("fastforward_queue_depth", "requests waiting to be admitted", registry=r)
+        self.batch_size = Gauge("fastforward_batch_size", "requests being decoded (rows of every group)", registry=r)
+        self.step_rows = Histogram(
+            "fastforward_step_rows", "rows in each decoding step", buckets=(1, 2, 3, 4, 8, 16, 32, 64), registry=r
+        )
         self.tpf = Histogram(
             "fastforward_tokens_per_forward",
             "tokens per forward of each request",
