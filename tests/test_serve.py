@@ -188,3 +188,79 @@ def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(tiny, tmp_path):
         assert process.wait(timeout=60) == 0
     finally:
         process.kill()
+
+
+def test_staggered_requests_with_mixed_budgets_join_running_batches(tiny, served, client):
+    """Continuous batching: requests arriving while another decodes join their setting's running batch,
+    whatever their budgets, and each output equals `generate` alone; two decoders take turns."""
+    samples = served[0].metrics.step_rows.collect()[0].samples
+    before = {s.labels["le"]: s.value for s in samples if s.name.endswith("bucket")}
+    asks = [(PROMPTS[i % len(PROMPTS)], ("ar", "jacobi")[i % 2], 4 + 3 * i) for i in range(8)]
+
+    def ask(index: int) -> str:
+        prompt, decoder, budget = asks[index]
+        body = {"decoder": decoder} | ({"block_size": 3} if decoder == "jacobi" else {})
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=budget, extra_body=body)
+
+    long = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 300, "stream": True}  # 300 tokens: it runs on
+    with httpx.stream("POST", served[1] + "/v1/completions", json=long, timeout=60) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data:"))  # decoding: the others arrive now
+        with ThreadPoolExecutor(len(asks)) as pool:
+            outs = list(pool.map(ask, range(len(asks))))
+        text = "".join(json.loads(line[5:])["choices"][0]["text"] for line in lines if line.startswith("data: {"))
+    for (prompt, decoder, budget), out in zip(asks, outs, strict=True):
+        knobs = {"block_size": 3} if decoder == "jacobi" else {}
+        assert out.choices[0].text == alone(tiny, prompt, decoder, n=budget, **knobs)
+    assert alone(tiny, PROMPTS[2], n=300).endswith(text) and text
+    samples = served[0].metrics.step_rows.collect()[0].samples
+    after = {s.labels["le"]: s.value for s in samples if s.name.endswith("bucket")}
+    assert after["+Inf"] - after["1.0"] > before["+Inf"] - before["1.0"]  # some steps ran several rows
+
+
+def test_admission_bounds_and_a_full_queue(tiny):
+    """--max-batch-tokens keeps rows out until tokens in flight allow them (outputs unchanged); a full
+    queue refuses with QueueFull, which the HTTP layer answers 503 with Retry-After."""
+    import asyncio
+
+    from fastforward.serving.app import CompletionRequest
+    from fastforward.serving.engine import Engine, QueueFull
+
+    server = Server(tiny, "tiny", "jacobi", {"block_size": 3}, max_batch_size=8)
+
+    async def serve() -> list[str]:
+        engine = Engine(tiny, max_batch_size=8, metrics=server.metrics, max_batch_tokens=40, max_queue=3)
+        jobs = []
+        with engine._lock:  # the worker wakes to all of them at once
+            for prompt in PROMPTS[:3]:
+                body = CompletionRequest(model="tiny", prompt=prompt)
+                jobs.append(server.job(body, tiny.encode_prompt(prompt, chat_template=False), 20))
+                engine.submit(jobs[-1])
+            with pytest.raises(QueueFull):
+                engine.submit(server.job(CompletionRequest(model="tiny", prompt="0"), [5], 4))
+        texts = []
+        for job in jobs:
+            text = ""
+            while (event := await job.events.get()).finish_reason is None:
+                text += event.delta
+            texts.append(text)
+        await asyncio.to_thread(engine.stop)
+        return texts
+
+    texts = asyncio.run(serve())
+    assert texts == [alone(tiny, p, "jacobi", n=20, block_size=3) for p in PROMPTS[:3]]
+    samples = server.metrics.step_rows.collect()[0].samples
+    steps = {s.labels["le"]: s.value for s in samples if s.name.endswith("bucket")}
+    assert steps["1.0"] == steps["+Inf"] > 0  # prompt + budget > 20 tokens each: one row at a time under 40
+
+
+def test_a_full_queue_is_a_503_with_retry_after(served, monkeypatch):
+    from fastforward.serving.engine import QueueFull
+
+    def full(job):
+        raise QueueFull("256 requests are waiting already")
+
+    monkeypatch.setattr(served[0].engine, "submit", full)
+    response = httpx.post(served[1] + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert "busy" in response.json()["error"]["message"]
