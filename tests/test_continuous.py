@@ -5,7 +5,7 @@ prefill of each running row's tokens after any sequence of joins and leaves."""
 import pytest
 import torch
 
-from fastforward.decoding.decoders import ARDecoder, JacobiDecoder, Prompt
+from fastforward.decoding.decoders import ARDecoder, JacobiDecoder, Prompt, Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.model import Layout
 
@@ -33,8 +33,10 @@ def _check_cache(tiny, session) -> None:
             torch.testing.assert_close(values, a.values[0], rtol=1e-4, atol=1e-4)
 
 
-def run_staggered(model, decoder, prompts, arrivals, check=None):
-    """Decode requests arriving at the given steps in one session; returns each request's tokens."""
+def run_staggered(model, decoder, prompts, arrivals, check=None, fused=False):
+    """Decode requests arriving at the given steps in one session; returns each request's tokens.
+    fused: finished rows stay until the next arrivals, which drop them as they join (`join(drop=...)`),
+    all the arrivals of a step in one join with their own budgets."""
     pending = sorted(enumerate(arrivals), key=lambda item: item[1][0])
     owners: list[int] = []  # session row → request
     outputs: dict[int, list[int]] = {}
@@ -43,24 +45,32 @@ def run_staggered(model, decoder, prompts, arrivals, check=None):
         while pending or (session is not None and session.batch):
             arrived = [(i, a) for i, a in pending if a[0] <= step]
             pending = [(i, a) for i, a in pending if a[0] > step]
-            for request, (_, index, budget) in arrived:
-                prompt = Prompt(prompts[index], seed=request)
+            done = [] if session is None else [row for row in range(session.batch) if session.finished_rows[row]]
+            for row in done:
+                outputs[owners[row]] = session.result(row).token_ids
+            if arrived:
+                rows = [Prompt(prompts[index], seed=request) for request, (_, index, _) in arrived]
+                budgets = [budget for _, (_, _, budget) in arrived]
                 if session is None:
-                    session = decoder.open_session(model, [prompt], budget)
-                    rows = range(1)
+                    session, new = decoder.open_session(model, rows, budgets), range(len(rows))
+                elif fused:
+                    new = session.join(rows, budgets, drop=done)
+                    owners, done = [owner for row, owner in enumerate(owners) if row not in done], []
                 else:
-                    rows = session.join([prompt], budget)
-                decoder.begin(session, rows)
-                owners.append(request)
+                    new = session.join(rows, budgets)
+                decoder.begin(session, new)
+                owners += [request for request, _ in arrived]
+            if done:
+                session.leave(done)
+                owners = [owner for row, owner in enumerate(owners) if row not in done]
             if session is not None and not session.finished:
                 decoder.step(session)
                 if check:
                     check(session)
-            if session is not None:
-                done = [row for row in range(session.batch) if session.finished_rows[row]]
-                for row, generation in zip(done, session.leave(done), strict=True):
-                    outputs[owners[row]] = generation.token_ids
-                owners = [owner for row, owner in enumerate(owners) if row not in done]
+            elif session is not None and not pending:
+                for row in range(session.batch):
+                    outputs[owners[row]] = session.result(row).token_ids
+                break
             step += 1
     return [outputs[i] for i in range(len(arrivals))]
 
@@ -68,8 +78,12 @@ def run_staggered(model, decoder, prompts, arrivals, check=None):
 @pytest.mark.parametrize(
     "decoder", [ARDecoder(), JacobiDecoder(4), JacobiDecoder(3, init="random")], ids=["ar", "jacobi", "jacobi-random"]
 )
-def test_staggered_rows_give_their_outputs_alone(tiny, prompts, decoder):
-    got = run_staggered(tiny, decoder, prompts, ARRIVALS, check=lambda s: _check_cache(tiny, s))
+@pytest.mark.parametrize("slack", [64, 0], ids=["holes-kept", "repacked"])
+@pytest.mark.parametrize("fused", [False, True], ids=["leave", "drop-on-join"])
+def test_staggered_rows_give_their_outputs_alone(tiny, prompts, decoder, slack, fused, monkeypatch):
+    """With slack 0 every leave or join repacks the cache (each row's kept entries squeezed together)."""
+    monkeypatch.setattr(Session, "SQUEEZE_SLACK", slack)
+    got = run_staggered(tiny, decoder, prompts, ARRIVALS, check=lambda s: _check_cache(tiny, s), fused=fused)
     alone = [decoder.generate(tiny, [prompts[index]], budget)[0].token_ids for _, index, budget in ARRIVALS]
     assert got == alone
 

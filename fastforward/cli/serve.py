@@ -37,6 +37,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-queue", type=positive_int, default=256, help="waiting requests before new ones get 503 Retry-After"
     )
+    p.add_argument(
+        "--max-step-tokens",
+        type=positive_int,
+        default=None,
+        help="bound the tokens of one forward over its rows: jacobi drafts less while many requests share it "
+        "(default: no bound)",
+    )
+    p.add_argument(
+        "--static-batches",
+        action="store_true",
+        help="no continuous batching: a batch of requests with equal settings and budgets decodes to its end",
+    )
     p.add_argument("--max-tokens", type=positive_int, default=256, help="budget of a request that gives none")
     add_precision_flags(p, dtype="float32", quantize="int4", exact=True)
     add_compile_flag(p)
@@ -75,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         args.max_tokens,
         args.max_batch_tokens,
         args.max_queue,
+        continuous=not args.static_batches,
+        max_step_tokens=args.max_step_tokens,
     )
     if args.compile:
         print("fastforward serve: compiling the decoding steps (one prompt, alone and in a batch)...", flush=True)

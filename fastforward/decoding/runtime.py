@@ -42,7 +42,7 @@ from fastforward.decoding import metrics
 from fastforward.decoding.sampling import Sampler, greedy, row_key, uniforms
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, visibility
-from fastforward.model.cache import GrowingLayer, drop_leading, gather_entries, stack_rows, truncate
+from fastforward.model.cache import GrowingLayer, drop_leading, gather_entries, repack, stack_rows, truncate
 
 
 @dataclass
@@ -147,15 +147,16 @@ class Session:
         self,
         model: Model,
         prompts: Sequence[Sequence[int] | Prompt],
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         suffix_upfront: bool = True,
         sampler: Sampler | None = None,
     ):
         self.start = time.perf_counter()
         if not prompts:
             raise FastForwardError("no prompts given")
-        if max_new_tokens <= 0:
-            raise FastForwardError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(budgets) != len(prompts) or min(budgets) <= 0:
+            raise FastForwardError(f"max_new_tokens must be > 0 (one, or one per prompt), got {max_new_tokens}")
         rows = [p if isinstance(p, Prompt) else Prompt(list(p)) for p in prompts]
         context = model.max_context
         longest = max(len(p.prefix) + p.gap + len(p.suffix) for p in rows)
@@ -168,9 +169,12 @@ class Session:
         self.batch = len(rows)
         # Each row's own budget of canvas positions: the gap when infilling, else max_new_tokens, or
         # less where the model's context has no room for that many after this row's prompt.
-        self.limits = [p.gap if p.suffix else min(max_new_tokens, (context or 10**9) - len(p.prefix)) for p in rows]
+        self.limits = [
+            p.gap if p.suffix else min(budget, (context or 10**9) - len(p.prefix))
+            for p, budget in zip(rows, budgets, strict=True)
+        ]
         self.context_bound = [
-            not p.suffix and limit < max_new_tokens for p, limit in zip(rows, self.limits, strict=True)
+            not p.suffix and limit < budget for p, limit, budget in zip(rows, self.limits, budgets, strict=True)
         ]
         self.max_new_tokens = max(self.limits)
         self.prefixes = [list(p.prefix) for p in rows]  # each row's prompt (drafts may be looked up in it)
@@ -195,6 +199,9 @@ class Session:
         self.queries = [0] * self.batch  # tokens run by the forwards each row took part in
         self.steps: list[dict[int, int]] = [{} for _ in rows]  # per row: steps that committed k tokens, by k
         self.row_state: dict[str, list] = {}  # a decoder's per-row lists (`per_row`), kept in step by join/leave
+        # A bound on the tokens one forward runs over all its rows, for decoders that can draft less when
+        # many rows share a forward (jacobi); None: none. The server sets it (`serve --max-step-tokens`).
+        self.step_tokens: int | None = None
         self._reads: dict[tuple[int, int], torch.Tensor] = {}
         self._step: _Step | None = None
         self._mirrors: dict[str, torch.Tensor] = {}
@@ -502,23 +509,30 @@ class Session:
             self.row_state[name] = [None] * self.batch
         return self.row_state[name]
 
-    def join(self, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int) -> range:
-        """Add rows between steps: prefilled on their own (as a session of them would be), then their
-        cache entries stacked under the running rows', the shorter side left-padded with entries no
-        query sees. Returns the new rows' indices; their `next_logits` are set, and the decoder begins
-        them (`Decoder.begin`)."""
+    def join(
+        self, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int | Sequence[int], drop: Sequence[int] = ()
+    ) -> range:
+        """Add rows between steps (and drop the rows `drop`, whose generations the caller has read with
+        `result`): the new rows are prefilled on their own, as a session of them would be, then their
+        cache entries are stacked under the staying rows' in one copy, the shorter side left-padded with
+        entries no query sees. Returns the new rows' indices; their `next_logits` are set, and the
+        decoder begins them (`Decoder.begin`). max_new_tokens: one budget, or one per prompt."""
         if self._step is not None:
             raise RuntimeError("rows join between steps: call session.advance first")
         new = Session(self.model, prompts, max_new_tokens, self.suffix_upfront, self.sampler)
+        stay, index = self._staying(drop)
         mine, theirs = self.cache.get_seq_length(), new.cache.get_seq_length()
         width = max(mine, theirs)
         validity = []
-        for session, length in ((self, mine), (new, theirs)):
+        for session, rows, length in ((self, index, mine), (new, None, theirs)):
             valid = session.key_valid
             if valid is None:
                 valid = torch.ones(session.batch, length, dtype=torch.bool, device=self.device)
-            validity.append(F.pad(valid, (width - length, 0), value=False))
-        self.cache = stack_rows(self.model.hf.config, [self.cache, new.cache], [width - mine, width - theirs])
+            validity.append(F.pad(valid if rows is None else valid[rows], (width - length, 0), value=False))
+        self.cache = stack_rows(
+            self.model.hf.config, [self.cache, new.cache], [width - mine, width - theirs], [index, None]
+        )
+        self._keep_rows(stay, index)
         self.key_valid = torch.cat(validity)
         added = range(self.batch, self.batch + new.batch)
         for name in self._ROW_LISTS:
@@ -529,41 +543,68 @@ class Session:
         self.max_new_tokens = max(self.limits)
         self.origin = torch.cat([self.origin, new.origin])
         self.next_logits = torch.cat([self.next_logits, new.next_logits])
-        self._sampling_keys = None
-        self._mirrors.clear()
+        self._squeeze()
         return added
 
     def leave(self, rows: Sequence[int]) -> list[Generation]:
         """Remove rows between steps (finished or cancelled), returning their generations. The cache
-        keeps the other rows' entries; leading entries no remaining row sees are dropped."""
+        keeps the other rows' entries; entries no remaining row sees are dropped (`_squeeze`)."""
         if self._step is not None:
             raise RuntimeError("rows leave between steps: call session.advance first")
-        gone = set(rows)
         results = [self.result(row) for row in rows]
-        stay = [row for row in range(self.batch) if row not in gone]
-        index = torch.tensor(stay, dtype=torch.long, device=self.device)
+        stay, index = self._staying(rows)
         self.cache.batch_select_indices(index)
         if getattr(self.cache, "key_positions", None) is not None:
             self.cache.key_positions = self.cache.key_positions[index]
+        self._keep_rows(stay, index)
+        if self.key_valid is not None:
+            self._squeeze()
+        return results
+
+    def _staying(self, gone: Sequence[int]) -> tuple[list[int], torch.Tensor]:
+        stay = [row for row in range(self.batch) if row not in set(gone)]
+        return stay, torch.tensor(stay, dtype=torch.long, device=self.device)
+
+    def _keep_rows(self, stay: list[int], index: torch.Tensor) -> None:
+        """Everything but the cache, for the rows `stay` alone (in that order)."""
         if self.key_valid is not None:
             self.key_valid = self.key_valid[index]
-            lead = int(self.key_valid.any(dim=0).long().argmax()) if stay else self.key_valid.shape[1]
-            if lead:
-                drop_leading(self.cache, lead)
-                self.key_valid = self.key_valid[:, lead:]
         for name in self._ROW_LISTS:
             values = getattr(self, name)
             values[:] = [values[row] for row in stay]
         for values in self.row_state.values():
             values[:] = [values[row] for row in stay]
-        self._cancelled = {stay.index(row) for row in self._cancelled if row not in gone}
+        self._cancelled = {stay.index(row) for row in self._cancelled if row in stay}
         self.batch = len(stay)
         self.max_new_tokens = max(self.limits, default=0)
         self.origin = self.origin[index]
         self.next_logits = self.next_logits[index]
         self._sampling_keys = None
         self._mirrors.clear()
-        return results
+
+    SQUEEZE_SLACK = 64  # entries a cache may hold beyond twice its longest row before it is repacked
+
+    def _squeeze(self) -> None:
+        """Drop cache entries no row sees: leading padding, and once holes (entries rows did not keep)
+        make up most of the cache, every hole: each row's valid entries are packed to the right. A
+        session that rows keep joining would otherwise grow by the longest step of any row, forever."""
+        valid, length = self.key_valid, self.key_valid.shape[1]
+        if not self.batch:  # every row left: nothing to keep
+            drop_leading(self.cache, length)
+            self.key_valid = valid[:, :0]
+            return
+        width = int(valid.sum(dim=1).max())
+        if length > 2 * width + self.SQUEEZE_SLACK:  # amortised: each repack at least halves the cache
+            slots = torch.arange(length, device=self.device).expand(self.batch, -1)
+            # each row's valid slots in order, right-aligned into `width` (the left filled with slot 0)
+            ranked = torch.where(valid, slots, -1).sort(dim=1).values[:, length - width :]
+            repack(self.cache, ranked.clamp(min=0))
+            self.key_valid = ranked >= 0
+            return
+        lead = int(valid.any(dim=0).long().argmax())
+        if lead:
+            drop_leading(self.cache, lead)
+            self.key_valid = valid[:, lead:]
 
     # The host lists indexed by row, which `join` extends and `leave` filters.
     _ROW_LISTS = (

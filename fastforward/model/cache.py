@@ -173,6 +173,21 @@ def drop_leading(cache: Cache, count: int) -> None:
         cache.key_positions = cache.key_positions[:, count:]
 
 
+def repack(cache: Cache, order: torch.Tensor) -> None:
+    """Keep, for each row r, the entries `order[r]` ([B, W], ascending) as its W entries: the holes that
+    rows leave behind (entries a decoder did not keep) and padding no row needs are squeezed out."""
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values
+        index = order[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
+        keys, values = keys.gather(2, index), values.gather(2, index)
+        if isinstance(layer, GrowingLayer):
+            layer.key_buffer, layer.value_buffer, layer.length = keys, values, order.shape[1]
+        else:
+            layer.keys, layer.values = keys, values
+    if getattr(cache, "key_positions", None) is not None:
+        cache.key_positions = cache.key_positions.gather(1, order)
+
+
 def gather_entries(cache: Cache, base: int, order: torch.Tensor) -> None:
     """Move each row's entries `base + order[r]` (order [B, L]) to slots base..base+L-1 of that row.
 
@@ -200,18 +215,40 @@ def prepare_cache(cache: Cache, entries: int) -> None:
             layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
 
 
-def stack_rows(config: PreTrainedConfig, rows: list[Cache], pads: list[int]) -> DynamicCache:
-    """One batched cache from one-row caches of growing layers, row r left-padded by `pads[r]` zero
-    entries (which the caller's masks hide), so each row holds exactly the entries its own cache held."""
+def stack_rows(
+    config: PreTrainedConfig, caches: list[Cache], pads: list[int], rows: list[torch.Tensor | None] | None = None
+) -> DynamicCache:
+    """One batched cache from caches of growing layers, the rows of cache i (`rows[i]`, default all)
+    left-padded by `pads[i]` zero entries (which the caller's masks hide): each row holds exactly
+    the entries it held. Every entry is copied once, into buffers with room to grow."""
+    rows = rows or [None] * len(caches)
 
-    def padded(name: str, index: int) -> torch.Tensor:
-        parts = [getattr(row.layers[index], name) for row in rows]
-        return torch.cat([F.pad(part, (0, 0, pad, 0)) for part, pad in zip(parts, pads, strict=True)])
+    def parts(index: int, name: str) -> list[torch.Tensor]:
+        found = [getattr(c.layers[index], name) for c in caches]
+        return [t if r is None else t[r] for t, r in zip(found, rows, strict=True)]
 
     cache = new_cache(config)
     for index, layer in enumerate(cache.layers):
-        layer.update(padded("keys", index), padded("values", index))
-    if all(getattr(row, "key_positions", None) is not None for row in rows):
-        parts = [F.pad(row.key_positions, (pad, 0)) for row, pad in zip(rows, pads, strict=True)]
-        cache.key_positions = torch.cat(parts)
+        keys, values = parts(index, "keys"), parts(index, "values")
+        width = keys[0].shape[2] + pads[0]
+        if not isinstance(layer, GrowingLayer):  # transformers' own layers: stacked as they are
+            layer.update(
+                *(torch.cat([F.pad(p, (0, 0, pad, 0)) for p, pad in zip(t, pads, strict=True)]) for t in (keys, values))
+            )
+            continue
+        like = keys[0].new_empty(sum(k.shape[0] for k in keys), keys[0].shape[1], 1, keys[0].shape[3])
+        layer.lazy_initialization(like, like)
+        layer.reserve(width, like)
+        for buffer, stacked in ((layer.key_buffer, keys), (layer.value_buffer, values)):
+            start = 0
+            for part, pad in zip(stacked, pads, strict=True):
+                end = start + part.shape[0]
+                buffer[start:end, :, :pad].zero_()  # padding: finite, so that masked attention stays finite
+                buffer[start:end, :, pad:width] = part
+                start = end
+        layer.length = width
+    positions = [getattr(c, "key_positions", None) for c in caches]
+    if all(p is not None for p in positions):
+        selected = [p if r is None else p[r] for p, r in zip(positions, rows, strict=True)]
+        cache.key_positions = torch.cat([F.pad(p, (pad, 0)) for p, pad in zip(selected, pads, strict=True)])
     return cache

@@ -86,6 +86,8 @@ class Server:
         max_tokens: int = 256,
         max_batch_tokens: int | None = None,
         max_queue: int = 256,
+        continuous: bool = True,
+        max_step_tokens: int | None = None,
     ):
         build_decoder(decoder, **knobs)  # the server's own settings must be valid before it starts
         self.model, self.name = model, name
@@ -93,6 +95,7 @@ class Server:
         self.metrics = Metrics()
         self.engine: Engine | None = None
         self.max_batch_size, self.max_batch_tokens, self.max_queue = max_batch_size, max_batch_tokens, max_queue
+        self.continuous, self.max_step_tokens = continuous, max_step_tokens
 
     # ---- requests → jobs --------------------------------------------------------------------------
     def job(self, body: _Request, prompt: list[int], max_tokens: int | None) -> Job:
@@ -146,6 +149,9 @@ class Server:
                     if await request.is_disconnected():
                         return
                     continue
+                while event.finish_reason is None and not job.events.empty():  # behind: one chunk for all
+                    later = job.events.get_nowait()
+                    event = Event(event.delta + later.delta, later.finish_reason, later.error, later.usage)
                 yield event
                 if event.finish_reason is not None:
                     return
@@ -209,7 +215,15 @@ class Server:
     def app(self) -> FastAPI:
         @asynccontextmanager
         async def lifespan(app: FastAPI):
-            self.engine = Engine(self.model, self.max_batch_size, self.metrics, self.max_batch_tokens, self.max_queue)
+            self.engine = Engine(
+                self.model,
+                self.max_batch_size,
+                self.metrics,
+                self.max_batch_tokens,
+                self.max_queue,
+                self.continuous,
+                self.max_step_tokens,
+            )
             yield
             await asyncio.to_thread(self.engine.stop)
 

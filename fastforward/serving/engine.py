@@ -72,6 +72,12 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
+def _deliver(items: list[tuple[Job, Event]]) -> None:
+    """On a job's event loop: put each event in its job's queue."""
+    for job, event in items:
+        job.events.put_nowait(event)
+
+
 class QueueFull(RuntimeError):
     """The engine holds `max_queue` waiting jobs already: the request should be retried later."""
 
@@ -92,6 +98,7 @@ class _Group:
     decoder: Decoder
     session: Session
     rows: list[_Row]
+    retired: list[int] = field(default_factory=list)  # finished rows, their jobs ended, still in the session
 
 
 class Engine:
@@ -104,13 +111,18 @@ class Engine:
         metrics: Metrics | None = None,
         max_batch_tokens: int | None = None,
         max_queue: int = 256,
+        continuous: bool = True,
+        max_step_tokens: int | None = None,
     ):
         self.model = model
+        self.max_step_tokens = max_step_tokens  # `Session.step_tokens` of every group
+        self.continuous = continuous  # False: every decoder in static batches (the old scheduling, for comparison)
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self._waiting: deque[Job] = deque()
+        self._outbox: list[tuple[Job, Event]] = []  # events of this step, delivered by `_flush`
         self._groups: dict[str, _Group] = {}
         self._turn = 0  # round robin over the groups
         self._lock = threading.Condition()
@@ -150,8 +162,29 @@ class Engine:
         self._worker.join(timeout)
 
     # ---- the worker -------------------------------------------------------------------------------
+    def _post(self, job: Job, event: Event) -> None:
+        """Queue an event for a job; `_flush` hands a step's events over together."""
+        self._outbox.append((job, event))
+
+    def _flush(self) -> None:
+        """Deliver the queued events: one wake-up of each event loop per step, not one per event (with
+        dozens of streaming rows, waking the HTTP side per token costs the worker its GIL time)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Event]]] = {}
+        for job, event in self._outbox:
+            by_loop.setdefault(job.loop, []).append((job, event))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
     def _run(self) -> None:
+        try:
+            self._schedule()
+        finally:
+            self._flush()
+
+    def _schedule(self) -> None:
         while True:
+            self._flush()
             static = self._admit()
             if static is None:
                 return
@@ -178,7 +211,7 @@ class Engine:
             tokens = sum(len(r.job.prompt) + r.job.max_tokens for g in self._groups.values() for r in g.rows)
             static: list[Job] = []
             for job in list(self._waiting):
-                if not job.decoder.continuous or job.decoder.rows_apart:
+                if not (self.continuous and job.decoder.continuous) or job.decoder.rows_apart:
                     if not static and not admitted:  # its turn: alone, or with its kind (below)
                         static = [job]
                         self._waiting.remove(job)
@@ -217,32 +250,33 @@ class Engine:
             for job in jobs:
                 if not job.done:
                     job.done = True
-                    job.send(Event(finish_reason="error", error=f"decoding failed: {type(exc).__name__}: {exc}"))
+                    self._post(job, Event(finish_reason="error", error=f"decoding failed: {type(exc).__name__}: {exc}"))
             self.metrics.failures.inc(len(jobs))
 
     def _join(self, setting: str, jobs: list[Job]) -> None:
-        """Start jobs in their setting's group: a new session, or rows joining the running one."""
+        """Start jobs in their setting's group: a new session, or rows joining the running one (in one
+        join, each with its own budget; the rows retired since the last join leave in the same copy)."""
         group = self._groups.get(setting)
-        by_budget: dict[int, list[Job]] = {}
-        for job in jobs:
-            by_budget.setdefault(job.max_tokens, []).append(job)
-        for budget, same in by_budget.items():
-            prompts = [Prompt(job.prompt, seed=job.seed) for job in same]
-            if group is None:
-                decoder = same[0].decoder
-                group = _Group(decoder, decoder.open_session(self.model, prompts, budget), [])
-                group.session.on_step = lambda s, g=group: self._stream(g)
-                self._groups[setting] = group
-                rows = range(len(prompts))
-            else:
-                rows = group.session.join(prompts, budget)
-            group.rows += [_Row(job, TextStream(self.model.decode, job.stop)) for job in same]
-            group.decoder.begin(group.session, rows)
+        prompts = [Prompt(job.prompt, seed=job.seed) for job in jobs]
+        budgets = [job.max_tokens for job in jobs]
+        if group is None:
+            decoder = jobs[0].decoder
+            group = _Group(decoder, decoder.open_session(self.model, prompts, budgets), [])
+            group.session.step_tokens = self.max_step_tokens
+            group.session.on_step = lambda s, g=group: self._stream(g)
+            self._groups[setting] = group
+            rows = range(len(prompts))
+        else:
+            rows = group.session.join(prompts, budgets, drop=group.retired)
+            group.rows = [row for index, row in enumerate(group.rows) if index not in group.retired]
+            group.retired = []
+        group.rows += [_Row(job, TextStream(self.model.decode, job.stop)) for job in jobs]
+        group.decoder.begin(group.session, rows)
         self._stream(group)
         self._retire(setting, group)
 
     def _step(self, setting: str, group: _Group) -> None:
-        self.metrics.step_rows.observe(group.session.batch)
+        self.metrics.step_rows.observe(group.session.batch - len(group.retired))
         group.decoder.step(group.session)  # streams through the session's on_step
         self._retire(setting, group)
 
@@ -261,18 +295,22 @@ class Engine:
                 ids = session.canvas[index][row.sent : lengths[index]]
                 row.sent = lengths[index]
                 self._emit(session, index, row.job, row.stream.push(ids))
+        self._flush()  # once a step, static batches too (they stream from inside their decode)
 
     def _retire(self, setting: str, group: _Group) -> None:
-        """Finished rows leave the group (their jobs end); an empty group closes."""
+        """Finished rows end their jobs at once, and leave the session at the next join (one cache copy
+        for both), or now once they are a quarter of it; a group whose rows have all finished closes."""
         session = group.session
-        done = [index for index in range(session.batch) if session.finished_rows[index]]
-        if not done:
-            return
-        for index, generation in zip(done, session.leave(done), strict=True):
-            self._finish(group.rows[index], generation)
-        group.rows = [row for index, row in enumerate(group.rows) if index not in set(done)]
-        if not group.rows:
+        for index in range(session.batch):
+            if session.finished_rows[index] and index not in group.retired:
+                group.retired.append(index)
+                self._finish(group.rows[index], session.result(index))
+        if len(group.retired) == session.batch:
             del self._groups[setting]
+        elif group.retired and 4 * len(group.retired) >= session.batch:
+            session.leave(group.retired)
+            group.rows = [row for index, row in enumerate(group.rows) if index not in group.retired]
+            group.retired = []
 
     def _finish(self, row: _Row, generation: Generation) -> None:
         job = row.job
@@ -283,11 +321,11 @@ class Engine:
             return
         delta, stopped = row.stream.push(generation.token_ids[row.sent :], final=True)
         if delta:
-            job.send(Event(delta=delta))
+            self._post(job, Event(delta=delta))
         job.done = True
         reason = "stop" if stopped or generation.finish_reason == "stop" else "length"
         usage = self._usage(job, len(generation.token_ids), generation.stats.nfe, generation.stats.queries)
-        job.send(Event(finish_reason=reason, usage=usage))
+        self._post(job, Event(finish_reason=reason, usage=usage))
 
     def _decode_static(self, batch: list[Job]) -> None:
         """A decoder that cannot decode step by step: the batch decodes to its end in one turn."""
@@ -304,12 +342,12 @@ class Engine:
         """Send a row's new text (`TextStream.push`); after a stop string, end the job and cancel the row."""
         delta, stopped = pushed
         if delta:
-            job.send(Event(delta=delta))
+            self._post(job, Event(delta=delta))
         if stopped:
             session.cancel(row)
             job.done = True
             usage = self._usage(job, session.lengths[row], session.forwards[row], session.queries[row])
-            job.send(Event(finish_reason="stop", usage=usage))
+            self._post(job, Event(finish_reason="stop", usage=usage))
 
     @staticmethod
     def _usage(job: Job, tokens: int, nfe: int, queries: int) -> dict[str, Any]:

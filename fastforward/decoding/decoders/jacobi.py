@@ -53,6 +53,14 @@ class JacobiDecoder(Decoder):
 
     continuous = True
 
+    def _drafts(self, session: Session) -> int:
+        """Drafts per row this step: the block size, or fewer when `session.step_tokens` bounds the
+        tokens of a forward over its running rows (the output is the same; only the forwards change)."""
+        if session.step_tokens is None:
+            return self.block_size
+        running = max(1, session.batch - sum(session.finished_rows))
+        return max(1, min(self.block_size, session.step_tokens // running - 1))
+
     def begin(self, session: Session, rows: range) -> None:
         first = session.sample(session.next_logits, session.next_pos).tolist()  # every row: a pure function
         session.append([[t] for t in first], [int(row in rows) for row in range(session.batch)])
@@ -62,8 +70,11 @@ class JacobiDecoder(Decoder):
             drafts[row] = self._filler(session, row, first[row])
 
     def step(self, session: Session) -> None:
-        n = self.block_size
+        n = self._drafts(session)
         last, drafts = session.per_row("last"), session.per_row("drafts")
+        for row, draft in enumerate(drafts):
+            if len(draft) != n:  # fewer drafts while many rows share the forward, more again later
+                drafts[row] = (draft + self._filler(session, row, last[row]))[:n]
         tokens = torch.tensor([[t, *d] for t, d in zip(last, drafts, strict=True)], device=session.device)
         # the last committed token, one position before the frontier, then the n drafts
         positions = session.span(-1, n + 1)
