@@ -288,3 +288,26 @@ def test_progressive_jacobi_forcing_refuses_a_launch_of_several_processes(tmp_pa
     with pytest.raises(FastForwardError, match="runs in one process"):
         progressive_rounds("unused", tmp_path, source, spec, JacobiForcing(), TrainConfig(), Collection())
     assert not any(tmp_path.iterdir())
+
+
+# ---- eval: the batches shared out -----------------------------------------------------------------
+def test_torchrun_shares_the_batches_of_an_eval(tmp_path):
+    """`torchrun ... -m fastforward eval`: each process decodes its share of the batches; process 0
+    writes the records in input order and the figures one process gives (tokens/s aside)."""
+    model = tiny_model(TEXTS, init_std=0.5)
+    model.add_mask_token()
+    model.save(tmp_path / "m")
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in PROMPTS))
+    args = ["eval", "--model", str(tmp_path / "m"), "--task", str(task), "--decoder", "jacobi", "--block-size", "3"]
+    args += ["--max-new-tokens", "9", "--batch-size", "2", "--quiet", "--threads", "1", "--no-chat-template"]
+    launched = torchrun(*args, "--out", str(tmp_path / "two"))
+    assert launched.returncode == 0, launched.stderr
+    assert launched.stdout.count("TPF") == 1, launched.stdout  # process 0 alone prints
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
+    timing = {"seconds", "prefill_seconds", "tps", "ar_tps", "speedup"}
+    for a, b in zip(one["results"], two["results"], strict=True):
+        assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
+    records = [(tmp_path / d / "records.jsonl").read_text().splitlines() for d in ("one", "two")]
+    assert records[0] == records[1] and len(records[0]) == 2 * len(PROMPTS)

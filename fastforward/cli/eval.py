@@ -8,6 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 from fastforward.api import build_decoder
 from fastforward.cli import (
     add_command,
@@ -31,6 +33,7 @@ from fastforward.evaluation.evaluate import (
 )
 from fastforward.model import check_device, load_model, resolve_model_path
 from fastforward.tasks import get_task, parse_options
+from fastforward.training.launch import launched_processes, local_rank, reported_once, share_threads
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -66,13 +69,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+@reported_once
 def run(args: argparse.Namespace) -> int:
+    """One process, or in a `torchrun` launch every process on its share of the batches (process 0
+    prints and writes: the same figures, tokens/s per process)."""
+    if launched_processes() == 1:
+        return evaluate_command(args)
+    share_threads(args.threads)
+    dist.init_process_group("gloo")
+    try:
+        return evaluate_command(args, shard=(dist.get_rank(), dist.get_world_size()))
+    finally:
+        dist.destroy_process_group()
+
+
+def evaluate_command(args: argparse.Namespace, shard: tuple[int, int] = (0, 1)) -> int:
     check_device(args.device)
+    if shard[1] > 1 and args.device and args.device.startswith("cuda"):
+        args.device = f"cuda:{local_rank()}"
     knobs = decoder_knobs(args)
     if registry.spec(args.decoder).knob("seed"):
         knobs["seed"] = args.seed
     trained_for = zoo.task_options(resolve_model_path(args.model), args.task)
-    if trained_for:
+    if trained_for and shard[0] == 0:
         print(f"task options the checkpoint was trained for: {trained_for} (--task-option overrides)")
     task = get_task(args.task, **{**trained_for, **parse_options(args.task_option)})
     sweep_spec = parse_sweep(args.sweep) if args.sweep else None
@@ -94,8 +113,11 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
         chat_template=not args.no_chat_template,
-        progress=not args.quiet,
+        progress=not args.quiet and shard[0] == 0,
+        shard=shard,
     )
+    if shard[0] != 0:
+        return 0  # process 0 reports
     ordered = [results[AR]] + [results[label] for label in decoders]
     print(f"{task.name}: {ordered[0].n} {args.split} examples, model {args.model}, batch size {args.batch_size}")
     print(results_table(ordered))

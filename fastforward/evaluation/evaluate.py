@@ -228,11 +228,15 @@ def compare(
     warmup: bool = True,
     progress: bool = True,
     desc: str = "eval",
+    shard: tuple[int, int] = (0, 1),
 ) -> dict[str, EvalResult]:
     """Run AR (always, as the baseline, under the label "ar") and every decoder of `decoders` over
     the same examples, interleaved batch by batch; grade, and return one EvalResult per label.
 
     Every result's speedup is against the AR run of this call; agreement is against its outputs.
+    shard=(k, n): in a process group of n (torch.distributed, initialised), process k decodes every
+    n-th batch from the k-th; the generations are gathered, so every process returns the results one
+    process would (the seconds are summed over the processes: tokens/s is per process).
     """
     if batch_size < 1:
         raise FastForwardError(f"batch_size must be at least 1, got {batch_size}")
@@ -253,22 +257,25 @@ def compare(
     if warmup:  # first calls allocate and pick kernels: keep them out of every timing
         for decoder in runs.values():
             _timed_generate(decoder, model, prompts[:batch_size], min(max_new_tokens, 32))
-    outputs: dict[str, list[Generation]] = {label: [] for label in runs}
+    rank, processes = shard
+    batches = [(i, b) for i, b in enumerate(_batches(prompts, batch_size)) if i % processes == rank]
+    decoded: dict[str, dict[int, list[Generation]]] = {label: {} for label in runs}  # by batch index
     seconds = dict.fromkeys(runs, 0.0)
     prefill = dict.fromkeys(runs, 0.0)
-    batches = _batches(prompts, batch_size)
     # disable=None: a bar on a terminal (or notebook), none where stderr is a log (redraws would fill it)
-    bar = tqdm(
-        total=len(prompts) * len(runs), desc=desc, disable=None if progress else True, dynamic_ncols=True, leave=False
-    )
-    for batch in batches:
+    total = sum(len(b) for _, b in batches) * len(runs)
+    bar = tqdm(total=total, desc=desc, disable=None if progress else True, dynamic_ncols=True, leave=False)
+    for index, batch in batches:
         for label, decoder in runs.items():
             generations, wall = _timed_generate(decoder, model, list(batch), max_new_tokens)
-            outputs[label].extend(generations)
+            decoded[label][index] = generations
             seconds[label] += wall
             prefill[label] += generations[0].stats.prefill_seconds
             bar.update(len(batch))
     bar.close()
+    if processes > 1:
+        decoded, seconds, prefill = _gather_shards(decoded, seconds, prefill)
+    outputs = {label: [g for i in sorted(parts) for g in parts[i]] for label, parts in decoded.items()}
     results: dict[str, EvalResult] = {}
     ar_gens = outputs[AR]
     for label, decoder in runs.items():
@@ -279,6 +286,23 @@ def compare(
     for result in results.values():
         result.ar_tps, result.ar_tpf = ar.tps, ar.tpf
     return results
+
+
+def _gather_shards(decoded: dict, seconds: dict, prefill: dict) -> tuple[dict, dict, dict]:
+    """Every process's generations by batch index, and the seconds summed, in every process."""
+    import torch.distributed as dist
+
+    shares: list = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, (decoded, seconds, prefill))
+    merged: dict = {label: {} for label in decoded}
+    for parts, _, _ in shares:
+        for label, batches in parts.items():
+            merged[label].update(batches)
+    return (
+        merged,
+        {label: sum(share[1][label] for share in shares) for label in seconds},
+        {label: sum(share[2][label] for share in shares) for label in prefill},
+    )
 
 
 def _result(
