@@ -311,3 +311,66 @@ def test_torchrun_shares_the_batches_of_an_eval(tmp_path):
         assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
     records = [(tmp_path / d / "records.jsonl").read_text().splitlines() for d in ("one", "two")]
     assert records[0] == records[1] and len(records[0]) == 2 * len(PROMPTS)
+
+
+# ---- FSDP2 on the CPU --------------------------------------------------------------------------------
+FSDP_STEPS = """
+import os, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from fastforward.model.tiny import tiny_model
+from fastforward.training.data import PackedData, encode_record
+from fastforward.training.objectives import make_objective
+from fastforward.training.trainer import _ObjectiveModule
+
+world = int(os.environ.get("WORLD_SIZE", "1"))
+if world > 1:
+    dist.init_process_group("gloo")
+rank = dist.get_rank() if world > 1 else 0
+model = tiny_model(seed=0)
+objective = make_objective(sys.argv[2])
+objective.setup(model)
+root = _ObjectiveModule(model, objective)
+if world > 1:  # as accelerate's FSDP2 plugin wraps the trainer's module: each layer, then the root
+    for layer in model.hf.model.layers:
+        fully_shard(layer)
+    fully_shard(root)
+optimizer = torch.optim.AdamW(root.parameters(), lr=1e-3)
+texts = %r
+data = PackedData([encode_record({"text": t}, model.tokenizer) for t in texts * 8], 24, model.pad_token_id)
+rows = 4 // world
+for step in range(3):  # the trainer's step: process p takes micro-batch step * world + p of `rows` rows
+    batches = [data.batch(step * world + p, rows, 0) for p in range(world)]
+    seed = torch.Generator().manual_seed(step)
+    counts = [root.counts(b, torch.Generator().manual_seed(step)) for b in batches]
+    norms = {k: max(sum(c[k] for c in counts), 1) / world for k in counts[0]}
+    loss, _ = root(batches[rank], torch.Generator().manual_seed(step), norms)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+state = get_model_state_dict(model.hf, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+if rank == 0:
+    torch.save({k: v.clone() for k, v in state.items()}, sys.argv[1])
+if world > 1:
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("objective", ["sbd", "setdlm"])
+def test_fsdp2_on_cpu_trains_the_model_one_process_does(tmp_path, objective):
+    """torch's FSDP2 (`fully_shard`) runs on CPUs over gloo, though accelerate shards only on GPUs: two
+    processes, each holding half of every parameter, train the model one process trains (3 steps)."""
+    script = tmp_path / "fsdp.py"
+    script.write_text(FSDP_STEPS % (TEXTS,))
+    sharded = torchrun(str(tmp_path / "two.pt"), objective, script=script)
+    assert sharded.returncode == 0, sharded.stderr
+    alone = launch(sys.executable, str(script), str(tmp_path / "one.pt"), objective)
+    assert alone.returncode == 0, alone.stderr
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert max_difference(one, two) < 1e-5
+    start = tiny_model(seed=0).hf.state_dict()
+    moved = [(one[k] - v).abs().max().item() for k, v in start.items() if k in one and v.shape == one[k].shape]
+    assert max(moved) > 1e-3  # the steps did train
