@@ -86,3 +86,15 @@ def test_bfloat16_linears_compute_each_row_as_a_one_row_call(saved):
     x = torch.randn(100, 576).bfloat16()
     with torch.inference_mode():
         assert torch.equal(layers(x), torch.cat([layers(row[None]) for row in x]))
+
+
+@pytest.mark.parametrize("name", ["ar", "jacobi"])
+def test_rows_joining_and_leaving_a_running_batch_keep_their_tokens(model, name):
+    """Continuous batching (`Session.join` / `leave`, as the server schedules) at every precision:
+    requests arriving while others decode give one-prompt greedy AR's tokens, bit for bit."""
+    from test_continuous import run_staggered
+
+    prompts = [model.encode_prompt(text, chat_template=False) for text in TEXTS]
+    arrivals = [(0, 3, 16), (0, 1, 7), (1, 0, 12), (2, 5, 16), (2, 2, 9), (4, 7, 16), (5, 4, 11), (6, 6, 5)]
+    got = run_staggered(model, decoder(name), prompts, arrivals, fused=True)
+    assert got == [outputs(model, "ar", [prompts[index]])[0][:budget] for _, index, budget in arrivals]
