@@ -91,7 +91,7 @@ def add_precision_flags(
     p.add_argument(
         "--quantize",
         choices=QUANTIZATIONS,
-        help=f"quantized linear layers on the CPU (default: {quantize}; none on a GPU); see README, Precision",
+        help=f"quantized linear layers on the CPU (default: {quantize}; none on a GPU); see docs/precision.md",
     )
     p.add_argument(
         "--exact",
@@ -105,7 +105,7 @@ def add_precision_flags(
         "--attention",
         choices=("sdpa", "flex"),  # fastforward.model.flex.CHOICES, without importing torch here
         default="sdpa",
-        help="sdpa, or flex (FlexAttention: a new BlockMask each step, slower to decode; see README, GPUs)",
+        help="sdpa, or flex (FlexAttention: a new BlockMask each step, slower to decode; see docs/precision.md)",
     )
 
 
@@ -115,7 +115,7 @@ def add_compile_flag(p: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="compile the decoding steps with torch.compile: faster steps after a warm-up of tens of "
-        "seconds (see README, Precision)",
+        "seconds (see docs/precision.md)",
     )
 
 
