@@ -12,6 +12,7 @@ import torch
 from fastforward.decoding.policies import (
     ConfidenceBounded,
     EntropyBounded,
+    EntropyLeftmost,
     Factor,
     Threshold,
     entropy_and_confidence,
@@ -47,6 +48,19 @@ def test_entropy_and_confidence_by_hand():
 def test_entropy_bound_sums_entropies_before_the_last(gamma, expected):
     # sorted entropies 0, ln2, ln4: exclusive prefix sums 0, 0, ln2 = 0.693
     assert _count(EntropyBounded(gamma), _logits((2, 0, 1))) == expected
+
+
+def test_entropy_leftmost_reveals_the_leftmost_position_when_none_is_confident():
+    logits = _logits((2, 1, 2))  # entropies ln4, ln2, ln4: the lowest is in the middle
+    masked = torch.tensor([[False, True, True]])  # position 0 is filled
+    assert EntropyLeftmost(0.5)(logits, masked).tolist() == [[False, True, False]]  # ln2 > γ: leftmost masked
+    assert EntropyLeftmost(0.5)(logits, torch.ones(1, 3, dtype=torch.bool)).tolist() == [[True, False, False]]
+    assert EntropyBounded(0.5)(logits, torch.ones(1, 3, dtype=torch.bool)).tolist() == [[False, True, False]]
+    confident = _logits((2, 0, 1))  # entropies ln4, 0, ln2: position 1 is confident, so the rule is EB's
+    assert torch.equal(
+        EntropyLeftmost(0.5)(confident, torch.ones(1, 3, dtype=torch.bool)),
+        EntropyBounded(0.5)(confident, torch.ones(1, 3, dtype=torch.bool)),
+    )
 
 
 @pytest.mark.parametrize(("gamma", "expected"), [(0.0, 2), (0.69, 2), (0.70, 3)])

@@ -61,8 +61,25 @@ class EntropyBounded:
     gamma: float
 
     def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        return self.by_entropy(entropy(logits), masked)
+
+    def by_entropy(self, h: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         # Past the masked positions the entropies are inf: inf - inf is nan, outside the bound.
-        return _reveal(entropy(logits), masked, False, lambda h: h.cumsum(-1) - h <= self.gamma)
+        return _reveal(h, masked, False, lambda e: e.cumsum(-1) - e <= self.gamma)
+
+
+@dataclass(frozen=True)
+class EntropyLeftmost(EntropyBounded):
+    """EntropyBounded, except when no masked position is confident (its lowest entropy above γ): then
+    the leftmost masked position, whose prediction sees the most of the block filled (AR's choice
+    once the positions before it are), instead of the lowest-entropy one far to its right."""
+
+    def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        h = entropy(logits)
+        reveal = self.by_entropy(h, masked)
+        unsure = h.masked_fill(~masked, math.inf).amin(dim=-1, keepdim=True) > self.gamma
+        leftmost = masked & (masked.cumsum(dim=-1) == 1)
+        return torch.where(unsure, leftmost, reveal)
 
 
 @dataclass(frozen=True)
@@ -101,7 +118,13 @@ class Threshold:
         return _reveal(confidence, masked, True, lambda c: c >= self.threshold)
 
 
-POLICIES = {"entropy": EntropyBounded, "confidence": ConfidenceBounded, "factor": Factor, "threshold": Threshold}
+POLICIES = {
+    "entropy": EntropyBounded,
+    "entropy-left": EntropyLeftmost,
+    "confidence": ConfidenceBounded,
+    "factor": Factor,
+    "threshold": Threshold,
+}
 
 
 def make_policy(name: str, value: float):
