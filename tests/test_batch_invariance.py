@@ -88,7 +88,7 @@ def test_bfloat16_linears_compute_each_row_as_a_one_row_call(saved):
         assert torch.equal(layers(x), torch.cat([layers(row[None]) for row in x]))
 
 
-@pytest.mark.parametrize("name", ["ar", "jacobi"])
+@pytest.mark.parametrize("name", ["ar", "jacobi", "lookup"])
 def test_rows_joining_and_leaving_a_running_batch_keep_their_tokens(model, name):
     """Continuous batching (`Session.join` / `leave`, as the server schedules) at every precision:
     requests arriving while others decode give one-prompt greedy AR's tokens, bit for bit."""

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fastforward.decoding.decoders import ARDecoder, JacobiDecoder, Prompt, Session
+from fastforward.decoding.decoders.lookup import PromptLookupDecoder
 from fastforward.decoding.sampling import Sampler
 from fastforward.model import Layout
 
@@ -76,7 +77,9 @@ def run_staggered(model, decoder, prompts, arrivals, check=None, fused=False):
 
 
 @pytest.mark.parametrize(
-    "decoder", [ARDecoder(), JacobiDecoder(4), JacobiDecoder(3, init="random")], ids=["ar", "jacobi", "jacobi-random"]
+    "decoder",
+    [ARDecoder(), JacobiDecoder(4), JacobiDecoder(3, init="random"), PromptLookupDecoder(4, 2, 1, jacobi_drafts=2)],
+    ids=["ar", "jacobi", "jacobi-random", "lookup"],
 )
 @pytest.mark.parametrize("slack", [64, 0], ids=["holes-kept", "repacked"])
 @pytest.mark.parametrize("fused", [False, True], ids=["leave", "drop-on-join"])

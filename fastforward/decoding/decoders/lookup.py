@@ -15,9 +15,12 @@ one-token forward on the model's own causal path (an AR step), and the draft len
 
 from __future__ import annotations
 
+import torch
+
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.multiblock_jacobi import verify
 from fastforward.decoding.decoders.registry import SAMPLING, Knob, register
+from fastforward.decoding.policies import greedy_prefix
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
@@ -92,7 +95,6 @@ class PromptLookupDecoder(Decoder):
     """
 
     name = "lookup"
-    rows_apart = True  # each row's draft has its own length and layout
 
     def __init__(
         self,
@@ -108,23 +110,63 @@ class PromptLookupDecoder(Decoder):
         self.max_match, self.min_match = max_match, min_match
         self.sampler = sampler or Sampler()
 
-    def decode(self, session: Session) -> None:
-        index = NgramIndex(self.max_match, self.min_match)
-        index.extend(session.prefixes[0])
-        last = int(session.sample(session.next_logits, session.next_pos)[0])
-        session.append([[last]])
-        index.extend([last])
-        chain: list[int] = []
-        length = DraftLength(self.lookup_tokens)
-        while not session.finished:
-            want = length.next()
-            draft = index.draft(want) if want else []
-            verdict = verify(session, last, chain, [draft] if draft else [], tail=0)
-            index.extend(verdict.committed)
-            last = verdict.committed[-1]
-            if draft:
-                length.update(len(draft), verdict.accepted if verdict.winner == 1 else 0)
-            chain = verdict.ahead[: self.jacobi_drafts]
+    continuous = True
+
+    def begin(self, session: Session, rows: range) -> None:
+        first = session.sample(session.next_logits, session.next_pos).tolist()  # every row: a pure function
+        session.append([[t] for t in first], [int(row in rows) for row in range(session.batch)])
+        index, last = session.per_row("index"), session.per_row("last")
+        chain, length = session.per_row("chain"), session.per_row("length")
+        for row in rows:
+            index[row] = NgramIndex(self.max_match, self.min_match)
+            index[row].extend([*session.prefixes[row], first[row]])
+            last[row], chain[row], length[row] = first[row], [], DraftLength(self.lookup_tokens)
+
+    def step(self, session: Session) -> None:
+        if session.batch == 1:  # one row: its draft as a candidate beside a Jacobi chain (`verify`)
+            self._step_alone(session)
+        else:
+            self._step_batch(session)
+
+    def _step_alone(self, session: Session) -> None:
+        index, last, chain, length = (session.per_row(k) for k in ("index", "last", "chain", "length"))
+        want = length[0].next()
+        draft = index[0].draft(want) if want else []
+        verdict = verify(session, last[0], chain[0], [draft] if draft else [], tail=0)
+        index[0].extend(verdict.committed)
+        last[0] = verdict.committed[-1]
+        if draft:
+            length[0].update(len(draft), verdict.accepted if verdict.winner == 1 else 0)
+        chain[0] = verdict.ahead[: self.jacobi_drafts]
+
+    def _step_batch(self, session: Session) -> None:
+        """Rows of a batch: each row's draft, then its carried predictions and repeats of its last token
+        up to the longest draft, as one causal chain per row (a draft token past a row's own draft is
+        a guess like any other: accepted only where it is the prediction)."""
+        index, last, chain, length = (session.per_row(k) for k in ("index", "last", "chain", "length"))
+        running = [not done for done in session.finished_rows]
+        drafts = []
+        for row, runs in enumerate(running):
+            want = length[row].next() if runs else 0
+            drafts.append(index[row].draft(want) if want else [])
+        n = max(len(d) for d in drafts)
+        filled = [(d + chain[row] + [last[row]] * n)[:n] for row, d in enumerate(drafts)]
+        tokens = torch.tensor([[last[row], *f] for row, f in enumerate(filled)], device=session.device)
+        positions = session.span(-1, n + 1)
+        logits = session.forward(tokens, positions, read=range(n + 1))
+        guesses = session.sample(logits, positions + 1).tolist()
+        accepted = [greedy_prefix(f, g) for f, g in zip(filled, guesses, strict=True)]
+        committed = [g[: a + 1] for g, a in zip(guesses, accepted, strict=True)]
+        session.append(committed)
+        session.advance(keep=[a + 1 for a in accepted])
+        for row, runs in enumerate(running):
+            if not runs:
+                continue
+            index[row].extend(committed[row])
+            last[row] = committed[row][-1]
+            if drafts[row]:
+                length[row].update(len(drafts[row]), min(accepted[row], len(drafts[row])))
+            chain[row] = guesses[row][accepted[row] + 1 :][: self.jacobi_drafts]
 
 
 @register(
