@@ -10,8 +10,8 @@ different settings take turns, one step each. Admission is bounded by `max_batch
 `max_queue` waiting jobs refuses new ones (`QueueFull`: HTTP 503 with Retry-After).
 
 Decoders that cannot decode step by step (`Decoder.continuous` false: the block diffusion decoders,
-and `rows_apart` ones such as `lookup`) run as before: a batch of waiting jobs with the same setting
-and budget decodes to its end in one turn.
+and the `rows_apart` ones, `mbd` and `jacobi-mr`) run in static batches: waiting jobs with the same
+setting and budget decode to their end in one turn.
 
 Each row samples with its own request's seed (`Prompt.seed`), so a request gets the tokens it would
 get alone whatever shares its batch. After every step the session's rows turn their newly committed
