@@ -109,6 +109,12 @@ def _guarded(labels: dict, measure) -> dict:
     return row
 
 
+def _json(record: dict) -> dict:
+    """`record` as its JSON file will hold it (integer keys become strings), so that a run's own tables
+    and targets read it as `--report` reads the file."""
+    return json.loads(json.dumps(record))
+
+
 def _graphs() -> int:
     """Graphs torch.compile has built in this process so far (FlexAttention's kernels, on CUDA)."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -287,7 +293,7 @@ def run_roofline(args: argparse.Namespace, sizes: dict) -> dict:
         rows.append(
             _guarded(
                 {"attention": attention},
-                lambda: measure_block_cost(model, blocks, cache_len=256, repeats=sizes["repeats"]).as_dict(),  # noqa: B023
+                lambda: _json(measure_block_cost(model, blocks, cache_len=256, repeats=sizes["repeats"]).as_dict()),  # noqa: B023
             )
         )
     return {"rows": rows}
@@ -358,8 +364,9 @@ def print_tables(record: dict) -> None:
         print("\n| objective | attention | tokens/s | step ms | peak GiB | first loss | flex speed-up | loss diff |")
         print("|---|---|---|---|---|---|---|---|")
         for r in parts["train"]["rows"]:
-            if "skipped" in r:
-                print(f"| {r['objective']} | {r['attention']} | skipped: {r['skipped']} | | | | | |")
+            if "skipped" in r or "error" in r:
+                why = r.get("skipped") or f"FAILED: {r['error']}"
+                print(f"| {r['objective']} | {r['attention']} | {why} | | | | | |")
                 continue
             diff = f"{r['loss_difference']:.1e}" if "loss_difference" in r else ""
             print(
@@ -370,6 +377,10 @@ def print_tables(record: dict) -> None:
         print("\n| model | attention | batch | decoder | tokens/s | TPF | = ar |")
         print("|---|---|---|---|---|---|---|")
         for r in parts["decode"]["rows"]:
+            if "error" in r:
+                where = f"{r['model']} ({r['dtype']}) | {r['attention']} | {r['batch']} | {r['decoder']}"
+                print(f"| {where} | FAILED: {r['error']} | | |")
+                continue
             same = {True: "yes", False: "NO"}.get(r.get("same_tokens_as_ar"), "")
             print(
                 f"| {r['model']} ({r['dtype']}) | {r['attention']} | {r['batch']} | {r['decoder']} | "
@@ -382,6 +393,9 @@ def print_tables(record: dict) -> None:
             print(f"| {t['target']} | {t['value']} | {t['bound']} | {'yes' if t['met'] else 'NO'} |")
     if "rows" in parts.get("roofline", {}):
         for r in parts["roofline"]["rows"]:
+            if "error" in r:
+                print(f"\nblock cost ({r['attention']}): FAILED: {r['error']}")
+                continue
             ratios = ", ".join(f"k={k}: {v:.3f}" for k, v in r["ratios"].items())
             print(f"\nblock cost / k=1 ({r['attention']}, {r['dtype']}, cache {r['cache_len']}): {ratios}")
 
