@@ -147,9 +147,9 @@ def run_tests(args: argparse.Namespace, sizes: dict) -> dict:
         r"(PASSED|FAILED|SKIPPED|ERROR)\s+(tests/\S+)|(tests/\S+) (PASSED|FAILED|SKIPPED|ERROR)", output
     )
     named = {(test or test2): (kind or kind2) for kind, test, test2, kind2 in outcomes}
-    counts = {
-        kind.lower(): sum(1 for k in named.values() if k == kind) for kind in ("PASSED", "FAILED", "SKIPPED", "ERROR")
-    }
+    # "errors", not "error": that key marks a part that failed
+    kinds = {"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped", "ERROR": "errors"}
+    counts = {name: sum(1 for k in named.values() if k == kind) for kind, name in kinds.items()}
     failed = sorted(f"{kind} {test}" for test, kind in named.items() if kind in ("FAILED", "ERROR"))
     return {"command": " ".join(command[1:]), "returncode": returncode, **counts, "failures": failed[:40]}
 
@@ -356,7 +356,7 @@ def print_tables(record: dict) -> None:
             print(f"\n{name}: FAILED: {part['error']}")
     if "tests" in parts and "error" not in parts["tests"]:
         t = parts["tests"]
-        counts = ", ".join(f"{t[k]} {k}" for k in ("passed", "failed", "skipped", "error", "errors") if k in t)
+        counts = ", ".join(f"{t[k]} {k}" for k in ("passed", "failed", "skipped", "errors") if k in t)
         print(f"\ntests: {counts} ({t['seconds']} s)")
         for line in t["failures"]:
             print(f"  {line}")
