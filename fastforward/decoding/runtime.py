@@ -562,7 +562,9 @@ class Session:
         return results
 
     def _staying(self, gone: Sequence[int]) -> tuple[list[int], torch.Tensor]:
-        stay = [row for row in range(self.batch) if row not in set(gone)]
+        """The rows not in `gone`, in order, and their indices on the device."""
+        leaving = set(gone)
+        stay = [row for row in range(self.batch) if row not in leaving]
         return stay, torch.tensor(stay, dtype=torch.long, device=self.device)
 
     def _keep_rows(self, stay: list[int], index: torch.Tensor) -> None:

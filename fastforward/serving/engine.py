@@ -196,7 +196,7 @@ class Engine:
                 self._turn += 1
                 group = self._groups[name]
                 self._guarded([r.job for r in group.rows], lambda: self._step(name, group))  # noqa: B023
-            self.metrics.batch_size.set(sum(len(g.rows) for g in self._groups.values()))
+            self.metrics.batch_size.set(sum(len(g.rows) - len(g.retired) for g in self._groups.values()))
 
     def _admit(self) -> list[Job] | None:
         """Move waiting jobs into their groups (opening groups as needed), as far as the limits allow.
@@ -207,8 +207,9 @@ class Engine:
             if not self._waiting and not self._groups:
                 return None
             admitted: dict[str, list[Job]] = {}
-            rows = sum(len(g.rows) for g in self._groups.values())
-            tokens = sum(len(r.job.prompt) + r.job.max_tokens for g in self._groups.values() for r in g.rows)
+            # Rows still decoding: retired ones leave in the join that admits their successors.
+            live = [r for g in self._groups.values() for i, r in enumerate(g.rows) if i not in g.retired]
+            rows, tokens = len(live), sum(len(r.job.prompt) + r.job.max_tokens for r in live)
             static: list[Job] = []
             for job in list(self._waiting):
                 if not (self.continuous and job.decoder.continuous) or job.decoder.rows_apart:
