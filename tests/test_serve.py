@@ -264,3 +264,50 @@ def test_a_full_queue_is_a_503_with_retry_after(served, monkeypatch):
     response = httpx.post(served[1] + "/v1/completions", json={"model": "tiny", "prompt": "x"})
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     assert "busy" in response.json()["error"]["message"]
+
+
+def test_replicas_on_ray_serve_answer_as_generate(tiny, tmp_path):
+    """`serve --replicas 2` on a local Ray instance: Ray Serve's proxy in front of two copies of the app,
+    the real `openai` client, streamed and not; SIGTERM shuts the deployment down."""
+    pytest.importorskip("ray.serve", reason="the ray extra: pip install 'fastforward[ray]'")
+    tiny.save(tmp_path / "m")
+    port = free_port()
+    command = [sys.executable, "-m", "fastforward", "serve", "--model", str(tmp_path / "m"), "--port", str(port)]
+    command += ["--served-name", "tiny", "--quantize", "none", "--no-exact", "--replicas", "2"]
+    command += ["--cpus-per-replica", "0.5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        for _ in range(1800):  # Ray starts, then each replica imports and loads
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None, process.stderr.read().decode()
+            time.sleep(0.1)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=12), PROMPTS))
+        assert [o.choices[0].text for o in outs] == [alone(tiny, p, n=12) for p in PROMPTS]
+        stream = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, stream=True)
+        assert "".join(c.choices[0].text for c in stream) == alone(tiny, PROMPTS[0], n=12)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        process.kill()
+
+
+def test_replicas_without_ray_name_the_extra(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def without_ray(name, *args):
+        return None if name.startswith("ray") else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_ray)
+    from fastforward.cli import main
+
+    assert main(["serve", "--model", "no/such/model", "--replicas", "2"]) == 2
+    assert "pip install 'fastforward[ray]'" in capsys.readouterr().err

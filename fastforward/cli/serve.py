@@ -53,6 +53,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_precision_flags(p, dtype="float32", quantize="int4", exact=True)
     add_compile_flag(p)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
+    p.add_argument(
+        "--replicas",
+        type=positive_int,
+        default=None,
+        help="run N copies of the server on Ray Serve behind its proxy (pip install 'fastforward[ray]'; a "
+        "Ray cluster at RAY_ADDRESS, else a local one)",
+    )
+    p.add_argument(
+        "--cpus-per-replica", type=float, default=None, help="CPUs Ray reserves for each replica (default: Ray's 1)"
+    )
     add_threads_flag(p)
     p.set_defaults(run=run)
 
@@ -76,20 +86,30 @@ def run(args: argparse.Namespace) -> int:
                     signal.signal(s, handler)
 
     check_device(args.device)
-    model = load_model(args.model, device=args.device, **precision(args))
     name = args.served_name or args.model
-    server = Server(
-        model,
-        name,
-        args.decoder,
-        decoder_knobs(args),
-        args.max_batch_size,
-        args.max_tokens,
-        args.max_batch_tokens,
-        args.max_queue,
-        continuous=not args.static_batches,
-        max_step_tokens=args.max_step_tokens,
-    )
+    options = {
+        "name": name,
+        "decoder": args.decoder,
+        "knobs": decoder_knobs(args),
+        "max_batch_size": args.max_batch_size,
+        "max_tokens": args.max_tokens,
+        "max_batch_tokens": args.max_batch_tokens,
+        "max_queue": args.max_queue,
+        "continuous": not args.static_batches,
+        "max_step_tokens": args.max_step_tokens,
+    }
+    if args.replicas:
+        from fastforward.serving import replicas
+
+        replicas.require_ray()  # before anything loads
+        build_decoder(args.decoder, **decoder_knobs(args))  # bad settings fail here, not in every replica
+        load = {"name_or_path": args.model, "device": args.device, **precision(args)}
+        build = replicas.app_builder(load, options, compile_warm_up=args.compile)
+        replicas.serve_replicas(build, args.replicas, args.host, args.port, args.cpus_per_replica)
+        print("fastforward serve: shut down", flush=True)
+        return 0
+    model = load_model(args.model, device=args.device, **precision(args))
+    server = Server(model, **options)
     if args.compile:
         print("fastforward serve: compiling the decoding steps (one prompt, alone and in a batch)...", flush=True)
         seconds = warm_up(model, build_decoder(args.decoder, **decoder_knobs(args)))
