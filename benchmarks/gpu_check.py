@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -223,12 +224,16 @@ def _train_steps(model: Model, name: str, data: PackedData, sizes: dict, device:
 
 
 # ---- decode -------------------------------------------------------------------------------------
-def run_decoding(args: argparse.Namespace, sizes: dict) -> dict:
-    device = torch.device(args.device)
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
-    rows = []
+def _models(args: argparse.Namespace) -> Iterator[tuple[str, str, Model]]:
+    """(attention, dtype, the --model loaded with it) for each attention: bfloat16 on CUDA, else float32."""
+    dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
     for attention in ATTENTIONS:
-        model = load_model(args.model, dtype=dtype, device=args.device, attention=attention)
+        yield attention, dtype, load_model(args.model, dtype=dtype, device=args.device, attention=attention)
+
+
+def run_decoding(args: argparse.Namespace, sizes: dict) -> dict:
+    rows = []
+    for attention, dtype, model in _models(args):
         # Under FlexAttention only ar: what a BlockMask per step costs (every decoder pays it alike)
         names = ("ar", "lookup", "jacobi") if attention == "sdpa" else ("ar",)
         baseline = {"hf-generate": HFGenerate()} if attention == "sdpa" else {}
@@ -284,11 +289,8 @@ def _decode(model: Model, decoder, prompts: list[list[int]], batch: int, new_tok
 
 # ---- roofline -----------------------------------------------------------------------------------
 def run_roofline(args: argparse.Namespace, sizes: dict) -> dict:
-    device = torch.device(args.device)
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
     rows = []
-    for attention in ATTENTIONS:
-        model = load_model(args.model, dtype=dtype, device=args.device, attention=attention)
+    for attention, _, model in _models(args):
         blocks = [1, 2, 4, 8, 16, 32, 64]
         rows.append(
             _guarded(
