@@ -126,3 +126,15 @@ def test_flex_training_on_the_cpu_is_refused(tmp_path):
     data = PackedData([Example(list(range(3, 40)), [True] * 37)], 16, model.pad_token_id)
     with pytest.raises(FastForwardError, match="FlexAttention trains only on CUDA"):
         train(model, make_objective("sbd"), data, TrainConfig(steps=1, seq_len=16, batch_size=1), tmp_path / "run")
+
+
+def test_sliding_window_models_are_refused_by_name(tiny):
+    """FlexAttention has no sliding-window masks yet: such a model on flex is refused with its own
+    error, which `train --attention auto` answers by taking SDPA."""
+    hf = copy.deepcopy(tiny.hf)
+    hf.config.sliding_window = 4
+    hf.config._attn_implementation = flex.NAME
+    with pytest.raises(flex.FlexUnsupported, match="--attention sdpa"):
+        Model(hf, tiny.tokenizer)
+    hf.config._attn_implementation = "sdpa"
+    assert Model(hf, tiny.tokenizer).window is not None

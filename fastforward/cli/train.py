@@ -151,7 +151,12 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.only_correct and not on_trajectories:
         raise FastForwardError("--only-correct filters Jacobi trajectories: use it with --objective jacobi_forcing")
-    model = load_model(args.model, dtype=args.dtype, attention=flex.for_training(args.attention, args.objective))
+    try:
+        model = load_model(args.model, dtype=args.dtype, attention=flex.for_training(args.attention, args.objective))
+    except flex.FlexUnsupported:
+        if args.attention != "auto":
+            raise
+        model = load_model(args.model, dtype=args.dtype, attention="sdpa")  # auto: what this model runs
     if on_trajectories:
         train_data, eval_data = trajectory_datasets(
             args.trajectories, args.seq_len, args.eval_data, args.eval_fraction, args.seed, args.only_correct

@@ -96,7 +96,7 @@ class Model:
             )
         self.window = windows.sliding_window(hf)  # None unless some layers attend within a sliding window
         if self.window is not None and self.uses_flex:
-            raise FastForwardError(
+            raise flex.FlexUnsupported(
                 "FlexAttention does not yet handle sliding-window layers; use --attention sdpa "
                 "(load_model(attention='sdpa'))"
             )

@@ -33,6 +33,10 @@ NAME = "fastforward_flex"
 CHOICES = ("sdpa", "flex")
 
 
+class FlexUnsupported(FastForwardError):
+    """A model FlexAttention cannot run yet (sliding-window layers): `train --attention auto` then takes SDPA."""
+
+
 def implementation(attention: str) -> str:
     """The transformers attention implementation of an `--attention` choice."""
     if attention not in CHOICES:
