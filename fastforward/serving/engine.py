@@ -100,6 +100,12 @@ class _Group:
     rows: list[_Row]
     retired: list[int] = field(default_factory=list)  # finished rows, their jobs ended, still in the session
 
+    def forget_retired(self) -> None:
+        """The retired rows have left the session: drop them here too."""
+        gone = set(self.retired)
+        self.rows = [row for index, row in enumerate(self.rows) if index not in gone]
+        self.retired = []
+
 
 class Engine:
     """A queue of jobs and the worker thread that schedules them (see the module docstring)."""
@@ -269,8 +275,7 @@ class Engine:
             rows = range(len(prompts))
         else:
             rows = group.session.join(prompts, budgets, drop=group.retired)
-            group.rows = [row for index, row in enumerate(group.rows) if index not in group.retired]
-            group.retired = []
+            group.forget_retired()
         group.rows += [_Row(job, TextStream(self.model.decode, job.stop)) for job in jobs]
         group.decoder.begin(group.session, rows)
         self._stream(group)
@@ -310,8 +315,7 @@ class Engine:
             del self._groups[setting]
         elif group.retired and 4 * len(group.retired) >= session.batch:
             session.leave(group.retired)
-            group.rows = [row for index, row in enumerate(group.rows) if index not in group.retired]
-            group.retired = []
+            group.forget_retired()
 
     def _finish(self, row: _Row, generation: Generation) -> None:
         job = row.job
