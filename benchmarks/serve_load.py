@@ -12,6 +12,7 @@ and records, per request, the time to its first text and to its end:
                  and budgets, and a batch decodes to its end (`fastforward serve --static-batches`)
   continuous     --clients concurrent clients, continuous batching (the default engine)
   poisson R      open loop: arrivals at R requests/s (exponential gaps), continuous batching
+  in process     the continuous engine driven by --clients clients in this process, without HTTP
 
 It prints throughput (generated tokens/s), p50 and p99 time to first token and end-to-end latency,
 and the share of outputs equal to `generate` alone (lossless decoders), and writes JSON. Targets
@@ -58,7 +59,9 @@ def main() -> int:
     p.add_argument(
         "--server-threads", type=int, default=None, help="the server's torch threads (default: its own choice)"
     )
-    p.add_argument("--skip", nargs="*", default=[], help="scenarios to leave out: one-at-a-time static continuous")
+    p.add_argument(
+        "--skip", nargs="*", default=[], help="scenarios to leave out: one-at-a-time static continuous in-process"
+    )
     p.add_argument("--prompts", choices=("task", "chat"), default=None, help="task problems (demo models) or chat")
     p.add_argument("--task", default="arithmetic", help="the task whose problems are prompts (--prompts task)")
     p.add_argument("--json", type=Path, default=RESULTS / "serve_load.json")
@@ -77,6 +80,9 @@ def main() -> int:
         log(f"== {name}")
         scenarios[name] = summarize(serve(args, requests, clients, rate, static))
         log(json.dumps({k: v for k, v in scenarios[name].items() if k != "texts"}))
+    if "in-process" not in args.skip:  # the same engine without HTTP: what the server's layer costs
+        log("== continuous, in process")
+        scenarios["continuous, in process"] = summarize(in_process(model, args, knobs, requests))
     reference = [
         build_decoder(args.decoder, **knobs).generate(model, [r["ids"]], r["budget"])[0].text for r in requests
     ]
@@ -131,6 +137,45 @@ def serve(args: argparse.Namespace, requests: list[dict], clients: int | None, r
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
+
+
+def in_process(model, args: argparse.Namespace, knobs: dict, requests: list[dict]) -> list[dict]:
+    """--clients clients of the continuous engine in this process, through `Engine.submit` and the
+    jobs' event queues: the server without its HTTP layer (and with no load generator beside it)."""
+    from fastforward.serving.app import CompletionRequest, Server
+    from fastforward.serving.engine import Engine
+
+    server = Server(model, "m", args.decoder, knobs, args.max_batch_size, max_step_tokens=args.max_step_tokens)
+
+    async def run() -> list[dict]:
+        engine = Engine(model, args.max_batch_size, server.metrics, max_step_tokens=args.max_step_tokens)
+        results: list[dict] = [{} for _ in requests]
+        queue = list(range(len(requests)))
+        started = time.perf_counter()
+
+        async def client() -> None:
+            while queue:
+                index = queue.pop(0)
+                request = requests[index]
+                body = CompletionRequest(model="m", prompt=request["text"])
+                job = server.job(body, request["ids"], request["budget"])
+                sent, first, text = time.perf_counter(), None, ""
+                engine.submit(job)
+                while (event := await job.events.get()).finish_reason is None:
+                    if event.delta and first is None:
+                        first = time.perf_counter() - sent
+                    text += event.delta
+                text += event.delta
+                end = time.perf_counter() - sent
+                tokens = event.usage["completion_tokens"] if event.usage else 0
+                results[index] = {"ttft": first or end, "latency": end, "tokens": tokens, "text": text}
+
+        await asyncio.gather(*(client() for _ in range(args.clients)))
+        wall = time.perf_counter() - started
+        await asyncio.to_thread(engine.stop)
+        return [r | {"wall": wall} for r in results]
+
+    return asyncio.run(run())
 
 
 async def _send_all(url: str, requests: list[dict], clients: int | None, rate: float | None) -> list[dict]:
