@@ -5,10 +5,13 @@ decoded one at a time with greedy `ar`, then in left-padded batches of 3 and of 
 `jacobi`; counts the prompts whose tokens equal one-prompt `ar`'s. `--cost`: what batch invariance
 costs: `ar` and `jacobi` at batch 1 and 8, tokens/s (prefill included), with `--exact`'s invariance
 (row-by-row prefill, bfloat16 GEMMs in calls of at most 32 rows) and without it, interleaved in one
-process, median of `--rounds`.
+process, median of `--rounds`. `--gemm`: whether torch's bfloat16 `linear` gives a row the same bits
+in calls of 33 to 400 rows (the kernel past 32 rows) and in zero-padded calls of exactly 64 rows, and
+what one row and 136 rows cost in one call, in 32-row calls and in 64-row calls, for SmolLM2-135M's shapes.
 
     python benchmarks/batch_invariance.py --check        # 8 chat, 21 pycode, 21 humaneval prompts
     python benchmarks/batch_invariance.py --cost
+    python benchmarks/batch_invariance.py --gemm
 
 Writes benchmarks/results/batch_invariance.json with the machine and its load average.
 """
@@ -98,6 +101,51 @@ def cost(args: argparse.Namespace) -> dict:
     return figures
 
 
+GEMM_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # in → out features
+
+
+def gemm(args: argparse.Namespace) -> list[dict]:
+    """Row invariance of the bfloat16 GEMM past 32 rows and of fixed 64-row calls, and their costs (µs)."""
+    import torch
+
+    torch.manual_seed(0)
+    linear, rows = torch.nn.functional.linear, []
+
+    def micros(call, repeats: int) -> float:
+        for _ in range(10):
+            call()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        return round((time.perf_counter() - started) / repeats * 1e6, 1)
+
+    for inputs, outputs in GEMM_SHAPES:
+        weight = torch.randn(outputs, inputs, dtype=torch.bfloat16)
+        x = torch.randn(400, inputs, dtype=torch.bfloat16)
+        first = linear(x[:33], weight)
+        changes = [
+            m for m in (34, 40, 48, 64, 100, 128, 200, 300, 400) if not torch.equal(linear(x[:m], weight)[:33], first)
+        ]
+        padded = torch.zeros(64, inputs, dtype=torch.bfloat16)
+        padded[10] = x[0]
+        fixed = torch.equal(linear(x[:64], weight)[0], linear(padded, weight)[10])
+        repeats = 50 if outputs > 40000 else 300
+        one, block, zeros = x[:1], x[:136], torch.zeros(192, inputs, dtype=torch.bfloat16)
+        row = {
+            "shape": f"{inputs}->{outputs}",
+            "row_changes_from_33_rows_at": changes,
+            "64_row_calls_invariant": fixed,
+            "one_row_us": micros(lambda: linear(one, weight), repeats),  # noqa: B023
+            "one_row_as_64_us": micros(lambda: linear(zeros[:64], weight), repeats),  # noqa: B023
+            "136_rows_one_call_us": micros(lambda: linear(block, weight), repeats),  # noqa: B023
+            "136_rows_32_row_calls_us": micros(lambda: [linear(p, weight) for p in block.split(32)], repeats),  # noqa: B023
+            "136_rows_64_row_calls_us": micros(lambda: [linear(p, weight) for p in zeros.split(64)], repeats),  # noqa: B023
+        }
+        log(str(row))
+        rows.append(row)
+    return rows
+
+
 @contextmanager
 def _nothing():
     yield
@@ -107,6 +155,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--cost", action="store_true")
+    parser.add_argument("--gemm", action="store_true", help="the bfloat16 GEMM's row invariance and cost")
     parser.add_argument("--n", type=int, default=21, help="`pycode` and `humaneval` prompts (and chat's 8)")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
@@ -120,7 +169,9 @@ def main() -> None:
         figures["equal_to_one_prompt_ar"] = check(args)
     if args.cost:
         figures["tokens_per_second"] = cost(args)
-    name = "batch_invariance" + ("_check" if args.check else "") + ("_cost" if args.cost else "")
+    if args.gemm:
+        figures["bfloat16_gemm"] = gemm(args)
+    name = "batch_invariance" + "".join(f"_{m}" for m in ("check", "cost", "gemm") if getattr(args, m))
     write_report(RESULTS / f"{name}.json", load_before, threads, **figures)
 
 
