@@ -11,7 +11,7 @@ from fastforward.model.tiny import tiny_model
 
 @pytest.fixture(autouse=True, scope="session")
 def _own_fastforward_home(tmp_path_factory):
-    """Quantized weights the tests' loads keep (`model.quantized_store`) go to a folder of the session."""
+    """Quantized weights the tests' loads keep and the compiled steps (`model.store`) go to a folder of the session."""
     before = os.environ.get("FASTFORWARD_HOME")
     os.environ["FASTFORWARD_HOME"] = str(tmp_path_factory.mktemp("fastforward_home"))
     yield

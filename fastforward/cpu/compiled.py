@@ -1,10 +1,18 @@
-"""Compiled decoding steps: `torch.compile` (inductor) over the model's forward against a cache.
+"""Compiled decoding steps: inductor graphs of the model's forward against a cache, kept on disk.
 
 On a CPU at a few tokens per forward, a small model spends much of a step on hundreds of small
 operations per layer (norms, rotary embeddings, casts, cache appends) rather than on its weights;
 inductor fuses them into a few kernels (figures and their command: docs/results.md, "Compiled
-steps"). The price is a warm-up: the first forward of each kind (one token, then a block) compiles
-a graph, tens of seconds on a 2-core CPU, less when inductor's on-disk cache already holds it.
+steps"). The price is compiling: tracing a 30-layer model and generating its kernels takes about a
+minute per kind of step on a 2-core CPU, and `torch.compile` pays the tracing again in every process.
+
+So each kind of step (one token or a block; one row or several; with or without a dense mask) is
+compiled ahead of time with dynamo's AOT compile (`torch._dynamo.aot_compile`): one graph per kind
+serves every length (dynamic shapes), and the graphs are kept as an entry of `fastforward.model.store`
+(keyed by the model's files, the setting, this code and the torch version), with inductor's kernels
+under $FASTFORWARD_HOME/inductor. A later process reads them back in about 2 s instead of tracing.
+Each graph keeps the guards that tell the kinds apart (the inputs' shapes, dtypes and strides, the
+cache's layout), checked before each step; a step no graph accepts compiles a new kind.
 
 The prefill stays eager: it runs once per prompt at that prompt's length, and AR and every decoder
 share it. Compiled kernels round differently from eager ones, so a compiled model's tokens are its
@@ -16,52 +24,177 @@ token's logits are the same bits in a one-token and in a block forward of the co
 
 from __future__ import annotations
 
+import importlib
 import os
+import re
 import shutil
-from collections.abc import Callable
+import sys
+import types
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph
+from torch._dynamo.guards import CheckFunctionManager
+from torch._dynamo.hooks import Hooks
+from torch._dynamo.package import load_guard_manager, load_guards_state
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from fastforward.cpu import attention
 from fastforward.errors import FastForwardError
+from fastforward.model.store import Store
 
 NO_ASSERTS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+# Sizes a graph keeps as constants: heads and head size of the cache's buffers. As symbols, a capacity of
+# the same value (64 and 64) would be traced as one with them, and need another graph when it grows.
+STATIC_BUFFER_DIMS = (1, 3)
 
 
-def compile_forward(hf: torch.nn.Module) -> Callable:
-    """The compiled forward; one graph serves every block length and cache length (dynamic shapes).
-
-    The model must not change once compiled: its graphs skip the guards on its modules, parameters
-    and configuration (`Model.add_mask_token` compiles again), and keep them apart from any other
-    model's graphs."""
+def compile_forward(hf: torch.nn.Module, store: Store | None = None) -> CompiledSteps:
+    """The compiled forward of `hf` against a cache; its graphs are read from and kept in `store`."""
     compilers = [os.environ.get("CXX"), "c++", "g++", "clang++"]
     if next(hf.parameters()).device.type == "cpu" and not any(c and shutil.which(c) for c in compilers):
         raise FastForwardError(
             "--compile needs a C++ compiler for torch.compile's CPU kernels and found none (c++, g++, clang++, "
             "$CXX): install one (e.g. apt install g++) or leave out --compile"
         )
-    # Past the recompile limit torch.compile would silently run eager forwards beside compiled ones,
-    # whose logits round differently: fail loudly instead.
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
-    # Graphs differ by kind, not by length: one token or a block, with or without a dense mask, one row
-    # or several, a cache of one entry (a one-token prompt). Far fewer than this limit.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     if hf.config._attn_implementation == attention.NAME:
-        # Decided now, not in the first trace: a decision made there changes a global that the graph
-        # guards on, so the second step would compile the graph again (about twice the warm-up).
+        # Decided now, not in the first trace: the trace reads the decision as a constant.
         attention.native_kernel()
-    options = {
-        # Without these the generated wrapper checks every intermediate's shape and alignment in
-        # Python, hundreds of calls per step, for shapes the graph itself fixes.
-        **NO_ASSERTS,
-        "post_grad_custom_pre_pass": MergeRepeatedCalls(),
-        # Checking the guards on every module attribute and parameter (thousands) before each step cost
-        # 12-15 % of a one-token int4 step (docs/notes/2026-11-avx2-kernels.md). Graphs of this call are kept
-        # apart from other compiled models' (isolate_recompiles), which those guards told apart.
-        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-    }
-    return torch.compile(hf, dynamic=True, options=options, isolate_recompiles=True)
+    if store is not None and os.environ.get(INDUCTOR_CACHE, default_cache_dir()) == default_cache_dir():
+        # The kernels a kept graph loads are compiled C++ in inductor's cache, by default in /tmp (where
+        # they may be gone: then reading the graphs back compiles them again, 15 s for SmolLM2).
+        os.environ[INDUCTOR_CACHE] = str(store.directory.parent / "inductor")
+    return CompiledSteps(hf, store)
+
+
+class CompiledSteps:
+    """The model's forward (keyword arguments, as `Model.run` calls it) through one compiled graph per
+    kind of step, compiled at the first step of its kind unless the store already held it."""
+
+    def __init__(self, hf: torch.nn.Module, store: Store | None):
+        self.hf, self.store = hf, store
+        self.forward = type(hf).forward
+        # What a kept graph refers to but cannot hold: the model, and the functions that transformers'
+        # decorators wrap around its forward (pickled by reference, they do not resolve by name).
+        self.external: dict[str, Any] = {"model": hf}
+        inner = self.forward
+        while hasattr(inner, "__wrapped__"):
+            inner = inner.__wrapped__
+            self.external[f"function{len(self.external)}"] = inner
+        options = {
+            # Without these the generated wrapper checks every intermediate's shape and alignment in
+            # Python, hundreds of calls per step, for shapes the graph itself fixes.
+            **NO_ASSERTS,
+            "post_grad_custom_pre_pass": MergeRepeatedCalls(),
+        }
+        self.backend = torch._TorchCompileInductorWrapper("default", options, dynamic=True)
+        self.modules: dict[str, str] = {}  # globals the graphs' code names a module by: name -> module
+        self.kinds: list[AOTCompiledFunction] = self._read()
+
+    def __call__(self, **inputs: Any) -> Any:
+        for index, kind in enumerate(self.kinds):
+            if kind.guard_check(self.hf, **inputs):
+                if index:  # the kind of the last step first: steps come in runs of one kind
+                    self.kinds.insert(0, self.kinds.pop(index))
+                return kind.fn(self.hf, **inputs)
+        kind = self._compile(inputs)
+        self.kinds.insert(0, kind)
+        self._write()
+        return kind.fn(self.hf, **inputs)
+
+    def _compile(self, inputs: dict[str, Any]) -> AOTCompiledFunction:
+        buffers = [t for value in inputs.values() for layer in getattr(value, "layers", ()) for t in _buffers(layer)]
+        for tensor in buffers:
+            for dim in STATIC_BUFFER_DIMS:
+                torch._dynamo.mark_static(tensor, dim)
+        try:
+            # Floats (attention scales) as constants: a traced float would restart the analysis,
+            # which an AOT compile does not do.
+            with torch._dynamo.config.patch(specialize_float=True):
+                kind = aot_compile_fullgraph(
+                    self.forward,
+                    ((self.hf,), inputs),
+                    hooks=Hooks(guard_filter_fn=_kept_guards),
+                    backend=self.backend,
+                    dynamic=True,
+                )
+        finally:
+            for tensor in buffers:  # marks only shape the trace; a kept graph's guards never saw them
+                del tensor._dynamo_static_indices, tensor._has_dynamo_dim_marking
+        scope = self.forward.__globals__
+        refs = kind._artifacts.runtime_env.external_refs
+        self.modules.update({r: scope[r].__name__ for r in refs if isinstance(scope.get(r), types.ModuleType)})
+        return kind
+
+    # ---- the store ----------------------------------------------------------------------------
+    def _read(self) -> list[AOTCompiledFunction]:
+        entry = self.store.load() if self.store is not None else None
+        if entry is None:
+            return []
+        try:
+            self.modules = dict(entry["modules"])
+            scope = {name: importlib.import_module(module) for name, module in self.modules.items()}
+            # Inference tensors: the steps run in inference mode, and guards compare dispatch keys.
+            with torch.inference_mode():
+                return [_KeptKind.deserialize(data, scope, self.external) for data in entry["kinds"]]
+        except Exception as error:  # made by code this key did not foresee: compile again
+            print(
+                f"fastforward: compiled steps in {self.store.directory} unusable ({error}); compiling again",
+                file=sys.stderr,
+            )
+            self.modules = {}
+            return []
+
+    def _write(self) -> None:
+        if self.store is None:
+            return
+        try:
+            kinds = [AOTCompiledFunction.serialize(k, self.external).serialized_data for k in self.kinds]
+        except Exception as error:  # a graph that holds what cannot be pickled: it serves this process only
+            print(f"fastforward: could not keep the compiled steps ({error})", file=sys.stderr)
+            return
+        self.store.save({"kinds": kinds, "modules": self.modules})
+
+
+class _KeptKind(AOTCompiledFunction):
+    """A graph read back from the store. Its guards are rebuilt without the order of the model's
+    module dictionaries, which they would read from a model that is not there yet (the graphs skip
+    every guard on the model's modules)."""
+
+    def __post_init__(self) -> None:
+        artifacts = self._artifacts
+        artifacts.check_compatibility()
+        self.fn = artifacts.runtime_env.forward_callable(
+            artifacts.backend_id, artifacts.compiled_fn, extra_globals=self._extra_globals
+        )
+        state = load_guards_state(artifacts.guards_state)
+        state.output_graph.guard_on_key_order.clear()
+        artifacts.guard_manager = load_guard_manager(state, artifacts.original_code, self.fn.__globals__)
+
+
+def _kept_guards(entries: Sequence[Any]) -> list[bool]:
+    """The guards a kept graph checks: those on the step's inputs (tensors' shapes, dtypes and strides,
+    the cache's layout) and on global state (grad mode, ...). Not those on the model's modules and
+    parameters (thousands, checked before each step, 12-15 % of a one-token int4 step:
+    docs/notes/2026-11-avx2-kernels.md; a graph is used with the model it was compiled for), nor on
+    module globals and closures, which cannot be kept across processes (the store's key stands for them)."""
+    on_modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+    unkeepable = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    return [
+        keep
+        and not entry.is_global
+        and entry.guard_type not in unkeepable
+        and re.match(r"\w*", entry.name).group(0) in ("args", "kwargs", "")
+        for keep, entry in zip(on_modules, entries, strict=True)
+    ]
+
+
+def _buffers(layer: Any) -> list[torch.Tensor]:
+    found = [getattr(layer, name, None) for name in ("key_buffer", "value_buffer")]
+    return [t for t in found if isinstance(t, torch.Tensor)]
 
 
 class MergeRepeatedCalls(CustomGraphPass):

@@ -37,7 +37,7 @@ class SharedInput:
         self.fused, self.widths = fused, widths
         self._last = threading.local()
 
-    def __getstate__(self) -> dict:  # pickled (`model.quantized_store`) without the per-thread last output
+    def __getstate__(self) -> dict:  # pickled (`model.store`) without the per-thread last output
         return {"fused": self.fused, "widths": self.widths}
 
     def __setstate__(self, state: dict) -> None:

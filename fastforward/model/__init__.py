@@ -41,7 +41,7 @@ from fastforward.cpu.quantize import quantize as quantize_linears
 from fastforward.errors import FastForwardError
 from fastforward.model import flex, softcap, windows
 from fastforward.model.cache import new_cache, prepare_cache, track_positions, truncate
-from fastforward.model.quantized_store import QuantizedStore
+from fastforward.model.store import PACKAGE, Store
 
 MASK_TOKEN = "<|mask|>"
 MASK_CONFIG_KEY = "fastforward_mask_token_id"
@@ -240,9 +240,10 @@ class Model:
             truncate(cache, past + layout.keep)
         return out.logits.float() if layout.read is not None else None
 
-    def compile_steps(self) -> None:
-        """Run every forward against a non-empty cache through `torch.compile` (`fastforward.cpu.compiled`)."""
-        self.compiled_forward = compile_forward(self.hf)
+    def compile_steps(self, store: Store | None = None) -> None:
+        """Run every forward against a non-empty cache through compiled graphs (`fastforward.cpu.compiled`),
+        kept in `store` (None: made in this process only)."""
+        self.compiled_forward = compile_forward(self.hf, store)
 
     def hidden_states(self, layout: Layout) -> torch.Tensor:
         """Last hidden states [B, T, H] of an uncached layout (training: the loss picks its own rows)."""
@@ -483,9 +484,10 @@ def load_model(
     path = resolve_model_path(name_or_path)
     tokenizer = _load_tokenizer(path)
     fuse = compile if quantize == "int4" else not compile
+    setting = {"dtype": torch_dtype, "scheme": quantize, "exact": exact, "fuse": fuse}
     store = None
     if quantize != "none" and device in (None, "cpu") and attention != "flex":
-        store = QuantizedStore(fastforward_home(), path, dtype=torch_dtype, scheme=quantize, exact=exact, fuse=fuse)
+        store = Store(fastforward_home(), "quantized", path, **setting)
     hf = store.load() if store is not None else None
     if hf is None:
         hf = _load_hf(path, tokenizer, torch_dtype, quantize, exact, fuse, device, attention)
@@ -494,6 +496,8 @@ def load_model(
     if exact:
         row_chunks.chunk_rows(hf)  # bfloat16 GEMMs round by row count past 32 rows
     model = Model(hf, tokenizer, name=name_or_path)
-    if compile:
-        model.compile_steps()
+    if compile:  # the graphs depend on the model's code and fastforward's, not on its weights' values
+        code = (PACKAGE / "cpu", PACKAGE / "model")
+        setting.update(device=device or "cpu", attention=hf.config._attn_implementation)
+        model.compile_steps(Store(fastforward_home(), "compiled", path, code, "compiling again", **setting))
     return model

@@ -63,10 +63,6 @@ class GrowingLayer(CacheLayerMixin):
         buffers = []
         for old in (self.key_buffer, self.value_buffer):
             new = torch.empty(batch, heads, capacity, dim, dtype=like.dtype, device=like.device)
-            # Heads and head size are constants to a compiled graph: as symbols, a capacity of the same
-            # value (64 and 64) would be traced as one with them, and compile again when the buffer grows.
-            torch._dynamo.mark_static(new, 1)
-            torch._dynamo.mark_static(new, 3)
             if old is not None:
                 new[:, :, : self.length] = old[:, :, : self.length]
             buffers.append(new)

@@ -1,12 +1,12 @@
-"""Quantized weights made once: a model's quantized form kept under $FASTFORWARD_HOME/quantized/.
+"""Work made once per model and setting, kept under $FASTFORWARD_HOME: quantized weights
+(`quantized/`) and compiled decoding steps (`compiled/`).
 
 Quantizing SmolLM2-135M to int4 takes seconds, and to int8 longer (its smoothing runs calibration
-forwards); every `generate` used to pay it again. The first load at a setting writes the quantized
-model (its modules and config, as `torch.save` pickles them) and later loads read it back in a
-fraction of a second. An entry is keyed by everything it depends on: the SHA-256 of the source weights
-and configuration files, the dtype, the scheme, `--exact` (the calibration forwards run through its
-attention), fusion, the int4 kernel, the quantization code itself and the torch and transformers
-versions; so a stale entry is never found.
+forwards); compiling its steps takes a minute. Every `generate` used to pay them again. The first load
+at a setting writes the result (as `torch.save` pickles it) and later loads read it back in a fraction
+of the time. An entry is keyed by everything it depends on: the SHA-256 of the source weights and
+configuration files, the setting (dtype, scheme, `--exact`, fusion...), the int4 kernel, the code that
+made it and the torch and transformers versions; so a stale entry is never found.
 Each entry carries the SHA-256 of its own bytes, checked before it is read: a corrupt entry is
 reported in one line, removed and made again, never loaded. Only files this module wrote are read.
 """
@@ -20,14 +20,15 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
-from torch import nn
 
 from fastforward.cpu import native, w4a8
 
-CODE = Path(__file__).resolve().parents[1] / "cpu"  # the quantization code: its files are part of the key
+PACKAGE = Path(__file__).resolve().parents[1]
+QUANTIZATION_CODE = (PACKAGE / "cpu",)  # the code an entry depends on: its files are part of the key
 SOURCE_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json")  # weights and configuration: all the entry holds
 
 
@@ -39,12 +40,22 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
-class QuantizedStore:
-    """The cache entry of one model at one quantization setting."""
+class Store:
+    """The entry of one model at one setting in one folder of the store (`what`: what a load that
+    finds none does, for the messages)."""
 
-    def __init__(self, root: Path, source: Path, **setting: object):
-        self.directory = root / "quantized"
-        self.source = source
+    def __init__(
+        self,
+        root: Path,
+        folder: str,
+        source: Path,
+        code: tuple[Path, ...] = QUANTIZATION_CODE,
+        what: str = "quantizing again",
+        **setting: object,
+    ):
+        self.directory = root / folder
+        self.index = root / "sources.json"
+        self.source, self.code, self.what = source, code, what
         self.setting = {key: str(value) for key, value in sorted(setting.items())}
 
     # ---- the key ------------------------------------------------------------------------------
@@ -57,12 +68,11 @@ class QuantizedStore:
         else:
             files = sorted(p for p in self.source.iterdir() if p.is_file() and p.suffix in SOURCE_SUFFIXES)
         stamp = json.dumps([[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files])
-        index_path = self.directory / "sources.json"
-        index = _read_json(index_path)
+        index = _read_json(self.index)
         index = index if isinstance(index, dict) else {}
         if stamp not in index:
             index[stamp] = hashlib.sha256("".join(_digest(p) for p in files).encode()).hexdigest()
-            _write_atomically(index_path, json.dumps(index, indent=1).encode())
+            _write_atomically(self.index, json.dumps(index, indent=1).encode())
         return index[stamp]
 
     def _key(self) -> str:
@@ -73,7 +83,7 @@ class QuantizedStore:
         """The entry's key, and the part of it that names the model and setting (an entry made by
         older code or an older torch for the same model and setting replaces that one)."""
         code = hashlib.sha256()
-        for path in sorted(CODE.rglob("*")):
+        for path in sorted(p for folder in self.code for p in folder.rglob("*")):
             if path.is_file() and path.suffix in (".py", ".cpp", ".h"):
                 code.update(path.name.encode() + path.read_bytes())
         int4_kernel = f"native-{native.instruction_set()}" if w4a8.enabled() else "pytorch"
@@ -89,8 +99,8 @@ class QuantizedStore:
         return key, {"source": parts["source"], **self.setting}
 
     # ---- reading and writing ------------------------------------------------------------------
-    def load(self) -> nn.Module | None:
-        """The quantized model, or None when there is no sound entry (a corrupt one is said and removed)."""
+    def load(self) -> Any:
+        """What the entry holds, or None when there is no sound entry (a corrupt one is said and removed)."""
         entry = self.directory / f"{self._key()}.pt"
         checksum = entry.with_suffix(".sha256")
         if not entry.exists():
@@ -100,12 +110,12 @@ class QuantizedStore:
                 raise ValueError("its checksum does not match")
             return torch.load(entry, weights_only=False, map_location="cpu")
         except Exception as error:  # a truncated or altered file: make it again
-            print(f"fastforward: {entry} is unusable ({error}); quantizing again", file=sys.stderr)
+            print(f"fastforward: {entry} is unusable ({error}); {self.what}", file=sys.stderr)
             entry.unlink(missing_ok=True)
             checksum.unlink(missing_ok=True)
             return None
 
-    def save(self, hf: nn.Module) -> None:
+    def save(self, value: Any) -> None:
         """Write the entry atomically (checksum last: an entry without one is never read), and remove
         the entries it replaces."""
         key, name = self._parts
@@ -113,16 +123,16 @@ class QuantizedStore:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             for old in self.directory.glob("*.json"):
-                if old.stem != key and old.name != "sources.json" and _read_json(old) == name:
+                if old.stem != key and _read_json(old) == name:
                     for suffix in (".pt", ".sha256", ".json"):
                         old.with_suffix(suffix).unlink(missing_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.directory, suffix=".tmp", delete=False) as f:
-                torch.save(hf, f)
+                torch.save(value, f)
             os.replace(f.name, entry)
             _write_atomically(entry.with_suffix(".json"), json.dumps(name).encode())
             _write_atomically(entry.with_suffix(".sha256"), _digest(entry).encode())
         except OSError as error:  # a full or read-only disk: the next load quantizes again
-            print(f"fastforward: could not keep the quantized weights in {self.directory} ({error})", file=sys.stderr)
+            print(f"fastforward: could not keep an entry in {self.directory} ({error})", file=sys.stderr)
 
 
 def _read_json(path: Path) -> object:

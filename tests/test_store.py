@@ -1,11 +1,12 @@
-"""Quantized weights made once: the first load at a setting keeps them, later loads read them back
-with the same bits, and a corrupt entry is said, made again and never used."""
+"""The store (`fastforward.model.store`), for quantized weights made once: the first load at a
+setting keeps them, later loads read them back with the same bits, and a corrupt entry is said,
+made again and never used. (Compiled steps in it: tests/test_compiled.py.)"""
 
 import pytest
 import torch
 
 from fastforward.cpu import quantize
-from fastforward.model import load_model, quantized_store
+from fastforward.model import load_model, store
 from fastforward.model.tiny import tiny_model
 
 PROMPT = torch.tensor([[3, 17, 42, 8, 99, 5]])
@@ -72,7 +73,7 @@ def test_new_source_weights_are_a_new_entry(saved, quantizations):
 def test_an_entry_made_by_other_code_is_replaced_not_kept_beside(saved, quantizations, tmp_path, monkeypatch):
     load_model(saved, quantize="int4")
     load_model(saved, quantize="int8")  # another setting: kept
-    monkeypatch.setattr(quantized_store.transformers, "__version__", "0.0.0")  # as after an upgrade
+    monkeypatch.setattr(store.transformers, "__version__", "0.0.0")  # as after an upgrade
     load_model(saved, quantize="int4")
     assert quantizations == ["int4", "int8", "int4"]
     assert len(list((tmp_path / "home" / "quantized").glob("*.pt"))) == 2
