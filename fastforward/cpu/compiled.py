@@ -31,25 +31,36 @@ import shutil
 import sys
 import types
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph
 from torch._dynamo.guards import CheckFunctionManager
 from torch._dynamo.hooks import Hooks
 from torch._dynamo.package import load_guard_manager, load_guards_state
+from torch._inductor import cpu_vec_isa
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from fastforward.cpu import attention
 from fastforward.errors import FastForwardError
-from fastforward.model.store import Store
 
 NO_ASSERTS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
 # Sizes a graph keeps as constants: heads and head size of the cache's buffers. As symbols, a capacity of
 # the same value (64 and 64) would be traced as one with them, and need another graph when it grows.
 STATIC_BUFFER_DIMS = (1, 3)
+
+
+class Store(Protocol):
+    """Where graphs are kept (`fastforward.model.store.Store`): one entry per model and setting."""
+
+    directory: Path
+
+    def load(self) -> Any: ...
+
+    def save(self, value: Any) -> None: ...
 
 
 def compile_forward(hf: torch.nn.Module, store: Store | None = None) -> CompiledSteps:
@@ -135,6 +146,7 @@ class CompiledSteps:
         if entry is None:
             return []
         try:
+            trust_vector_isas(entry["vector_isas"])
             self.modules = dict(entry["modules"])
             scope = {name: importlib.import_module(module) for name, module in self.modules.items()}
             # Inference tensors: the steps run in inference mode, and guards compare dispatch keys.
@@ -156,7 +168,7 @@ class CompiledSteps:
         except Exception as error:  # a graph that holds what cannot be pickled: it serves this process only
             print(f"fastforward: could not keep the compiled steps ({error})", file=sys.stderr)
             return
-        self.store.save({"kinds": kinds, "modules": self.modules})
+        self.store.save({"kinds": kinds, "modules": self.modules, "vector_isas": vector_isas()})
 
 
 class _KeptKind(AOTCompiledFunction):
@@ -173,6 +185,21 @@ class _KeptKind(AOTCompiledFunction):
         state = load_guards_state(artifacts.guards_state)
         state.output_graph.guard_on_key_order.clear()
         artifacts.guard_manager = load_guard_manager(state, artifacts.original_code, self.fn.__globals__)
+
+
+def vector_isas() -> list[str]:
+    """The vector instruction sets inductor found it can build and load kernels for here (it compiles and
+    loads a probe for each: 1.2 s in every process that loads a graph, on a 2-core Xeon)."""
+    return [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+
+
+def trust_vector_isas(found: list[str]) -> None:
+    """Skip inductor's probes when the CPU offers exactly the instruction sets they passed for the entry
+    being read (same flags: the same answer; the entry's key already holds the torch version)."""
+    flags = cpu_vec_isa.x86_isa_checker()
+    offered = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+    if offered and offered == found:
+        torch._inductor.config.cpp.vec_isa_ok = True
 
 
 def _kept_guards(entries: Sequence[Any]) -> list[bool]:

@@ -35,7 +35,6 @@ from transformers.utils import logging as hf_logging
 
 from fastforward.cpu import attention as exact_attention
 from fastforward.cpu import row_chunks, smoothing
-from fastforward.cpu.compiled import compile_forward
 from fastforward.cpu.quantize import check_scheme, prefill_kernels, uses_int8
 from fastforward.cpu.quantize import quantize as quantize_linears
 from fastforward.errors import FastForwardError
@@ -243,6 +242,8 @@ class Model:
     def compile_steps(self, store: Store | None = None) -> None:
         """Run every forward against a non-empty cache through compiled graphs (`fastforward.cpu.compiled`),
         kept in `store` (None: made in this process only)."""
+        from fastforward.cpu.compiled import compile_forward  # dynamo's AOT compile: imported by --compile only
+
         self.compiled_forward = compile_forward(self.hf, store)
 
     def hidden_states(self, layout: Layout) -> torch.Tensor:
