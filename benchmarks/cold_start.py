@@ -18,7 +18,8 @@ inductor cache instead: a first run ever (conversion, quantization and compiling
     python benchmarks/cold_start.py
     python benchmarks/cold_start.py --cold --rounds 1
 
-Prints median wall seconds and writes benchmarks/results/cold_start.json with the load average.
+Prints median wall seconds and writes benchmarks/results/cold_start.json (with `--cold`:
+cold_start_cold.json) with the load average.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def main() -> None:
     for name, value in figures.items():
         log(f"{name:60s} {value}")
     threads = auto_threads()  # what each fresh `generate` picks for itself (the cores not busy now)
-    write_report(RESULTS / "cold_start.json", load_before, threads, args=vars(args), medians=figures, walls=walls)
+    name = "cold_start_cold.json" if args.cold else "cold_start.json"
+    write_report(RESULTS / name, load_before, threads, args=vars(args), medians=figures, walls=walls)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from fastforward.cpu.compiled import MergeRepeatedCalls
 from fastforward.cpu.fusion import FusedMember
 from fastforward.cpu.quantize import quantize
 from fastforward.cpu.w4a8 import W4A8Linear
-from fastforward.decoding.decoders import ARDecoder
+from fastforward.decoding.decoders import ARDecoder, registry
 from fastforward.errors import FastForwardError
 from fastforward.model import load_model
 from fastforward.model.tiny import tiny_model
@@ -200,3 +200,29 @@ def test_a_corrupt_or_stale_compiled_entry_is_said_and_compiled_again(saved_int4
     model = load_model(saved_int4, quantize="int4", exact=True, compile=True)
     assert "unusable" in capsys.readouterr().err and model.compiled_forward.kinds == []
     assert decoded(model, prompts[:1]) == tokens
+
+
+@pytest.mark.parametrize("name", sorted(registry.specs()))
+def test_compiling_changes_speed_not_tokens(compiled, prompts, monkeypatch, name):
+    """Every decoder, lossless or not, gives the compiled model the eager model's tokens: the graphs
+    call PyTorch's kernels where inductor's own code would round otherwise (`eager_rounding`)."""
+    decoder = build_decoder(name)
+    batch = prompts[:3]
+    fast = [g.token_ids for g in decoder.generate(compiled, batch, max_new_tokens=16)]
+    monkeypatch.setattr(compiled, "compiled_forward", None)
+    assert [g.token_ids for g in decoder.generate(compiled, batch, max_new_tokens=16)] == fast
+
+
+@pytest.mark.parametrize("tokens", [[5], [7, 9, 11, 13]])
+def test_a_compiled_step_has_the_eager_steps_logits(compiled, cached_step, monkeypatch, tokens):
+    """Bit for bit: without `eager_rounding`, inductor's norms and rotary embeddings differ from eager in
+    the last bits (2e-6 here), enough to flip near-ties over a long generation."""
+    prompt = list(range(3, 40))
+    with torch.inference_mode():
+        cache = compiled.new_cache()
+        cached_step(compiled, cache, prompt)
+        fast = cached_step(compiled, cache, tokens)
+        monkeypatch.setattr(compiled, "compiled_forward", None)
+        cache = compiled.new_cache()
+        cached_step(compiled, cache, prompt)
+        assert torch.equal(cached_step(compiled, cache, tokens), fast)

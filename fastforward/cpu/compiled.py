@@ -15,15 +15,18 @@ Each graph keeps the guards that tell the kinds apart (the inputs' shapes, dtype
 cache's layout), checked before each step; a step no graph accepts compiles a new kind.
 
 The prefill stays eager: it runs once per prompt at that prompt's length, and AR and every decoder
-share it. Compiled kernels round differently from eager ones, so a compiled model's tokens are its
-own (as a dtype's are). With `exact`, attention stays one operation that the compiler does not look
-into (the native `fastforward::exact_attention`, or `attention._opaque_attention` without it) and a
-token's logits are the same bits in a one-token and in a block forward of the compiled model
-(tested), so verifying decoders still give greedy AR's tokens.
+share it. Compiling changes speed, not tokens: inductor's own code for reductions (a norm's mean) and
+for trigonometric functions (rotary embeddings) rounds differently from PyTorch's kernels, so those
+operations call PyTorch's kernels from the graphs (`eager_rounding`); the fused element-wise code
+around them rounds as the separate operations do. A compiled step's logits are then the eager
+step's bits (tested for every decoder). With `exact`, attention stays one operation that the compiler
+does not look into (the native `fastforward::exact_attention`, or `attention._opaque_attention`
+without it), so a token's logits are the same bits in a one-token and in a block forward.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import re
@@ -39,7 +42,7 @@ from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph
 from torch._dynamo.guards import CheckFunctionManager
 from torch._dynamo.hooks import Hooks
 from torch._dynamo.package import load_guard_manager, load_guards_state
-from torch._inductor import cpu_vec_isa
+from torch._inductor import cpu_vec_isa, decomposition, lowering
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -71,6 +74,7 @@ def compile_forward(hf: torch.nn.Module, store: Store | None = None) -> Compiled
             "--compile needs a C++ compiler for torch.compile's CPU kernels and found none (c++, g++, clang++, "
             "$CXX): install one (e.g. apt install g++) or leave out --compile"
         )
+    eager_rounding()
     if hf.config._attn_implementation == attention.NAME:
         # Decided now, not in the first trace: the trace reads the decision as a constant.
         attention.native_kernel()
@@ -79,6 +83,25 @@ def compile_forward(hf: torch.nn.Module, store: Store | None = None) -> Compiled
         # they may be gone: then reading the graphs back compiles them again, 15 s for SmolLM2).
         os.environ[INDUCTOR_CACHE] = str(store.directory.parent / "inductor")
     return CompiledSteps(hf, store)
+
+
+# Operations inductor would generate its own code for, whose rounding differs from PyTorch's kernels:
+# reductions (their order) and trigonometric and error functions (their approximations).
+EAGER_ROUNDING_OPS = ("mean", "sum", "var", "var_mean", "cos", "sin", "tanh", "erf")
+
+
+@functools.cache
+def eager_rounding() -> None:
+    """Make inductor call PyTorch's own kernels for `EAGER_ROUNDING_OPS` (for every graph this process
+    compiles), so compiled steps give eager steps' tokens. Costs about 8 % of a compiled one-token
+    step of SmolLM2-135M (docs/results.md, "From a fresh process")."""
+    for name in EAGER_ROUNDING_OPS:
+        packet = getattr(torch.ops.aten, name)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            lowering.lowerings.pop(op, None)
+            decomposition.decompositions.pop(op, None)
+        lowering.make_fallback(packet, warn=False, override_decomp=True)
 
 
 class CompiledSteps:
