@@ -114,8 +114,8 @@ def add_compile_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="compile the decoding steps with torch.compile: faster steps after a warm-up of tens of "
-        "seconds (see docs/precision.md)",
+        help="compile the decoding steps (inductor): faster steps, the same tokens; each kind of step compiles "
+        "once (about a minute) and is kept in $FASTFORWARD_HOME/compiled (see docs/precision.md)",
     )
 
 
