@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 import re
 import shutil
@@ -73,6 +74,11 @@ def compile_forward(hf: torch.nn.Module, store: Store | None = None) -> Compiled
         raise FastForwardError(
             "--compile needs a C++ compiler for torch.compile's CPU kernels and found none (c++, g++, clang++, "
             "$CXX): install one (e.g. apt install g++) or leave out --compile"
+        )
+    if "dynamic" not in inspect.signature(aot_compile_fullgraph).parameters:
+        raise FastForwardError(
+            f"--compile needs dynamo's AOT compile with dynamic shapes, which torch {torch.__version__} lacks: "
+            "install torch 2.13 (pip install torch==2.13.0) or leave out --compile"
         )
     eager_rounding()
     if hf.config._attn_implementation == attention.NAME:

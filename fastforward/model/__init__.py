@@ -242,8 +242,13 @@ class Model:
     def compile_steps(self, store: Store | None = None) -> None:
         """Run every forward against a non-empty cache through compiled graphs (`fastforward.cpu.compiled`),
         kept in `store` (None: made in this process only)."""
-        from fastforward.cpu.compiled import compile_forward  # dynamo's AOT compile: imported by --compile only
-
+        try:  # dynamo's AOT compile: imported by --compile only
+            from fastforward.cpu.compiled import compile_forward
+        except ImportError as error:
+            raise FastForwardError(
+                f"--compile needs dynamo's AOT compile, which this torch {torch.__version__} lacks ({error}); "
+                "install torch 2.13 (pip install torch==2.13.0) or leave out --compile"
+            ) from error
         self.compiled_forward = compile_forward(self.hf, store)
 
     def hidden_states(self, layout: Layout) -> torch.Tensor:
