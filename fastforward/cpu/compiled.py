@@ -2,9 +2,10 @@
 
 On a CPU at a few tokens per forward, a small model spends much of a step on hundreds of small
 operations per layer (norms, rotary embeddings, casts, cache appends) rather than on its weights;
-inductor fuses them into a few kernels (figures and their command: docs/results.md, "Compiled
-steps"). The price is compiling: tracing a 30-layer model and generating its kernels takes about a
-minute per kind of step on a 2-core CPU, and `torch.compile` pays the tracing again in every process.
+inductor fuses them into a few kernels (docs/notes/2026-11-compiled-steps.md; today's figures:
+docs/results.md, "From a fresh process"). The price is compiling: tracing a 30-layer model and
+generating its kernels takes about a minute per kind of step on a 2-core CPU, and `torch.compile` pays
+the tracing again in every process.
 
 So each kind of step (one token or a block; one row or several; with or without a dense mask) is
 compiled ahead of time with dynamo's AOT compile (`torch._dynamo.aot_compile`): one graph per kind
@@ -99,8 +100,8 @@ EAGER_ROUNDING_OPS = ("mean", "sum", "var", "var_mean", "cos", "sin", "tanh", "e
 @functools.cache
 def eager_rounding() -> None:
     """Make inductor call PyTorch's own kernels for `EAGER_ROUNDING_OPS` (for every graph this process
-    compiles), so compiled steps give eager steps' tokens. Costs about 8 % of a compiled one-token
-    step of SmolLM2-135M (docs/results.md, "From a fresh process")."""
+    compiles), so compiled steps give eager steps' tokens. Cost about 8 % of compiled `ar`'s speed on
+    SmolLM2-135M in one measurement (docs/notes/2026-11-26-kept-compiled-steps.md)."""
     for name in EAGER_ROUNDING_OPS:
         packet = getattr(torch.ops.aten, name)
         for overload in packet.overloads():
