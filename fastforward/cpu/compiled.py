@@ -56,6 +56,7 @@ INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
 # Sizes a graph keeps as constants: heads and head size of the cache's buffers. As symbols, a capacity of
 # the same value (64 and 64) would be traced as one with them, and need another graph when it grows.
 STATIC_BUFFER_DIMS = (1, 3)
+AOT_COMPILE_IS_DYNAMIC = "dynamic" in inspect.signature(aot_compile_fullgraph).parameters
 
 
 class Store(Protocol):
@@ -76,7 +77,7 @@ def compile_forward(hf: torch.nn.Module, store: Store | None = None) -> Compiled
             "--compile needs a C++ compiler for torch.compile's CPU kernels and found none (c++, g++, clang++, "
             "$CXX): install one (e.g. apt install g++) or leave out --compile"
         )
-    if "dynamic" not in inspect.signature(aot_compile_fullgraph).parameters:
+    if not AOT_COMPILE_IS_DYNAMIC:
         raise FastForwardError(
             f"--compile needs dynamo's AOT compile with dynamic shapes, which torch {torch.__version__} lacks: "
             "install torch 2.13 (pip install torch==2.13.0) or leave out --compile"
