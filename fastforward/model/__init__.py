@@ -502,7 +502,7 @@ def load_model(
     if exact:
         row_chunks.chunk_rows(hf)  # bfloat16 GEMMs round by row count past 32 rows
     model = Model(hf, tokenizer, name=name_or_path)
-    if compile:  # the graphs depend on the model's code and fastforward's, not on its weights' values
+    if compile:  # kept per model and setting; the graphs trace fastforward's model code too (the cache)
         code = (PACKAGE / "cpu", PACKAGE / "model")
         setting.update(device=device or "cpu", attention=hf.config._attn_implementation)
         model.compile_steps(Store(fastforward_home(), "compiled", path, code, "compiling again", **setting))
