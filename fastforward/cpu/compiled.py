@@ -59,8 +59,9 @@ STATIC_BUFFER_DIMS = (1, 3)
 AOT_COMPILE_IS_DYNAMIC = "dynamic" in inspect.signature(aot_compile_fullgraph).parameters
 
 
-class Store(Protocol):
-    """Where graphs are kept (`fastforward.model.store.Store`): one entry per model and setting."""
+class GraphEntry(Protocol):
+    """Where graphs are kept: what compiling needs of a `fastforward.model.store.Store` (this layer
+    does not import the model layer)."""
 
     directory: Path
 
@@ -69,7 +70,7 @@ class Store(Protocol):
     def save(self, value: Any) -> None: ...
 
 
-def compile_forward(hf: torch.nn.Module, store: Store | None = None) -> CompiledSteps:
+def compile_forward(hf: torch.nn.Module, store: GraphEntry | None = None) -> CompiledSteps:
     """The compiled forward of `hf` against a cache; its graphs are read from and kept in `store`."""
     compilers = [os.environ.get("CXX"), "c++", "g++", "clang++"]
     if next(hf.parameters()).device.type == "cpu" and not any(c and shutil.which(c) for c in compilers):
@@ -116,7 +117,7 @@ class CompiledSteps:
     """The model's forward (keyword arguments, as `Model.run` calls it) through one compiled graph per
     kind of step, compiled at the first step of its kind unless the store already held it."""
 
-    def __init__(self, hf: torch.nn.Module, store: Store | None):
+    def __init__(self, hf: torch.nn.Module, store: GraphEntry | None):
         self.hf, self.store = hf, store
         self.forward = type(hf).forward
         # What a kept graph refers to but cannot hold: the model, and the functions that transformers'
