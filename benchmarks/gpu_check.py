@@ -30,7 +30,6 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -59,6 +58,7 @@ def main() -> int:
     p.add_argument("--log-dir", type=Path, default=None, help="where the test part's full log goes")
     p.add_argument("--tests-timeout", type=float, default=240, help="seconds the test part may take")
     p.add_argument("--deadline", type=float, default=None, help="seconds from start by which the test part ends")
+    p.add_argument("--decode-flex", action="store_true", help="decode under FlexAttention too (ar only)")
     p.add_argument("--report", type=Path, default=None, help="print the tables of an earlier run's JSON, run nothing")
     args = p.parse_args()
     if args.report:
@@ -224,28 +224,34 @@ def _train_steps(model: Model, name: str, data: PackedData, sizes: dict, device:
 
 
 # ---- decode -------------------------------------------------------------------------------------
-def _models(args: argparse.Namespace) -> Iterator[tuple[str, str, Model]]:
-    """(attention, dtype, the --model loaded with it) for each attention: bfloat16 on CUDA, else float32."""
-    dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
-    for attention in ATTENTIONS:
-        yield attention, dtype, load_model(args.model, dtype=dtype, device=args.device, attention=attention)
+def _variants(args: argparse.Namespace, decode: bool) -> list[tuple[str, bool]]:
+    """(attention, CUDA graphs) to measure: SDPA with graphs and without on a GPU; FlexAttention
+    for the block cost (and for decoding with --decode-flex: a new BlockMask per step is several
+    times slower, docs/notes/2026-11-26-first-gpu-run.md)."""
+    on_gpu = torch.device(args.device).type == "cuda"
+    variants = [("sdpa", True), ("sdpa", False)] if on_gpu else [("sdpa", False)]
+    return variants + ([("flex", False)] if args.decode_flex or not decode else [])
 
 
 def run_decoding(args: argparse.Namespace, sizes: dict) -> dict:
+    dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
     rows = []
-    for attention, dtype, model in _models(args):
+    for attention, graphs in _variants(args, decode=True):
+        options = {"device": args.device, "attention": attention, "cuda_graphs": graphs}
+        model = load_model(args.model, dtype=dtype, **options)
         # Under FlexAttention only ar: what a BlockMask per step costs (every decoder pays it alike)
         names = ("ar", "lookup", "jacobi") if attention == "sdpa" else ("ar",)
-        baseline = {"hf-generate": HFGenerate()} if attention == "sdpa" else {}
-        rows += _decode_rows(model, baseline | {n: build_decoder(n) for n in names}, sizes, attention, dtype)
-        sbd = load_model(args.sbd_model, dtype="float32", device=args.device, attention=attention)
+        baseline = {"hf-generate": HFGenerate()} if attention == "sdpa" and not graphs else {}
+        labels = {"attention": attention, "graphs": graphs}
+        rows += _decode_rows(model, baseline | {n: build_decoder(n) for n in names}, sizes, labels, dtype)
+        sbd = load_model(args.sbd_model, dtype="float32", **options)
         names = ("ar", "sbd-verified") if attention == "sdpa" else ("ar",)
-        rows += _decode_rows(sbd, {n: build_decoder(n) for n in names}, sizes, attention, "float32")
+        rows += _decode_rows(sbd, {n: build_decoder(n) for n in names}, sizes, labels, "float32")
         del model, sbd
     return {"rows": rows}
 
 
-def _decode_rows(model: Model, decoders: dict, sizes: dict, attention: str, dtype: str) -> list[dict]:
+def _decode_rows(model: Model, decoders: dict, sizes: dict, variant: dict, dtype: str) -> list[dict]:
     chat = [model.encode_prompt(p) for p in CHAT]
     rows = []
     for batch in (1, 16):
@@ -254,7 +260,7 @@ def _decode_rows(model: Model, decoders: dict, sizes: dict, attention: str, dtyp
         for name, decoder in decoders.items():
             if name == "hf-generate" and batch > 1:
                 continue  # the baseline is batch 1
-            labels = {"model": model.name, "dtype": dtype, "attention": attention, "batch": batch, "decoder": name}
+            labels = {"model": model.name, "dtype": dtype, **variant, "batch": batch, "decoder": name}
             row = _guarded(labels, lambda: _decode(model, decoder, prompts, batch, sizes["new_tokens"]))  # noqa: B023
             ids = row.pop("ids", None)
             if name == "ar":
@@ -278,9 +284,11 @@ def _decode(model: Model, decoder, prompts: list[list[int]], batch: int, new_tok
     seconds = time.perf_counter() - started
     tokens = sum(len(g.token_ids) for g in generations)
     forwards = sum(g.stats.nfe for g in generations)
+    steps = forwards if batch == 1 else max(g.stats.nfe for g in generations)  # a batch's rows share steps
     return {
         "tokens": tokens,
         "tokens_per_s": round(tokens / seconds, 1),
+        "step_ms": round(1000 * seconds / steps, 2) if steps else None,
         "tpf": round(tokens / forwards, 3) if forwards else None,
         "graphs_compiled_while_timed": _graphs() - graphs,
         "ids": [g.token_ids for g in generations],
@@ -289,12 +297,14 @@ def _decode(model: Model, decoder, prompts: list[list[int]], batch: int, new_tok
 
 # ---- roofline -----------------------------------------------------------------------------------
 def run_roofline(args: argparse.Namespace, sizes: dict) -> dict:
+    dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
     rows = []
-    for attention, _, model in _models(args):
+    for attention, graphs in _variants(args, decode=False):
+        model = load_model(args.model, dtype=dtype, device=args.device, attention=attention, cuda_graphs=graphs)
         blocks = [1, 2, 4, 8, 16, 32, 64]
         rows.append(
             _guarded(
-                {"attention": attention},
+                {"attention": attention, "graphs": graphs},
                 lambda: _json(measure_block_cost(model, blocks, cache_len=256, repeats=sizes["repeats"]).as_dict()),  # noqa: B023
             )
         )
@@ -324,30 +334,38 @@ def targets(parts: dict) -> list[dict]:
         if "loss_difference" in r:
             add(f"{r['objective']} training: |flex - sdpa| first loss", r["loss_difference"], 1e-3, False)
     rows = [r for r in parts.get("decode", {}).get("rows", []) if "tokens_per_s" in r and r["attention"] == "sdpa"]
-    speed = {(r["model"], r["batch"], r["decoder"]): r for r in rows}
-    for (model, batch, name), r in speed.items():
-        ar = speed.get((model, batch, "ar"))
-        if name == "ar" and batch == 1 and (model, 1, "hf-generate") in speed:
+    speed = {(r["model"], r["batch"], r["decoder"], r.get("graphs", False)): r for r in rows}
+    for (model, batch, name, graphed), r in speed.items():
+        ar = speed.get((model, batch, "ar", graphed))
+        variant = "CUDA graphs" if graphed else "eager"
+        baseline = speed.get((model, 1, "hf-generate", False))
+        if name == "ar" and batch == 1 and baseline:
             add(
-                f"{model} batch 1: ar over transformers' generate",
-                r["tokens_per_s"] / speed[(model, 1, "hf-generate")]["tokens_per_s"],
+                f"{model} batch 1 ({variant}): ar over transformers' generate",
+                r["tokens_per_s"] / baseline["tokens_per_s"],
                 1.0,
                 True,
             )
         if name in ("lookup", "jacobi", "sbd-verified") and ar and r["tpf"]:
             add(
-                f"{model} batch {batch}: {name} speed-up over ar / TPF",
+                f"{model} batch {batch} ({variant}): {name} speed-up over ar / TPF",
                 r["tokens_per_s"] / ar["tokens_per_s"] / r["tpf"],
                 0.8,
                 True,
             )
     for r in parts.get("roofline", {}).get("rows", []):
         if r.get("attention") == "sdpa" and "ratios" in r:
-            add("block cost k=16 / k=1 (sdpa, batch 1)", r["ratios"]["16"], 1.1, False)
+            variant = "CUDA graphs" if r.get("graphs") else "eager"
+            add(f"block cost k=16 / k=1 (sdpa, {variant}, batch 1)", r["ratios"]["16"], 1.1, False)
     return found
 
 
 # ---- the tables ---------------------------------------------------------------------------------
+def graphs(row: dict) -> str:
+    """The CUDA graphs column: on, off, or unknown (a run recorded before they were built: off)."""
+    return {True: "on", False: "off"}.get(row.get("graphs"), "off")
+
+
 def print_tables(record: dict) -> None:
     machine = record["machine"]
     where = machine.get("gpu") or machine["processor"]
@@ -376,17 +394,17 @@ def print_tables(record: dict) -> None:
                 f"{r['first_loss']:.4f} | {r.get('speedup', '')} | {diff} |"
             )
     if "rows" in parts.get("decode", {}):
-        print("\n| model | attention | batch | decoder | tokens/s | TPF | = ar |")
-        print("|---|---|---|---|---|---|---|")
+        print("\n| model | attention | graphs | batch | decoder | tokens/s | ms/step | TPF | = ar |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in parts["decode"]["rows"]:
             if "error" in r:
-                where = f"{r['model']} ({r['dtype']}) | {r['attention']} | {r['batch']} | {r['decoder']}"
-                print(f"| {where} | FAILED: {r['error']} | | |")
+                where = f"{r['model']} ({r['dtype']}) | {r['attention']} | {graphs(r)} | {r['batch']} | {r['decoder']}"
+                print(f"| {where} | FAILED: {r['error']} | | | |")
                 continue
             same = {True: "yes", False: "NO"}.get(r.get("same_tokens_as_ar"), "")
             print(
-                f"| {r['model']} ({r['dtype']}) | {r['attention']} | {r['batch']} | {r['decoder']} | "
-                f"{r['tokens_per_s']} | {r['tpf']} | {same} |"
+                f"| {r['model']} ({r['dtype']}) | {r['attention']} | {graphs(r)} | {r['batch']} | {r['decoder']} | "
+                f"{r['tokens_per_s']} | {r.get('step_ms', '')} | {r['tpf']} | {same} |"
             )
     found = record.get("targets") or targets(parts)
     if found:
@@ -396,10 +414,11 @@ def print_tables(record: dict) -> None:
     if "rows" in parts.get("roofline", {}):
         for r in parts["roofline"]["rows"]:
             if "error" in r:
-                print(f"\nblock cost ({r['attention']}): FAILED: {r['error']}")
+                print(f"\nblock cost ({r['attention']}, graphs {graphs(r)}): FAILED: {r['error']}")
                 continue
             ratios = ", ".join(f"k={k}: {v:.3f}" for k, v in r["ratios"].items())
-            print(f"\nblock cost / k=1 ({r['attention']}, {r['dtype']}, cache {r['cache_len']}): {ratios}")
+            k1 = 1000 * r["times"]["1"]
+            print(f"\nblock cost / k=1 ({r['dtype']}, cache {r['cache_len']}; k=1 {k1:.2f} ms): {ratios}")
 
 
 if __name__ == "__main__":

@@ -122,6 +122,20 @@ def test_lossless_decoders_equal_ar_alone_and_in_a_batch(family, prompts, scheme
         assert alone == expected and together == expected, name
 
 
+def test_fixed_shape_steps_give_the_eager_tokens(family, prompts):
+    """The steps CUDA graphs replay (`step_graphs`), run eagerly: every family without sliding windows
+    gives its eager tokens, alone and in a batch; a windowed one is refused with a clear error."""
+    model = load_model(str(family[1]))
+    if model.window is not None:
+        with pytest.raises(FastForwardError, match="sliding windows"):
+            model.use_step_graphs(capture=False)
+        return
+    decoders = [ff.build_decoder(name) for name in ("ar", "jacobi")]
+    expected = [[g.token_ids for g in d.generate(model, prompts, NEW_TOKENS)] for d in decoders]
+    model.use_step_graphs(capture=False)
+    assert [[g.token_ids for g in d.generate(model, prompts, NEW_TOKENS)] for d in decoders] == expected
+
+
 def test_sbd_verified_equals_ar_after_a_mask_token(family, prompts):
     model = load_model(str(family[1]))
     model.add_mask_token()

@@ -110,12 +110,18 @@ def add_precision_flags(
 
 
 def add_compile_flag(p: argparse.ArgumentParser) -> None:
-    """--compile, for the commands whose model is loaded through `precision`."""
+    """--compile and --cuda-graphs, for the commands whose model is loaded through `precision`."""
     p.add_argument(
         "--compile",
         action="store_true",
         help="compile the decoding steps (inductor): faster steps, the same tokens; each kind of step compiles "
         "once (about a minute) and is kept in $FASTFORWARD_HOME/compiled (see docs/precision.md)",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        help="replay decoding steps as CUDA graphs (default: on with a CUDA --device, where the model allows; "
+        "see docs/results.md, GPU)",
     )
 
 
@@ -140,6 +146,7 @@ def precision(args: argparse.Namespace) -> dict:
         "exact": args.exact,
         "compile": args.compile,
         "attention": args.attention,
+        "cuda_graphs": args.cuda_graphs,
     }
 
 

@@ -419,6 +419,8 @@ def _precision(model: Model) -> str:
         parts.append(f"{model.hf.config._attn_implementation} attention")
     if model.compiled_forward is not None:
         parts.append("compiled steps")
+    if model.step_graphs is not None and not model.step_graphs.failed:
+        parts.append("CUDA graphs" if model.step_graphs.capture else "fixed-shape steps")
     return " + ".join(parts)
 
 

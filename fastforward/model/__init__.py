@@ -38,8 +38,9 @@ from fastforward.cpu import row_chunks, smoothing
 from fastforward.cpu.quantize import check_scheme, prefill_kernels, uses_int8
 from fastforward.cpu.quantize import quantize as quantize_linears
 from fastforward.errors import FastForwardError
-from fastforward.model import flex, softcap, windows
+from fastforward.model import flex, softcap, step_graphs, windows
 from fastforward.model.cache import new_cache, prepare_cache, track_positions, truncate
+from fastforward.model.step_graphs import StepGraphs
 from fastforward.model.store import PACKAGE, Store
 
 MASK_TOKEN = "<|mask|>"
@@ -85,6 +86,7 @@ class Model:
         self.name = name
         self.mask_token_id: int | None = getattr(hf.config, MASK_CONFIG_KEY, None)
         self.compiled_forward: Callable | None = None  # forwards against a cache, when compiled (`compile_steps`)
+        self.step_graphs: StepGraphs | None = None  # fixed-shape steps, CUDA graphs on a GPU (`use_step_graphs`)
         # transformers 5.2x renamed the forwards' `past_key_values` to `cache` (the old name warns, and is
         # to go in 5.40); models written for older releases keep the old name.
         self.cache_argument = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
@@ -220,6 +222,11 @@ class Model:
                 f"visibility has shape {tuple(layout.visibility.shape)}, expected {(batch, length, past + length)}"
             )
         read = layout.read if layout.read is not None else torch.zeros(0, dtype=torch.long, device=self.device)
+        graphed = self.step_graphs is not None and not self.step_graphs.failed
+        if graphed and past > 0 and step_graphs.supports(cache):
+            logits = self.step_graphs.run(layout.tokens, layout.positions, layout.visibility, read, cache)
+            truncate(cache, past + layout.keep)
+            return logits if layout.read is not None else None
         forward, tokens, positions = self.hf, layout.tokens, layout.positions
         if self.compiled_forward is not None and past > 0:  # a step: one memory layout, one graph per kind
             prepare_cache(cache, past + length)
@@ -250,6 +257,16 @@ class Model:
                 "install torch 2.13 (pip install torch==2.13.0) or leave out --compile"
             ) from error
         self.compiled_forward = compile_forward(self.hf, store)
+
+    def use_step_graphs(self, capture: bool = True) -> None:
+        """Run every step against a cache as a fixed-shape forward (`fastforward.model.step_graphs`),
+        captured as a CUDA graph once its shape repeats (`capture`; False runs it eagerly, as on a CPU)."""
+        if self.uses_flex or self.window is not None or self.batch_invariant:
+            raise FastForwardError(
+                "CUDA graphs need SDPA attention without sliding windows; "
+                "use --no-cuda-graphs with this model or attention"
+            )
+        self.step_graphs = step_graphs.StepGraphs(self.hf, self.cache_argument, capture)
 
     def hidden_states(self, layout: Layout) -> torch.Tensor:
         """Last hidden states [B, T, H] of an uncached layout (training: the loss picks its own rows)."""
@@ -474,6 +491,7 @@ def load_model(
     exact: bool = False,
     compile: bool = False,
     attention: str = "sdpa",
+    cuda_graphs: bool | None = None,
 ) -> Model:
     """Load a preset, a Hugging Face model directory or a GGUF file, ready to run layouts.
 
@@ -482,6 +500,8 @@ def load_model(
     forward; with int8, int4 or bfloat16 weights, verifying decoders then give greedy AR's tokens bit
     for bit. compile: compile the decoding steps (`fastforward.cpu.compiled`): faster steps after a warm-up.
     attention: "sdpa" or "flex" (FlexAttention, `fastforward.model.flex`; GPUs train with it).
+    cuda_graphs: replay decoding steps as CUDA graphs (`fastforward.model.step_graphs`); None: on a CUDA
+    device where the model allows it (SDPA, no sliding windows, no --compile).
     """
     torch_dtype = _resolve_dtype(dtype)
     check_device(device)
@@ -506,4 +526,11 @@ def load_model(
         code = (PACKAGE / "cpu", PACKAGE / "model")
         setting.update(device=device or "cpu", attention=hf.config._attn_implementation)
         model.compile_steps(Store(fastforward_home(), "compiled", path, code, "compiling again", **setting))
+    on_gpu = model.device.type == "cuda"
+    if cuda_graphs is None:
+        cuda_graphs = on_gpu and not compile and model.window is None and not model.uses_flex and not exact
+    if cuda_graphs:
+        if not on_gpu:
+            raise FastForwardError("CUDA graphs need a CUDA --device; leave out --cuda-graphs on this one")
+        model.use_step_graphs()
     return model

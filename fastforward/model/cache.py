@@ -34,6 +34,7 @@ class GrowingLayer(CacheLayerMixin):
         self.value_buffer: torch.Tensor | None = None
         self.length = 0
         self.is_initialized = False
+        self.write_at: torch.Tensor | None = None  # cache slots of a fixed-shape step (`step_graphs`)
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -71,6 +72,10 @@ class GrowingLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.write_at is not None:  # a fixed-shape step: its slots, and every query reads the whole buffer
+            self.key_buffer.index_copy_(2, self.write_at, key_states)
+            self.value_buffer.index_copy_(2, self.write_at, value_states)
+            return self.key_buffer, self.value_buffer
         start, end = self.length, self.length + key_states.shape[2]
         if not torch.compiler.is_compiling():
             self.reserve(end, key_states)

@@ -1,0 +1,243 @@
+"""Decoding steps replayed as CUDA graphs.
+
+On a GPU a decoding step of a small model costs the host far more than the device: SmolLM2-135M
+took 51 ms a token in eager bf16 on an H200, transformers' own `generate` 41 ms
+(docs/notes/2026-11-26-first-gpu-run.md), while its kernels take a few. A CUDA graph launches a
+whole step's kernels at once. It fixes every shape and address it was captured with, so a graphed
+step is a fixed-shape forward:
+
+- The cache's entries live in buffers of a fixed capacity that `StepGraphs` owns per (batch,
+  capacity) and binds the cache's growing layers to (their entries copied in once; a cache that
+  outgrows its capacity moves to the next, twice as large).
+- New entries are written at cache slots held in a device tensor (`GrowingLayer.write_at`), and
+  every query attends to the whole capacity under a dense mask that hides the slots not in use.
+- Tokens, positions, mask, slots and read positions are copied into the graph's own inputs before
+  each replay; its logits are copied out after.
+
+A shape is captured the second time it is seen, so one-off shapes (a last, shorter block) stay
+eager; `ar`, `jacobi` at its block, `mbd --static` and `lookup`'s few draft lengths repeat theirs.
+Without `capture` (a CPU, the tests) the same fixed-shape forward runs eagerly: its logits equal the
+eager step's, which is what makes a replay of it exact too.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache, PreTrainedModel
+
+from fastforward.model.cache import GrowingLayer
+
+MIN_CAPACITY = 256  # cache slots of the smallest buffers; they double from there
+CAPTURE_AFTER = 2  # a shape is captured when seen this many times
+MAX_STEPS = 64  # shapes kept (graphs and inputs), least recently used dropped first
+MAX_BUFFERS = 4  # (batch, capacity) buffer sets kept
+
+
+@dataclass
+class _Step:
+    """The fixed inputs of one shape of step, its graph once captured, and the output it writes."""
+
+    tokens: torch.Tensor  # [B, T]
+    positions: torch.Tensor  # as the layout gives them: [B, T] or [1, T]
+    mask: torch.Tensor  # [B, 1, T, capacity]: True = may attend
+    offsets: torch.Tensor  # arange(T): the slots are past + offsets
+    slots: torch.Tensor  # [T]: where the new entries go in the cache
+    read: torch.Tensor  # indices into T whose logits are returned
+    seen: int = 0
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None
+
+
+def capacity_for(entries: int) -> int:
+    """The buffer capacity that holds `entries`: MIN_CAPACITY doubled as often as needed."""
+    capacity = MIN_CAPACITY
+    while capacity < entries:
+        capacity *= 2
+    return capacity
+
+
+def supports(cache: Cache | None) -> bool:
+    """Whether a cache can be bound: growing layers only, holding entries already (a step, not a
+    prefill), and no recorded key positions (sliding-window masks are built per step from them)."""
+    return (
+        cache is not None
+        and getattr(cache, "key_positions", None) is None
+        and all(isinstance(layer, GrowingLayer) and layer.key_buffer is not None for layer in cache.layers)
+    )
+
+
+class StepGraphs:
+    """Runs a model's steps against a cache as fixed-shape forwards, captured as CUDA graphs when `capture`."""
+
+    def __init__(self, hf: PreTrainedModel, cache_argument: str, capture: bool):
+        self.hf = hf
+        self.cache_argument = cache_argument
+        self.capture = capture
+        self.steps: OrderedDict[tuple, _Step] = OrderedDict()
+        self.buffers: OrderedDict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self.owners: dict[tuple[int, int], weakref.ref] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.failed: str | None = None  # why capturing stopped, when it failed
+
+    def run(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        visibility: torch.Tensor | None,
+        read: torch.Tensor,
+        cache: Cache,
+    ) -> torch.Tensor:
+        """The float32 logits [B, len(read), V] of a step; its T new entries are appended to `cache`."""
+        batch, length = tokens.shape
+        past = cache.get_seq_length()
+        capacity = capacity_for(past + length)
+        self._bind(cache, batch, capacity)
+        shape = (batch, length, tuple(positions.shape), tuple(read.shape), capacity)
+        step = self.steps.get(shape)
+        if step is None:
+            step = self._new_step(tokens, positions, read, capacity)
+            self.steps[shape] = step
+            if len(self.steps) > MAX_STEPS:
+                self.steps.popitem(last=False)
+        self.steps.move_to_end(shape)
+        self._fill(step, tokens, positions, visibility, read, past)
+        if step.graph is None:
+            step.seen += 1
+            if self.capture and step.seen >= CAPTURE_AFTER:
+                self._capture_or_give_up(step, cache)
+        if step.graph is not None:
+            step.graph.replay()
+            logits = step.logits.clone()  # the next replay overwrites the graph's output
+        else:
+            logits = self._forward(step, cache)
+        for layer in cache.layers:
+            layer.length = past + length
+        return logits
+
+    # ---- the cache's buffers ------------------------------------------------------------------
+    def _bind(self, cache: Cache, batch: int, capacity: int) -> None:
+        """Point the cache's layers at this runner's buffers for (batch, capacity), its entries copied in."""
+        key = (batch, capacity)
+        buffers = self.buffers.get(key)
+        if buffers is not None:
+            self.buffers.move_to_end(key)
+            if all(layer.key_buffer is k for layer, (k, _) in zip(cache.layers, buffers, strict=True)):
+                return
+        else:
+            buffers = [
+                tuple(
+                    torch.zeros(batch, b.shape[1], capacity, b.shape[3], dtype=b.dtype, device=b.device)
+                    for b in (layer.key_buffer, layer.value_buffer)
+                )
+                for layer in cache.layers
+            ]
+            self.buffers[key] = buffers
+            if len(self.buffers) > MAX_BUFFERS:
+                self._drop(*self.buffers.popitem(last=False))
+        owner = self.owners.get(key)
+        if owner is not None and owner() is not None and owner() is not cache:
+            _release(owner(), buffers)  # the other cache keeps its entries in buffers of its own
+        for layer, pair in zip(cache.layers, buffers, strict=True):
+            for name, target in zip(("key_buffer", "value_buffer"), pair, strict=True):
+                source = getattr(layer, name)[:, :, : layer.length]
+                if source.untyped_storage().data_ptr() == target.untyped_storage().data_ptr():
+                    source = source.clone()  # a view of the same buffer (entries dropped from the front)
+                target[:, :, : layer.length].copy_(source)
+            layer.key_buffer, layer.value_buffer = pair
+        self.owners[key] = weakref.ref(cache)
+
+    def _drop(self, key: tuple[int, int], buffers: list) -> None:
+        """Forget a buffer set: its owner keeps its entries, and the graphs that wrote into it go."""
+        owner = self.owners.pop(key, None)
+        if owner is not None and owner() is not None:
+            _release(owner(), buffers)
+        for shape in [s for s in self.steps if (s[0], s[-1]) == key]:
+            del self.steps[shape]
+
+    # ---- one step -----------------------------------------------------------------------------
+    def _new_step(self, tokens: torch.Tensor, positions: torch.Tensor, read: torch.Tensor, capacity: int) -> _Step:
+        batch, length = tokens.shape
+        device = tokens.device
+        return _Step(
+            tokens=torch.empty_like(tokens),
+            positions=torch.empty_like(positions),
+            mask=torch.zeros(batch, 1, length, capacity, dtype=torch.bool, device=device),
+            offsets=torch.arange(length, device=device),
+            slots=torch.empty(length, dtype=torch.long, device=device),
+            read=torch.empty_like(read),
+        )
+
+    def _fill(
+        self,
+        step: _Step,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        visibility: torch.Tensor | None,
+        read: torch.Tensor,
+        past: int,
+    ) -> None:
+        """Copy a step's inputs into the fixed ones (a few small copies, no host sync)."""
+        seen = past + tokens.shape[1]
+        step.tokens.copy_(tokens)
+        step.positions.copy_(positions)
+        step.read.copy_(read)
+        torch.add(step.offsets, past, out=step.slots)
+        step.mask[..., seen:] = False
+        if visibility is None:  # causal: slot j is visible to new token t when j <= past + t
+            keys = torch.arange(seen, device=tokens.device)
+            step.mask[:, 0, :, :seen] = keys <= step.slots[:, None]
+        else:
+            step.mask[:, 0, :, :seen] = visibility
+
+    def _forward(self, step: _Step, cache: Cache) -> torch.Tensor:
+        for layer in cache.layers:
+            layer.write_at = step.slots
+        try:
+            out = self.hf(
+                input_ids=step.tokens,
+                position_ids=step.positions,
+                attention_mask=step.mask,
+                **{self.cache_argument: cache},
+                use_cache=True,
+                logits_to_keep=step.read,
+            )
+        finally:
+            for layer in cache.layers:
+                layer.write_at = None
+        return out.logits.float()
+
+    def _capture_or_give_up(self, step: _Step, cache: Cache) -> None:
+        """Capture the step; a model whose forward cannot be captured (one that reads a device value on
+        the host, as some mixture-of-experts routings do) runs eagerly from then on, with a warning."""
+        try:
+            self._capture(step, cache)
+        except RuntimeError as error:
+            self.capture = False
+            self.failed = f"capturing a step failed ({str(error).splitlines()[0]})"
+            warnings.warn(f"CUDA graphs are off for this model: {self.failed}; steps run eagerly", stacklevel=4)
+
+    def _capture(self, step: _Step, cache: Cache) -> None:
+        """Capture the step, after one eager run on a side stream (lazy initialisations; CUDA graphs
+        need it). That run writes this step's own entries to its own slots: the replay that follows
+        writes the same."""
+        side = torch.cuda.Stream(step.tokens.device)
+        side.wait_stream(torch.cuda.current_stream(step.tokens.device))
+        with torch.cuda.stream(side):
+            self._forward(step, cache)
+        torch.cuda.current_stream(step.tokens.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            step.logits = self._forward(step, cache)
+        step.graph = graph
+
+
+def _release(cache: Cache, buffers: list) -> None:
+    """Give a cache whose layers use `buffers` copies of its own, so that another cache can have them."""
+    for layer, (keys, _) in zip(cache.layers, buffers, strict=True):
+        if layer.key_buffer is keys:
+            layer.key_buffer, layer.value_buffer = layer.key_buffer.clone(), layer.value_buffer.clone()

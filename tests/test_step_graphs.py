@@ -1,0 +1,97 @@
+"""Fixed-shape steps (`fastforward.model.step_graphs`): the same logits, tokens and cache as eager steps.
+
+On the CPU the fixed-shape forward runs eagerly (what a graph replays, less the capture); on a CUDA GPU
+(the GPU check runs these) it is captured and replayed."""
+
+import copy
+
+import pytest
+import torch
+
+from fastforward.api import build_decoder
+from fastforward.decoding.decoders import registry
+from fastforward.decoding.runtime import Session
+from fastforward.errors import FastForwardError
+from fastforward.model import Layout, Model, load_model, step_graphs, visibility
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+TOL = {"rtol": 1e-4, "atol": 1e-4}  # the two kernels (causal, masked over the capacity) round apart
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def pair(request, tiny):
+    """(the tiny model, the same weights with fixed-shape steps), both on the device."""
+    eager = Model(copy.deepcopy(tiny.hf).to(request.param), tiny.tokenizer, name="tiny")
+    fixed = Model(copy.deepcopy(tiny.hf).to(request.param), tiny.tokenizer, name="tiny-graphs")
+    fixed.use_step_graphs(capture=request.param == "cuda")
+    return eager, fixed
+
+
+def _step(model: Model, cache, tokens: list[int], rule: torch.Tensor | None = None) -> torch.Tensor:
+    """One forward of `tokens` after the cache's entries (causal, or `rule` [T, T] among them), all kept;
+    the logits of every new token."""
+    past, length = cache.get_seq_length(), len(tokens)
+    device = model.device
+    seen = None if rule is None else visibility.after_full_cache(rule, past)[None].to(device)
+    layout = Layout(
+        torch.tensor([tokens], device=device),
+        torch.arange(past, past + length, device=device)[None],
+        seen,
+        torch.arange(length, device=device),
+        keep=length,
+    )
+    return model.run(layout, cache)
+
+
+def test_steps_have_the_eager_steps_logits_and_cache(pair):
+    """One token, a block, a block under a non-causal rule, past the first capacity (256 slots): each
+    step's logits and the cache it leaves equal eager ones."""
+    eager, fixed = pair
+    prompt = list(range(3, 40))
+    rule = visibility.causal(4) | torch.eye(4, dtype=torch.bool).roll(1, dims=1)
+    with torch.inference_mode():
+        caches = [eager.new_cache(), fixed.new_cache()]
+        for model, cache in zip(pair, caches, strict=True):
+            _step(model, cache, prompt)  # the prefill: eager in both
+        steps = [([5], None), ([7, 9, 11, 13], None), ([8, 10, 12, 14], rule)] * 3 + [(list(range(3, 99)), None)] * 3
+        for tokens, seen in steps:
+            expected, got = (_step(m, c, tokens, seen) for m, c in zip(pair, caches, strict=True))
+            torch.testing.assert_close(got, expected, **TOL)
+        assert caches[1].get_seq_length() == caches[0].get_seq_length() > step_graphs.MIN_CAPACITY
+        for a, b in zip(*(c.layers for c in caches), strict=True):
+            torch.testing.assert_close(b.keys, a.keys, **TOL)
+            torch.testing.assert_close(b.values, a.values, **TOL)
+    if fixed.device.type == "cuda":  # the repeated shapes were captured and replayed
+        assert sum(step.graph is not None for step in fixed.step_graphs.steps.values()) >= 3
+
+
+@pytest.mark.parametrize("name", sorted(registry.specs()))
+def test_every_decoder_gives_the_eager_tokens(pair, prompts, name):
+    """In a batch of padded rows and one row alone, every decoder's tokens equal its eager tokens."""
+    eager, fixed = pair
+    decoder = build_decoder(name)
+    for batch in (prompts[:3], prompts[3:]):
+        expected = [g.token_ids for g in decoder.generate(eager, batch, max_new_tokens=40)]
+        assert [g.token_ids for g in decoder.generate(fixed, batch, max_new_tokens=40)] == expected
+
+
+def test_caches_taking_turns_keep_their_own_entries(pair, prompts):
+    """Two sessions of one batch size share the buffers of one capacity: each step of one moves the
+    other's entries out first, so interleaving them changes neither."""
+    eager, fixed = pair
+    decoder = build_decoder("ar")
+    expected = [decoder.generate(eager, [p], max_new_tokens=12)[0].token_ids for p in prompts[:2]]
+    with torch.inference_mode():
+        sessions = [Session(fixed, [p], max_new_tokens=12) for p in prompts[:2]]
+        for session in sessions:
+            decoder.begin(session, range(1))
+        while not all(s.finished for s in sessions):
+            for session in sessions:
+                if not session.finished:
+                    decoder.step(session)
+    assert [s.results()[0].token_ids for s in sessions] == expected
+
+
+def test_cuda_graphs_on_a_cpu_are_a_clear_error():
+    with pytest.raises(FastForwardError, match="CUDA"):
+        load_model("demo-sbd", cuda_graphs=True)
