@@ -6,7 +6,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from fastforward.api import build_decoder
 from fastforward.cpu import attention, native
-from fastforward.cpu.compiled import MergeRepeatedCalls
+from fastforward.cpu import compiled as compiled_module
+from fastforward.cpu.compiled import AOT_COMPILE_WORKS, MergeRepeatedCalls
 from fastforward.cpu.fusion import FusedMember
 from fastforward.cpu.quantize import quantize
 from fastforward.cpu.w4a8 import W4A8Linear
@@ -16,11 +17,16 @@ from fastforward.model import load_model
 from fastforward.model.tiny import tiny_model
 from fastforward.serving.engine import warm_up
 
+WHY = f"--compile needs torch 2.13, not {torch.__version__}"
+needs_aot_compile = pytest.mark.skipif(not AOT_COMPILE_WORKS, reason=WHY)
+
 
 @pytest.fixture(scope="module")
 def compiled():
     """A tiny int4 model with row-invariant attention and compiled steps (compiled once per module:
     each graph takes seconds to build)."""
+    if not AOT_COMPILE_WORKS:
+        pytest.skip(WHY)
     torch._dynamo.reset()
     model = tiny_model(seed=0, init_std=0.5, hidden_size=64)
     model.add_mask_token()
@@ -94,6 +100,7 @@ def test_repeated_kernel_calls_are_merged_and_others_kept():
     assert [node.target for node in graph.nodes].count(view) == 2
 
 
+@needs_aot_compile
 def test_a_growing_cache_compiles_no_new_graph(cached_step):
     """150 one-token steps: the cache's buffers double twice (past 64 and 128 entries) and fill up to
     their spare entry; one graph serves them all. Head size 64, as the first capacity: sizes that
@@ -112,6 +119,7 @@ def test_a_growing_cache_compiles_no_new_graph(cached_step):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
 
 
+@needs_aot_compile
 def test_each_compiled_model_runs_its_own_graphs(cached_step):
     """Compiled graphs skip the guards on a model's parameters, so two models of one class but of
     other sizes must not share them; and a model changed by `add_mask_token` compiles again."""
@@ -144,9 +152,17 @@ def test_compile_without_a_cxx_compiler_is_a_clear_error(monkeypatch):
         tiny_model(seed=0).compile_steps()
 
 
+def test_compile_on_a_torch_before_2_13_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(compiled_module, "AOT_COMPILE_WORKS", False)
+    with pytest.raises(FastForwardError, match="needs dynamo's AOT compile as torch 2.13 has it"):
+        tiny_model(seed=0).compile_steps()
+
+
 @pytest.fixture
 def saved_int4(tmp_path, monkeypatch):
     """A tiny model on disk, its home (store) in tmp_path, and inductor's kernels kept in it."""
+    if not AOT_COMPILE_WORKS:
+        pytest.skip(WHY)
     monkeypatch.setenv("FASTFORWARD_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     tiny_model(seed=0, init_std=0.5, hidden_size=64).save(tmp_path / "model")

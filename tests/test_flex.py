@@ -114,6 +114,7 @@ def test_attention_choices(monkeypatch):
     assert flex.for_training("auto", "sbd") == "sdpa"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="beside a CUDA GPU, training runs on it")
 def test_flex_training_on_the_cpu_is_refused(tmp_path):
     """FlexAttention has no CPU backward: the trainer says so before the first step."""
     from fastforward.model.tiny import tiny_model

@@ -46,9 +46,16 @@ PROMPTS = [*TEXTS, "Tom has", "def add(", "The quick"]
 # rate is 0 (--warmup 1): Adam's first update, lr·g/(|g| + ε), would turn the summation noise of the few gradients
 # near ε into differences of up to 8e-6 (measured), too close to TOLERANCE.
 FLAGS = ["--steps", "4", "--seq-len", "32", "--lr", "3e-3", "--warmup", "1", "--save-every", "2", "--threads", "1"]
+FLAGS += ["--no-bf16"]  # as the launches train beside a GPU they hide (the CLI's default there is bf16)
 TOLERANCE = 1e-5  # fp32: the processes sum the same terms in another order
 # Jacobi Forcing's default schedule draws nothing: train it on randomly drawn noise ratios.
 JACOBI_FORCING = {"noise_schedule": "random", "noise_window": 2}
+
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu(monkeypatch):
+    """The runs in this process train on the CPU too, as the launches do (they hide any GPU)."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
 
 
 @pytest.fixture(scope="module")

@@ -60,6 +60,15 @@ def test_loss_falls_on_a_tiny_task(tmp_path, objective):
         assert sum(r[term] for r in steps[-5:]) / 5 < 0.7 * steps[0][term], term
 
 
+def test_one_process_trains_twice_at_two_precisions(tmp_path):
+    """accelerate keeps one state per process; a second `train` at another mixed precision (the CLI's
+    bf16 default on a GPU after a library call's "no") gets its own instead of an error."""
+    for precision in ("no", "bf16"):
+        model = tiny_model(TEXTS)
+        history = train(model, NTP(), packed(model), config(steps=1, mixed_precision=precision), tmp_path / precision)
+        assert history[-1]["step"] == 1
+
+
 def test_kill_and_resume_is_bit_identical(tmp_path):
     def run(out, callback=None):
         model = tiny_model(TEXTS)

@@ -56,7 +56,12 @@ INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
 # Sizes a graph keeps as constants: heads and head size of the cache's buffers. As symbols, a capacity of
 # the same value (64 and 64) would be traced as one with them, and need another graph when it grows.
 STATIC_BUFFER_DIMS = (1, 3)
-AOT_COMPILE_IS_DYNAMIC = "dynamic" in inspect.signature(aot_compile_fullgraph).parameters
+# torch 2.11 has an AOT compile with dynamic shapes, but its graphs fail to load back (missing external
+# references) and to trace a marked cache (seen on the GPU check's machine): 2.13 is the first that works.
+AOT_COMPILE_WORKS = (
+    torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+    and "dynamic" in inspect.signature(aot_compile_fullgraph).parameters
+)
 
 
 class GraphEntry(Protocol):
@@ -78,9 +83,9 @@ def compile_forward(hf: torch.nn.Module, store: GraphEntry | None = None) -> Com
             "--compile needs a C++ compiler for torch.compile's CPU kernels and found none (c++, g++, clang++, "
             "$CXX): install one (e.g. apt install g++) or leave out --compile"
         )
-    if not AOT_COMPILE_IS_DYNAMIC:
+    if not AOT_COMPILE_WORKS:
         raise FastForwardError(
-            f"--compile needs dynamo's AOT compile with dynamic shapes, which torch {torch.__version__} lacks: "
+            f"--compile needs dynamo's AOT compile as torch 2.13 has it, and this is torch {torch.__version__}: "
             "install torch 2.13 (pip install torch==2.13.0) or leave out --compile"
         )
     eager_rounding()

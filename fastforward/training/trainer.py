@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType, broadcast_object_list, parse_flag_from_env
 from torch import nn
 from tqdm.auto import tqdm
@@ -149,6 +150,9 @@ def _accelerator(mixed_precision: str) -> Accelerator:
     train alone fails instead (accelerate's launcher without --multi_gpu starts a single process).
     """
     launched = launched_processes()
+    if launched <= 1:  # a process training alone: an earlier run in it (another precision) must not pin the state
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
     device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     cpu = launched > 1 and (device is None or device.type == "mps")  # MPS forms no group of its own either
     accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu)
@@ -518,8 +522,8 @@ def train(
     """Train `model` in place with `objective`; resume from `out_dir` if it holds an unfinished run.
 
     callback(step, record) runs after every step (after that step's checkpoint and evaluation).
-    Returns the records logged by this call. One process keeps one accelerate state: all calls in
-    a process must use the same mixed_precision.
+    Returns the records logged by this call. Calls in one (unlaunched) process each get a fresh
+    accelerate state, so they may differ in mixed_precision.
     """
     config.validate()
     if train_data.seq_len != config.seq_len:
