@@ -114,6 +114,13 @@ def test_attention_choices(monkeypatch):
     assert flex.for_training("auto", "sbd") == "sdpa"
 
 
+def test_auto_attention_follows_the_device_training_runs_on(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert flex.for_training("auto", "sbd") == "flex" and flex.for_training("auto", "ntp") == "sdpa"
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # accelerate then trains on the CPU, beside the GPU
+    assert flex.for_training("auto", "sbd") == "sdpa"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="beside a CUDA GPU, training runs on it")
 def test_flex_training_on_the_cpu_is_refused(tmp_path):
     """FlexAttention has no CPU backward: the trainer says so before the first step."""

@@ -129,7 +129,7 @@ def test_final_model_reloads_with_its_mask_token_and_eval_is_logged(tmp_path):
     loaded = load_model(str(tmp_path))
     assert loaded.mask_token_id == model.mask_token_id is not None
     saved = load_file(tmp_path / "model.safetensors")
-    assert torch.equal(saved["model.embed_tokens.weight"], model.hf.get_input_embeddings().weight)
+    assert torch.equal(saved["model.embed_tokens.weight"], model.hf.get_input_embeddings().weight.cpu())
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in evals if r["split"] == "eval"]
     assert [r["step"] for r in evals] == [2, 4] and all(r["eval_mask_loss"] > 0 for r in evals)

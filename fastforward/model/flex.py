@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from accelerate.utils import parse_flag_from_env
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import flex_attention_mask
@@ -47,10 +48,12 @@ def implementation(attention: str) -> str:
 def for_training(attention: str, objective: str) -> str:
     """`fastforward train --attention auto`: flex on a CUDA GPU for the objectives whose layouts are masks
     (the same speed as SDPA's dense masks and 13-17 % less memory on an H200, docs/results.md "GPU"),
-    SDPA for NTP (its causal flash kernel is 18 % faster) and on every other device."""
+    SDPA for NTP (its causal flash kernel is 18 % faster) and on every other device, the CPU that
+    ACCELERATE_USE_CPU asks for beside a GPU included."""
     if attention != "auto":
         return attention
-    return "flex" if torch.cuda.is_available() and objective != "ntp" else "sdpa"
+    on_gpu = torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")
+    return "flex" if on_gpu and objective != "ntp" else "sdpa"
 
 
 def block_mask(visibility: torch.Tensor | None, batch: int, length: int, past: int, device: torch.device) -> BlockMask:
