@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fastforward.api import build_decoder
+from fastforward.decoding.decoders import lookup as lookup_module
 from fastforward.decoding.decoders import registry
 from fastforward.decoding.runtime import Session
 from fastforward.errors import FastForwardError
@@ -73,6 +74,27 @@ def test_every_decoder_gives_the_eager_tokens(pair, prompts, name):
     for batch in (prompts[:3], prompts[3:]):
         expected = [g.token_ids for g in decoder.generate(eager, batch, max_new_tokens=40)]
         assert [g.token_ids for g in decoder.generate(fixed, batch, max_new_tokens=40)] == expected
+
+
+def test_varying_step_lengths_run_at_a_few_bucketed_lengths(tiny, prompts, monkeypatch):
+    """`lookup`'s drafts vary in length step by step; its steps run (and would be captured) at power-of-two
+    lengths, not one shape per length, and still give ar's tokens."""
+    model = Model(copy.deepcopy(tiny.hf), tiny.tokenizer)
+    truth = build_decoder("ar").generate(model, [prompts[0]], max_new_tokens=40)[0].token_ids
+
+    def oracle(index, length):  # the true continuation, every third drafted token wrong
+        done = len(index.text) - len(prompts[0])
+        return [t if (done + i) % 3 else t + 1 for i, t in enumerate(truth[done : done + length])]
+
+    monkeypatch.setattr(lookup_module.NgramIndex, "draft", oracle)
+    model.use_step_graphs(capture=False)
+    seen = []
+    run = model.step_graphs.run
+    model.step_graphs.run = lambda tokens, *rest: seen.append(tokens.shape[1]) or run(tokens, *rest)
+    assert build_decoder("lookup").generate(model, [prompts[0]], max_new_tokens=40)[0].token_ids == truth
+    lengths = {shape[1] for shape in model.step_graphs.steps}
+    assert len(set(seen)) > len(lengths) and all(n & (n - 1) == 0 for n in lengths)
+    assert [step_graphs.bucket(n) for n in (1, 3, 5, 64, 65, 130)] == [1, 4, 8, 64, 128, 192]
 
 
 def test_caches_taking_turns_keep_their_own_entries(pair, prompts):

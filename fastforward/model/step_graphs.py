@@ -47,10 +47,23 @@ class _Step:
     mask: torch.Tensor  # [B, 1, T, capacity]: True = may attend
     offsets: torch.Tensor  # arange(T): the slots are past + offsets
     slots: torch.Tensor  # [T]: where the new entries go in the cache
+    keys: torch.Tensor  # arange(capacity): the cache's slots, for masks
     read: torch.Tensor  # indices into T whose logits are returned
     seen: int = 0
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
+
+
+def bucket(count: int) -> int:
+    """The length a step of `count` tokens (or reads) runs at: the next power of two up to 64, then the
+    next multiple of 64. A decoder whose step length varies (`lookup`'s drafts, a verifier's blocks)
+    then needs a few graphs, not one per length."""
+    if count > 64:
+        return -(-count // 64) * 64
+    padded = 1
+    while padded < count:
+        padded *= 2
+    return padded
 
 
 def capacity_for(entries: int) -> int:
@@ -95,12 +108,14 @@ class StepGraphs:
         """The float32 logits [B, len(read), V] of a step; its T new entries are appended to `cache`."""
         batch, length = tokens.shape
         past = cache.get_seq_length()
-        capacity = capacity_for(past + length)
+        padded = bucket(length)
+        capacity = capacity_for(past + padded)
         self._bind(cache, batch, capacity)
-        shape = (batch, length, tuple(positions.shape), tuple(read.shape), capacity)
+        reads = bucket(read.shape[0]) if read.dim() == 1 else read.shape
+        shape = (batch, padded, positions.shape[0], reads, capacity)
         step = self.steps.get(shape)
         if step is None:
-            step = self._new_step(tokens, positions, read, capacity)
+            step = self._new_step(batch, padded, positions.shape[0], reads, capacity, tokens.device)
             self.steps[shape] = step
             if len(self.steps) > MAX_STEPS:
                 self.steps.popitem(last=False)
@@ -112,9 +127,9 @@ class StepGraphs:
                 self._capture_or_give_up(step, cache)
         if step.graph is not None:
             step.graph.replay()
-            logits = step.logits.clone()  # the next replay overwrites the graph's output
+            logits = step.logits[:, : read.shape[-1]].clone()  # the next replay overwrites the graph's output
         else:
-            logits = self._forward(step, cache)
+            logits = self._forward(step, cache)[:, : read.shape[-1]]
         for layer in cache.layers:
             layer.length = past + length
         return logits
@@ -160,16 +175,17 @@ class StepGraphs:
             del self.steps[shape]
 
     # ---- one step -----------------------------------------------------------------------------
-    def _new_step(self, tokens: torch.Tensor, positions: torch.Tensor, read: torch.Tensor, capacity: int) -> _Step:
-        batch, length = tokens.shape
-        device = tokens.device
+    def _new_step(
+        self, batch: int, length: int, position_rows: int, reads: int | torch.Size, capacity: int, device: torch.device
+    ) -> _Step:
         return _Step(
-            tokens=torch.empty_like(tokens),
-            positions=torch.empty_like(positions),
+            tokens=torch.zeros(batch, length, dtype=torch.long, device=device),
+            positions=torch.zeros(position_rows, length, dtype=torch.long, device=device),
             mask=torch.zeros(batch, 1, length, capacity, dtype=torch.bool, device=device),
             offsets=torch.arange(length, device=device),
             slots=torch.empty(length, dtype=torch.long, device=device),
-            read=torch.empty_like(read),
+            keys=torch.arange(capacity, device=device),
+            read=torch.zeros(reads, dtype=torch.long, device=device),
         )
 
     def _fill(
@@ -181,18 +197,23 @@ class StepGraphs:
         read: torch.Tensor,
         past: int,
     ) -> None:
-        """Copy a step's inputs into the fixed ones (a few small copies, no host sync)."""
-        seen = past + tokens.shape[1]
-        step.tokens.copy_(tokens)
-        step.positions.copy_(positions)
-        step.read.copy_(read)
+        """Copy a step's inputs into the fixed ones (a few small copies, no host sync). Padding tokens
+        (a bucket longer than the step) repeat its last token and position, go to the slots after its
+        own, which no real token sees, and each sees its own slot (so that its attention is finite)."""
+        length = tokens.shape[1]
+        step.tokens[:, :length] = tokens
+        step.tokens[:, length:] = tokens[:, -1:]
+        step.positions[:, :length] = positions
+        step.positions[:, length:] = positions[:, -1:]
+        step.read[: read.shape[0]] = read  # reads past the step's own repeat a real one (cut off after)
         torch.add(step.offsets, past, out=step.slots)
-        step.mask[..., seen:] = False
         if visibility is None:  # causal: slot j is visible to new token t when j <= past + t
-            keys = torch.arange(seen, device=tokens.device)
-            step.mask[:, 0, :, :seen] = keys <= step.slots[:, None]
+            torch.le(step.keys, step.slots[:, None], out=step.mask[0, 0])
+            step.mask[1:] = step.mask[:1]
         else:
-            step.mask[:, 0, :, :seen] = visibility
+            torch.eq(step.keys, step.slots[:, None], out=step.mask[0, 0])  # the padding's own slots
+            step.mask[1:] = step.mask[:1]
+            step.mask[:, 0, :length, : past + length] = visibility
 
     def _forward(self, step: _Step, cache: Cache) -> torch.Tensor:
         for layer in cache.layers:
