@@ -9,11 +9,13 @@ Parts (--parts; each is timed, and its failure is recorded without stopping the 
   train     training-step throughput (tokens/s, peak memory) of ntp, sbd, multitf and setdlm on
             SmolLM2-135M (fp32 master weights, bf16 autocast), dense SDPA masks against FlexAttention,
             and the first step's loss under each (the same batch and draws).
-  decode    tokens/s and tokens per forward of transformers' generate, ar, lookup and jacobi on
-            SmolLM2-135M in bf16, and of ar and sbd-verified on the demo's SBD model (fp32), at
-            batch 1 and 16, under each attention; whether each lossless decoder gave ar's tokens.
+  decode    tokens/s, ms per step and tokens per forward of transformers' generate, ar, lookup and
+            jacobi on SmolLM2-135M in bf16, and of ar and sbd-verified on the demo's SBD model
+            (fp32), at batch 1 and 16, with CUDA graphs and without (SDPA; --decode-flex adds
+            FlexAttention); whether each lossless decoder gave ar's tokens.
   roofline  block cost of a k-token forward against a 256-entry cache, k = 1 … 64, batch 1
-            (`fastforward.evaluation.roofline.measure_block_cost`), under each attention.
+            (`fastforward.evaluation.roofline.measure_block_cost`): SDPA with CUDA graphs and
+            without, and FlexAttention.
 
 JSON goes to --json after every part, so a run stopped by a time limit keeps what it measured.
 """
