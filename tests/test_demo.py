@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import replace
 
 import pytest
 
 from fastforward.cli import build_parser, main
 from fastforward.cli.train import train_config
-from fastforward.cpu.threads import auto_threads, busy_cores
 from fastforward.demo import zoo
 from fastforward.demo.pipeline import PRESETS, run_demo
 from fastforward.errors import FastForwardError
@@ -106,11 +104,6 @@ def test_zoo_jacobi_forcing_stage_trains_one_round_into_its_folder(tmp_path, mon
     objective = {"noise_schedule": "random", "noise_window": 4, "noisy_context": "clean", "ar_weight": 1.0}
     assert trained["objective"] == {"name": "jacobi_forcing", **objective}
     assert (tmp_path / "jf" / "config.json").exists() and not (tmp_path / "jf" / "checkpoints").exists()
-
-
-def test_auto_threads_is_sane():
-    assert 0.0 <= busy_cores(0.05) <= (os.cpu_count() or 1)
-    assert 1 <= auto_threads() <= (os.cpu_count() or 1)
 
 
 def test_zoo_stages_provenance_packing_and_task_options(tmp_path, capsys):

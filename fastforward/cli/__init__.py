@@ -151,6 +151,9 @@ def precision(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fastforward.cpu.threads import Sample, use_threads
+
+    started = Sample.now()  # the CPU times over the imports below tell how busy the machine is
     command = "fastforward"
     try:
         # Building the parser imports torch and transformers (seconds): Ctrl-C there is an interrupt too.
@@ -160,9 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         if "cpu_precision" in vars(args):
             resolve_precision(args)
         if "threads" in vars(args):
-            from fastforward.cpu.threads import use_threads
-
-            use_threads(args.threads)
+            use_threads(args.threads, since=started)
         return args.run(args) or 0
     except FastForwardError as exc:
         print(f"{command}: error: {exc}", file=sys.stderr)

@@ -10,27 +10,9 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
-import torch
-
-
-def busy_cores(interval: float = 0.2) -> float:
-    """How many cores other work keeps busy right now.
-
-    Linux: the non-idle share of /proc/stat's CPU time over `interval` seconds. Elsewhere: the
-    1-minute load average, which lags (just after `pip install` it still counts the install)."""
-    cores = os.cpu_count() or 1
-    try:
-        before = _cpu_times()
-        time.sleep(interval)
-        after = _cpu_times()
-        total, idle = after[0] - before[0], after[1] - before[1]
-        return cores * (1 - idle / total) if total > 0 else 0.0
-    except (OSError, ValueError, IndexError):
-        try:
-            return os.getloadavg()[0]
-        except OSError:  # not available on this platform
-            return 0.0
+MIN_SAMPLE = 0.1  # seconds of CPU times a reading needs; a shorter one waits for the rest
 
 
 def _cpu_times() -> tuple[int, int]:
@@ -40,17 +22,74 @@ def _cpu_times() -> tuple[int, int]:
     return sum(fields), fields[3] + fields[4]
 
 
-def auto_threads() -> int:
-    """Torch threads for small models: the cores not already busy (at least 1, at most all of them).
+def _own_cpu() -> float:
+    """CPU seconds this process has used, all its threads."""
+    times = os.times()
+    return times.user + times.system
+
+
+def _machine_times() -> tuple[int, int] | None:
+    try:
+        return _cpu_times()
+    except (OSError, ValueError, IndexError):  # no /proc/stat: not Linux
+        return None
+
+
+@dataclass
+class Sample:
+    """The machine's and this process's CPU times at one moment: `busy_cores` reads other work from
+    the difference to a later moment. The `fastforward` command takes one as it starts, so that its
+    seconds of imports are the sample and choosing threads costs no waiting."""
+
+    wall: float
+    machine: tuple[int, int] | None  # None: no /proc/stat (not Linux)
+    own: float
+
+    @classmethod
+    def now(cls) -> Sample:
+        return cls(time.monotonic(), _machine_times(), _own_cpu())
+
+
+def busy_cores(since: Sample | None = None, interval: float = 0.2) -> float:
+    """How many cores other work keeps busy: from `since` to now (waiting until `MIN_SAMPLE` has
+    passed), or over a fresh `interval` of seconds.
+
+    Linux: the non-idle share of /proc/stat's CPU time, less what this process used itself.
+    Elsewhere: the 1-minute load average, which lags (just after `pip install` it still counts the install)."""
+    start = since or Sample.now()
+    if start.machine is None:
+        try:
+            return os.getloadavg()[0]
+        except OSError:  # not available on this platform
+            return 0.0
+    wait = (MIN_SAMPLE if since is not None else interval) - (time.monotonic() - start.wall)
+    if wait > 0:
+        time.sleep(wait)
+    end = Sample.now()
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total, idle = end.machine[0] - start.machine[0], end.machine[1] - start.machine[1]
+    if total <= 0:
+        return 0.0
+    cores = os.cpu_count() or 1
+    seconds = total / ticks / cores  # the wall time the machine's jiffies cover
+    busy = (total - idle) / ticks - (end.own - start.own)
+    return min(float(cores), max(0.0, busy / seconds))
+
+
+def auto_threads(since: Sample | None = None) -> int:
+    """Torch threads for small models: the cores not already busy (at least 1, at most all of them),
+    read since `since` (see `busy_cores`).
 
     On a shared machine extra threads make small-matrix work many times slower (they wait on each
     other), so a busy machine gets one thread; a free one gets every core."""
     cores = os.cpu_count() or 1
-    return max(1, min(cores, int(cores - busy_cores() + 0.5)))
+    return max(1, min(cores, int(cores - busy_cores(since) + 0.5)))
 
 
-def use_threads(threads: int | None = None) -> int:
-    """Set torch's intra-op threads to `threads`, or when None/0 to `auto_threads()`; returns the count."""
-    count = threads or auto_threads()
+def use_threads(threads: int | None = None, since: Sample | None = None) -> int:
+    """Set torch's intra-op threads to `threads`, or when None/0 to `auto_threads(since)`; returns the count."""
+    import torch  # here: a `Sample` is taken before torch is imported
+
+    count = threads or auto_threads(since)
     torch.set_num_threads(count)
     return count

@@ -1,0 +1,33 @@
+"""Thread choice (`fastforward.cpu.threads`): other work is read from CPU times, ours left out, without waiting
+when the command's own start-up already gave a long enough sample."""
+
+import os
+import time
+
+import pytest
+
+from fastforward.cpu import threads
+
+
+def test_auto_threads_is_sane():
+    assert 0.0 <= threads.busy_cores(interval=0.05) <= (os.cpu_count() or 1)
+    assert 1 <= threads.auto_threads() <= (os.cpu_count() or 1)
+
+
+def test_other_work_is_the_machines_busy_time_less_our_own(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "sysconf", lambda name: 100)  # jiffies per second
+    start = threads.Sample(wall=time.monotonic() - 1, machine=(1000, 600), own=1.0)
+    # 400 jiffies over 2 cores: 2 s; 300 of them busy, 100 of those (1 s) ours: one other core busy
+    monkeypatch.setattr(threads, "_cpu_times", lambda: (1400, 700))
+    monkeypatch.setattr(threads, "_own_cpu", lambda: 2.0)
+    monkeypatch.setattr(time, "sleep", lambda seconds: pytest.fail("a sample of 1 s needs no waiting"))
+    assert threads.busy_cores(since=start) == pytest.approx(1.0)
+    assert threads.auto_threads(since=start) == 1
+
+
+def test_a_short_sample_waits_for_the_rest(monkeypatch):
+    waited = []
+    monkeypatch.setattr(time, "sleep", waited.append)
+    threads.busy_cores(since=threads.Sample.now())
+    assert len(waited) == 1 and 0 < waited[0] <= threads.MIN_SAMPLE
