@@ -1,5 +1,8 @@
 """The native int4 x int8 kernel (fastforward.cpu.w4a8): its bits recomputed in PyTorch, its packing, its fallbacks."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -138,3 +141,32 @@ def test_the_narrow_build_may_be_asked_for_and_nothing_else(monkeypatch):
     monkeypatch.setenv("FASTFORWARD_NATIVE_ISA", "sse2")
     with pytest.raises(quantization.FastForwardError, match="only avx2 may be asked for"):
         native.instruction_set()
+
+
+def test_a_library_built_from_these_sources_is_loaded_directly_and_a_stale_one_rebuilt(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build = native._build_directory("avx2")
+    build.mkdir(parents=True)
+    (build / "old.so").write_bytes(b"")
+    (build / native.BUILT).write_text("another-digest\nold.so\n")
+    compiled, loaded = [], []
+
+    def compile_and_load(isa):  # what torch's builder leaves: a newer library
+        compiled.append(isa)
+        (build / "new.so").write_bytes(b"")
+
+    monkeypatch.setattr(native, "_compile_and_load", compile_and_load)
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    native._build("avx2")
+    assert compiled == ["avx2"] and loaded == []
+    assert (build / native.BUILT).read_text() == f"{native._sources_digest()}\nnew.so\n"
+    native._build("avx2")  # the next process: straight to the library
+    assert compiled == ["avx2"] and loaded == [str(build / "new.so")]
+
+
+@pytest.mark.skipif(not native.available(), reason="needs the built kernels")
+def test_a_fresh_process_loads_the_kernels_without_the_extension_builder():
+    code = "import sys; from fastforward.cpu import native; assert native.available(); "
+    code += "print('torch.utils.cpp_extension' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
