@@ -16,6 +16,7 @@ kernel and `--exact` attention its chunked SDPA calls.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -137,10 +138,8 @@ def _build(isa: str) -> None:
             return
     _compile_and_load(isa)
     newest = max(build.glob("*.so"), key=lambda path: path.stat().st_mtime)
-    try:
+    with contextlib.suppress(OSError):  # nowhere to note it: the next process goes through the builder again
         built.write_text(f"{_sources_digest()}\n{newest.name}\n")
-    except OSError:  # nowhere to note it: the next process goes through the builder again
-        pass
 
 
 def _compile_and_load(isa: str) -> None:

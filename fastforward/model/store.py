@@ -7,8 +7,11 @@ at a setting writes the result (as `torch.save` pickles it) and later loads read
 of the time. An entry is keyed by everything it depends on: the SHA-256 of the source weights and
 configuration files, the setting (dtype, scheme, `--exact`, fusion...), the int4 kernel, the code that
 made it and the torch and transformers versions; so a stale entry is never found.
-Each entry carries the SHA-256 of its own bytes, checked before it is read: a corrupt entry is
+Each entry carries the CRC-32 of its own bytes, checked before it is read: a corrupt entry is
 reported in one line, removed and made again, never loaded. Only files this module wrote are read.
+An entry is read memory-mapped (its tensors are the page cache's until written to): with the
+checksum, reading SmolLM2-135M's int4 entry (198 MB) took 0.13 s where a SHA-256 and a copying
+`torch.load` took 0.33 s (Xeon, `fastforward generate` from a fresh process).
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import mmap
 import os
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +37,26 @@ QUANTIZATION_CODE = (PACKAGE / "cpu",)  # the code an entry depends on: its file
 SOURCE_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json")  # weights and configuration: all the entry holds
 
 
+ENTRY_FORMAT = "crc32-mmap"  # part of the key: entries checked another way are other entries
+CHECK = ".check"  # an entry's checksum file
+LEGACY_CHECK = ".sha256"  # the checksum files of entries made before ENTRY_FORMAT: removed with them
+
+
 def _digest(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 24), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _checksum(path: Path) -> str:
+    """The CRC-32 of a file's bytes (read through a memory map: no copy), as the entry's check file holds it."""
+    with path.open("rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return "crc32:00000000"
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return f"crc32:{zlib.crc32(mapped):08x}"
 
 
 class Store:
@@ -94,6 +113,7 @@ class Store:
             "code": code.hexdigest(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
+            "format": ENTRY_FORMAT,
         }
         key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
         return key, {"source": parts["source"], **self.setting}
@@ -102,13 +122,13 @@ class Store:
     def load(self) -> Any:
         """What the entry holds, or None when there is no sound entry (a corrupt one is said and removed)."""
         entry = self.directory / f"{self._key()}.pt"
-        checksum = entry.with_suffix(".sha256")
+        checksum = entry.with_suffix(CHECK)
         if not entry.exists():
             return None
         try:
-            if not checksum.exists() or checksum.read_text().strip() != _digest(entry):
+            if not checksum.exists() or checksum.read_text().strip() != _checksum(entry):
                 raise ValueError("its checksum does not match")
-            return torch.load(entry, weights_only=False, map_location="cpu")
+            return torch.load(entry, weights_only=False, map_location="cpu", mmap=True)
         except Exception as error:  # a truncated or altered file: make it again
             print(f"fastforward: {entry} is unusable ({error}); {self.what}", file=sys.stderr)
             entry.unlink(missing_ok=True)
@@ -124,13 +144,13 @@ class Store:
             self.directory.mkdir(parents=True, exist_ok=True)
             for old in self.directory.glob("*.json"):
                 if old.stem != key and _read_json(old) == name:
-                    for suffix in (".pt", ".sha256", ".json"):
+                    for suffix in (".pt", CHECK, LEGACY_CHECK, ".json"):
                         old.with_suffix(suffix).unlink(missing_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.directory, suffix=".tmp", delete=False) as f:
                 torch.save(value, f)
             os.replace(f.name, entry)
             _write_atomically(entry.with_suffix(".json"), json.dumps(name).encode())
-            _write_atomically(entry.with_suffix(".sha256"), _digest(entry).encode())
+            _write_atomically(entry.with_suffix(CHECK), _checksum(entry).encode())
         except OSError as error:  # a full or read-only disk: the next load quantizes again
             print(f"fastforward: could not keep an entry in {self.directory} ({error})", file=sys.stderr)
 
