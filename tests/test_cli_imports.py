@@ -47,3 +47,17 @@ def test_every_command_is_listed_and_parses_alone():
     for name in COMMANDS:
         assert build_parser(name).format_help() == full.format_help()
         assert name in full.format_help()
+
+
+def test_the_command_freezes_its_imports_objects_and_a_caller_in_process_keeps_its_gc():
+    """`fastforward` as its own process moves the imports' objects out of the collector's way (gc.freeze);
+    main(argv) called from a longer-lived process (a test, a notebook) leaves its collector alone."""
+    code = (
+        "import gc, sys\nfrom fastforward.cli import main\n"
+        "sys.argv = ['fastforward', 'generate', '--model', '/no/such/model', 'hi']\n"
+        "print(main(), gc.get_freeze_count() > 0)\n"
+        "gc.unfreeze()\n"
+        "print(main(sys.argv[1:]), gc.get_freeze_count() > 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["2", "True", "2", "False"]
