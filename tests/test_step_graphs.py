@@ -14,6 +14,7 @@ from fastforward.decoding.decoders import registry
 from fastforward.decoding.runtime import Session
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, load_model, step_graphs, visibility
+from fastforward.model.tiny import tiny_model
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
 TOL = {"rtol": 1e-4, "atol": 1e-4}  # the two kernels (causal, masked over the capacity) round apart
@@ -117,3 +118,14 @@ def test_caches_taking_turns_keep_their_own_entries(pair, prompts):
 def test_cuda_graphs_on_a_cpu_are_a_clear_error():
     with pytest.raises(FastForwardError, match="CUDA"):
         load_model("demo-sbd", cuda_graphs=True)
+
+
+def test_a_new_mask_token_drops_the_graphs_of_the_old_embeddings(prompts):
+    """Captured graphs read the embedding matrix they were captured with; adding a token replaces it."""
+    model = tiny_model(seed=0)
+    model.use_step_graphs(capture=False)
+    build_decoder("ar").generate(model, [prompts[0]], max_new_tokens=4)
+    before = model.step_graphs
+    assert before.steps
+    model.add_mask_token()
+    assert model.step_graphs is not before and not model.step_graphs.steps

@@ -181,6 +181,8 @@ class Model:
         setattr(self.hf.config, MASK_CONFIG_KEY, self.mask_token_id)
         if self.compiled_forward is not None:  # its graphs do not check the embeddings they were traced with
             self.compile_steps()
+        if self.step_graphs is not None:  # captured graphs read the old embeddings' memory
+            self.use_step_graphs(self.step_graphs.capture)
         return self.mask_token_id
 
     def require_mask_token(self, decoder: str) -> int:
