@@ -129,3 +129,23 @@ def test_a_new_mask_token_drops_the_graphs_of_the_old_embeddings(prompts):
     assert before.steps
     model.add_mask_token()
     assert model.step_graphs is not before and not model.step_graphs.steps
+
+
+def test_buffer_sets_stay_within_their_byte_budget(tiny, prompts):
+    """Over the budget the least recently used set goes (its cache keeps its entries): batches of two
+    sizes taking turns on a budget of one set still give their eager tokens."""
+    model = Model(copy.deepcopy(tiny.hf), tiny.tokenizer)
+    decoder = build_decoder("jacobi")
+    expected = [
+        [g.token_ids for g in decoder.generate(model, batch, max_new_tokens=24)] for batch in (prompts[:1], prompts[:3])
+    ]
+    model.use_step_graphs(capture=False)
+    decoder.generate(model, prompts[:1], max_new_tokens=4)
+    model.step_graphs.budget = model.step_graphs._bytes()  # room for one set of batch 1
+    for _ in range(2):
+        got = [
+            [g.token_ids for g in decoder.generate(model, batch, max_new_tokens=24)]
+            for batch in (prompts[:1], prompts[:3])
+        ]
+        assert got == expected
+        assert len(model.step_graphs.buffers) == 1

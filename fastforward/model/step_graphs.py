@@ -22,6 +22,7 @@ eager step's, which is what makes a replay of it exact too.
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from collections import OrderedDict
@@ -36,6 +37,7 @@ MIN_CAPACITY = 256  # cache slots of the smallest buffers; they double from ther
 CAPTURE_AFTER = 2  # a shape is captured when seen this many times
 MAX_STEPS = 64  # shapes kept (graphs and inputs), least recently used dropped first
 MAX_BUFFERS = 4  # (batch, capacity) buffer sets kept
+BUFFER_SHARE = 0.25  # of a GPU's memory the buffer sets may hold together (least recently used go first)
 
 
 @dataclass
@@ -95,6 +97,10 @@ class StepGraphs:
         self.buffers: OrderedDict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self.owners: dict[tuple[int, int], weakref.ref] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        device = next(hf.parameters()).device
+        # A set is layers x 2 x batch x KV heads x capacity x head size: 17 GB for an 8B model at batch 32
+        # and 4096 slots, so sets are bounded by bytes too.
+        self.budget = torch.cuda.get_device_properties(device).total_memory * BUFFER_SHARE if capture else math.inf
         self.failed: str | None = None  # why capturing stopped, when it failed
 
     def run(
@@ -144,16 +150,16 @@ class StepGraphs:
             if all(layer.key_buffer is k for layer, (k, _) in zip(cache.layers, buffers, strict=True)):
                 return
         else:
-            buffers = [
-                tuple(
-                    torch.zeros(batch, b.shape[1], capacity, b.shape[3], dtype=b.dtype, device=b.device)
-                    for b in (layer.key_buffer, layer.value_buffer)
-                )
-                for layer in cache.layers
+            shapes = [(b.shape[1], b.shape[3], b.dtype, b.device) for b in _all_buffers(cache.layers)]
+            need = sum(batch * heads * capacity * size * dtype.itemsize for heads, size, dtype, _ in shapes)
+            while self.buffers and (len(self.buffers) >= MAX_BUFFERS or self._bytes() + need > self.budget):
+                self._drop(*self.buffers.popitem(last=False), binding=cache)
+            made = [
+                torch.zeros(batch, heads, capacity, size, dtype=dtype, device=where)
+                for heads, size, dtype, where in shapes
             ]
+            buffers = list(zip(made[::2], made[1::2], strict=True))
             self.buffers[key] = buffers
-            if len(self.buffers) > MAX_BUFFERS:
-                self._drop(*self.buffers.popitem(last=False))
         owner = self.owners.get(key)
         if owner is not None and owner() is not None and owner() is not cache:
             _release(owner(), buffers)  # the other cache keeps its entries in buffers of its own
@@ -166,10 +172,14 @@ class StepGraphs:
             layer.key_buffer, layer.value_buffer = pair
         self.owners[key] = weakref.ref(cache)
 
-    def _drop(self, key: tuple[int, int], buffers: list) -> None:
-        """Forget a buffer set: its owner keeps its entries, and the graphs that wrote into it go."""
+    def _bytes(self) -> int:
+        return sum(t.nbytes for buffers in self.buffers.values() for pair in buffers for t in pair)
+
+    def _drop(self, key: tuple[int, int], buffers: list, binding: Cache | None = None) -> None:
+        """Forget a buffer set: its owner keeps its entries (the cache being bound reads them from it
+        first), and the graphs that wrote into it go."""
         owner = self.owners.pop(key, None)
-        if owner is not None and owner() is not None:
+        if owner is not None and owner() is not None and owner() is not binding:
             _release(owner(), buffers)
         for shape in [s for s in self.steps if (s[0], s[-1]) == key]:
             del self.steps[shape]
@@ -255,6 +265,11 @@ class StepGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             step.logits = self._forward(step, cache)
         step.graph = graph
+
+
+def _all_buffers(layers: list) -> list[torch.Tensor]:
+    """Keys, values, keys, values, ... of every layer."""
+    return [b for layer in layers for b in (layer.key_buffer, layer.value_buffer)]
 
 
 def _release(cache: Cache, buffers: list) -> None:
