@@ -133,7 +133,7 @@ def run_tests(args: argparse.Namespace, sizes: dict) -> dict:
     # -v: a test's outcome is on its own line as it ends, so a run stopped by --tests-timeout still names them
     command = [sys.executable, "-m", "pytest", "-v", "-m", "not slow", "-p", "no:cacheprovider"]
     if args.smoke:
-        command.append("tests/test_flex.py")
+        command += ["tests/test_flex.py", "tests/test_step_graphs.py"]  # the device-parametrised tests
     elif importlib.util.find_spec("xdist"):
         command += ["-n", str(min(8, os.cpu_count() or 1))]
     try:
