@@ -4,7 +4,8 @@
     python benchmarks/gpu_check.py --device cpu --smoke   # that it runs, at toy sizes, on any machine
 
 Parts (--parts; each is timed, and its failure is recorded without stopping the others):
-  tests     `pytest -m "not slow"` with the GPU visible: device-parametrised tests (tests/test_flex.py)
+  tests     `pytest -m "not slow"` with the GPU visible: device-parametrised tests (tests/test_flex.py,
+            tests/test_step_graphs.py)
             run their CUDA cases, the rest of the suite runs as on CI.
   train     training-step throughput (tokens/s, peak memory) of ntp, sbd, multitf and setdlm on
             SmolLM2-135M (fp32 master weights, bf16 autocast), dense SDPA masks against FlexAttention,
