@@ -227,27 +227,39 @@ def _train_steps(model: Model, name: str, data: PackedData, sizes: dict, device:
 
 
 # ---- decode -------------------------------------------------------------------------------------
-def _variants(args: argparse.Namespace, decode: bool) -> list[tuple[str, bool]]:
-    """(attention, CUDA graphs) to measure: SDPA with graphs and without on a GPU; FlexAttention
-    for the block cost (and for decoding with --decode-flex: a new BlockMask per step is several
-    times slower, docs/notes/2026-11-26-first-gpu-run.md)."""
+FIXED_STEP = 32  # the step length of the fixed-length variant: sbd-verified's verify forward (16 + 16) fits
+
+
+def _variants(args: argparse.Namespace, decode: bool) -> list[tuple[str, bool, int | None]]:
+    """(attention, CUDA graphs, fixed step length) to measure: SDPA with graphs and without on a GPU,
+    and for decoding graphs at one step length (lossless decoders then give ar's tokens bit for bit,
+    tests/test_step_graphs.py); FlexAttention for the block cost (and for decoding with --decode-flex:
+    a new BlockMask per step is several times slower, docs/notes/2026-11-26-first-gpu-run.md)."""
     on_gpu = torch.device(args.device).type == "cuda"
-    variants = [("sdpa", True), ("sdpa", False)] if on_gpu else [("sdpa", False)]
-    return variants + ([("flex", False)] if args.decode_flex or not decode else [])
+    variants = [("sdpa", True, None), ("sdpa", False, None)] if on_gpu else [("sdpa", False, None)]
+    if on_gpu and decode:
+        variants.insert(1, ("sdpa", True, FIXED_STEP))
+    return variants + ([("flex", False, None)] if args.decode_flex or not decode else [])
+
+
+def _load(name: str, dtype: str, args: argparse.Namespace, attention: str, graphs: bool, step: int | None) -> Model:
+    model = load_model(name, dtype=dtype, device=args.device, attention=attention, cuda_graphs=graphs)
+    if step is not None:
+        model.use_step_graphs(step_length=step)
+    return model
 
 
 def run_decoding(args: argparse.Namespace, sizes: dict) -> dict:
     dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
     rows = []
-    for attention, graphs in _variants(args, decode=True):
-        options = {"device": args.device, "attention": attention, "cuda_graphs": graphs}
-        model = load_model(args.model, dtype=dtype, **options)
+    for attention, graphs, step in _variants(args, decode=True):
+        model = _load(args.model, dtype, args, attention, graphs, step)
         # Under FlexAttention only ar: what a BlockMask per step costs (every decoder pays it alike)
         names = ("ar", "lookup", "jacobi") if attention == "sdpa" else ("ar",)
         baseline = {"hf-generate": HFGenerate()} if attention == "sdpa" and not graphs else {}
-        labels = {"attention": attention, "graphs": graphs}
+        labels = {"attention": attention, "graphs": graphs} | ({"step_length": step} if step else {})
         rows += _decode_rows(model, baseline | {n: build_decoder(n) for n in names}, sizes, labels, dtype)
-        sbd = load_model(args.sbd_model, dtype="float32", **options)
+        sbd = _load(args.sbd_model, "float32", args, attention, graphs, step)
         names = ("ar", "sbd-verified") if attention == "sdpa" else ("ar",)
         rows += _decode_rows(sbd, {n: build_decoder(n) for n in names}, sizes, labels, "float32")
         del model, sbd
@@ -302,7 +314,7 @@ def _decode(model: Model, decoder, prompts: list[list[int]], batch: int, new_tok
 def run_roofline(args: argparse.Namespace, sizes: dict) -> dict:
     dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
     rows = []
-    for attention, graphs in _variants(args, decode=False):
+    for attention, graphs, _ in _variants(args, decode=False):
         model = load_model(args.model, dtype=dtype, device=args.device, attention=attention, cuda_graphs=graphs)
         blocks = [1, 2, 4, 8, 16, 32, 64]
         rows.append(
@@ -337,11 +349,11 @@ def targets(parts: dict) -> list[dict]:
         if "loss_difference" in r:
             add(f"{r['objective']} training: |flex - sdpa| first loss", r["loss_difference"], 1e-3, False)
     rows = [r for r in parts.get("decode", {}).get("rows", []) if "tokens_per_s" in r and r["attention"] == "sdpa"]
-    speed = {(r["model"], r["batch"], r["decoder"], r.get("graphs", False)): r for r in rows}
+    speed = {(r["model"], r["batch"], r["decoder"], graphs(r)): r for r in rows}
     for (model, batch, name, graphed), r in speed.items():
         ar = speed.get((model, batch, "ar", graphed))
-        variant = "CUDA graphs" if graphed else "eager"
-        baseline = speed.get((model, 1, "hf-generate", False))
+        variant = {"on": "CUDA graphs", "off": "eager"}.get(graphed, f"CUDA graphs, {graphed}")
+        baseline = speed.get((model, 1, "hf-generate", "off"))
         if name == "ar" and batch == 1 and baseline:
             add(
                 f"{model} batch 1 ({variant}): ar over transformers' generate",
@@ -365,7 +377,10 @@ def targets(parts: dict) -> list[dict]:
 
 # ---- the tables ---------------------------------------------------------------------------------
 def graphs(row: dict) -> str:
-    """The CUDA graphs column: on, off, or unknown (a run recorded before they were built: off)."""
+    """The CUDA graphs column: on, on at a fixed step length, or off (also for a run recorded before
+    graphs were built)."""
+    if row.get("graphs") and row.get("step_length"):
+        return f"steps of {row['step_length']}"
     return {True: "on", False: "off"}.get(row.get("graphs"), "off")
 
 

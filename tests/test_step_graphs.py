@@ -149,3 +149,23 @@ def test_buffer_sets_stay_within_their_byte_budget(tiny, prompts):
         ]
         assert got == expected
         assert len(model.step_graphs.buffers) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_fixed_step_length_gives_a_token_the_same_logits_in_a_block_as_alone(tiny, prompts, device):
+    """bfloat16, every step at 64 tokens: the logits of a 40-token block equal those of its tokens fed one
+    at a time, bit for bit, so lossless decoders give ar's tokens (on a GPU a one-token step and a block
+    otherwise run different GEMM kernels and round apart; on this CPU they happen to agree anyway)."""
+    model = Model(copy.deepcopy(tiny.hf).to(device, torch.bfloat16), tiny.tokenizer)
+    model.use_step_graphs(capture=device == "cuda", step_length=64)
+    block = [(7 * i) % 250 + 3 for i in range(40)]
+    with torch.inference_mode():
+        runs = []
+        for pieces in ([block], [[t] for t in block]):
+            cache = model.new_cache()
+            _step(model, cache, prompts[0])
+            runs.append(torch.cat([_step(model, cache, piece) for piece in pieces], dim=1))  # one-token steps: replays
+    assert torch.equal(runs[0], runs[1])
+    expected = [g.token_ids for g in build_decoder("ar").generate(model, prompts, max_new_tokens=24)]
+    for name in ("jacobi", "lookup"):
+        assert [g.token_ids for g in build_decoder(name).generate(model, prompts, max_new_tokens=24)] == expected

@@ -182,7 +182,7 @@ class Model:
         if self.compiled_forward is not None:  # its graphs do not check the embeddings they were traced with
             self.compile_steps()
         if self.step_graphs is not None:  # captured graphs read the old embeddings' memory
-            self.use_step_graphs(self.step_graphs.capture)
+            self.use_step_graphs(self.step_graphs.capture, self.step_graphs.step_length)
         return self.mask_token_id
 
     def require_mask_token(self, decoder: str) -> int:
@@ -260,15 +260,17 @@ class Model:
             ) from error
         self.compiled_forward = compile_forward(self.hf, store)
 
-    def use_step_graphs(self, capture: bool = True) -> None:
+    def use_step_graphs(self, capture: bool = True, step_length: int | None = None) -> None:
         """Run every step against a cache as a fixed-shape forward (`fastforward.model.step_graphs`),
-        captured as a CUDA graph once its shape repeats (`capture`; False runs it eagerly, as on a CPU)."""
+        captured as a CUDA graph once its shape repeats (`capture`; False runs it eagerly, as on a CPU).
+        step_length: every step of at most that many tokens runs at that length, so that lossless decoders
+        give AR's tokens bit for bit at any precision (`--exact` on a GPU)."""
         if self.uses_flex or self.window is not None or self.batch_invariant:
             raise FastForwardError(
                 "CUDA graphs need SDPA attention without sliding windows; "
                 "use --no-cuda-graphs with this model or attention"
             )
-        self.step_graphs = step_graphs.StepGraphs(self.hf, self.cache_argument, capture)
+        self.step_graphs = step_graphs.StepGraphs(self.hf, self.cache_argument, capture, step_length)
 
     def hidden_states(self, layout: Layout) -> torch.Tensor:
         """Last hidden states [B, T, H] of an uncached layout (training: the loss picks its own rows)."""

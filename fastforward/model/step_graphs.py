@@ -16,6 +16,10 @@ step is a fixed-shape forward:
 
 A shape is captured the second time it is seen, so one-off shapes (a last, shorter block) stay
 eager; `ar`, `jacobi` at its block, `mbd --static` and `lookup`'s few draft lengths repeat theirs.
+With a `step_length`, every step up to that many tokens runs at exactly that length: a token's logits
+are then computed by the same kernels whether it is fed alone or inside a block, the condition for
+lossless decoders to give AR's tokens bit for bit at bfloat16 on a GPU (tested on the CPU, where the
+two agree anyway; its CUDA case waits for a GPU run).
 Without `capture` (a CPU, the tests) the same fixed-shape forward runs eagerly: its logits equal the
 eager step's, which is what makes a replay of it exact too.
 """
@@ -89,8 +93,12 @@ def supports(cache: Cache | None) -> bool:
 class StepGraphs:
     """Runs a model's steps against a cache as fixed-shape forwards, captured as CUDA graphs when `capture`."""
 
-    def __init__(self, hf: PreTrainedModel, cache_argument: str, capture: bool):
+    def __init__(self, hf: PreTrainedModel, cache_argument: str, capture: bool, step_length: int | None = None):
         self.hf = hf
+        # Every step of at most `step_length` tokens runs at exactly that length (and reads that many rows):
+        # a token's logits are then the same bits in a one-token step as inside a block (one shape, one
+        # kernel per operation, rows computed alike), so lossless decoders give AR's tokens at any precision.
+        self.step_length = step_length
         self.cache_argument = cache_argument
         self.capture = capture
         self.steps: OrderedDict[tuple, _Step] = OrderedDict()
@@ -114,10 +122,10 @@ class StepGraphs:
         """The float32 logits [B, len(read), V] of a step; its T new entries are appended to `cache`."""
         batch, length = tokens.shape
         past = cache.get_seq_length()
-        padded = bucket(length)
+        padded = self._length(length)
         capacity = capacity_for(past + padded)
         self._bind(cache, batch, capacity)
-        reads = bucket(read.shape[0]) if read.dim() == 1 else read.shape
+        reads = self._length(read.shape[0]) if read.dim() == 1 else read.shape
         shape = (batch, padded, positions.shape[0], reads, capacity)
         step = self.steps.get(shape)
         if step is None:
@@ -139,6 +147,11 @@ class StepGraphs:
         for layer in cache.layers:
             layer.length = past + length
         return logits
+
+    def _length(self, count: int) -> int:
+        """The length a step of `count` tokens (or reads) runs at: `step_length`, or else its bucket."""
+        fixed = self.step_length
+        return fixed if fixed is not None and count <= fixed else bucket(count)
 
     # ---- the cache's buffers ------------------------------------------------------------------
     def _bind(self, cache: Cache, batch: int, capacity: int) -> None:
