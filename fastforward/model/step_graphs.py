@@ -11,6 +11,9 @@ step is a fixed-shape forward:
   outgrows its capacity moves to the next, twice as large).
 - New entries are written at cache slots held in a device tensor (`GrowingLayer.write_at`), and
   every query attends to the whole capacity under a dense mask that hides the slots not in use.
+- A step's length (and its number of reads) is rounded up to a power of two, then to a multiple of
+  64 (`bucket`): padding tokens write to the slots after the step's own, which no real token sees,
+  and each sees only its own slot.
 - Tokens, positions, mask, slots and read positions are copied into the graph's own inputs before
   each replay; its logits are copied out after.
 
@@ -20,8 +23,9 @@ With a `step_length`, every step up to that many tokens runs at exactly that len
 are then computed by the same kernels whether it is fed alone or inside a block, the condition for
 lossless decoders to give AR's tokens bit for bit at bfloat16 on a GPU (tested on the CPU, where the
 two agree anyway; its CUDA case waits for a GPU run).
-Without `capture` (a CPU, the tests) the same fixed-shape forward runs eagerly: its logits equal the
-eager step's, which is what makes a replay of it exact too.
+Without `capture` (a CPU, the tests) the same fixed-shape forward runs eagerly. Its logits equal an
+eager step's up to kernel rounding (the mask over the capacity takes another attention kernel than
+the causal path; 1e-4 in float32 in the tests), and every decoder gives the same tokens.
 """
 
 from __future__ import annotations
