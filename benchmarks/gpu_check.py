@@ -243,7 +243,8 @@ def _variants(args: argparse.Namespace, decode: bool) -> list[tuple[str, bool, i
 
 
 def _load(name: str, dtype: str, args: argparse.Namespace, attention: str, graphs: bool, step: int | None) -> Model:
-    model = load_model(name, dtype=dtype, device=args.device, attention=attention, cuda_graphs=graphs)
+    # With a step length the graphs are made below, not by load_model as well
+    model = load_model(name, dtype=dtype, device=args.device, attention=attention, cuda_graphs=graphs and not step)
     if step is not None:
         model.use_step_graphs(step_length=step)
     return model

@@ -132,9 +132,9 @@ def _build(isa: str) -> None:
     built = build / BUILT
     if built.is_file():
         digest, _, name = built.read_text().partition("\n")
-        library_path = build / name.strip()
-        if digest == _sources_digest() and name.strip() and library_path.is_file():
-            torch.ops.load_library(str(library_path))
+        library = build / name.strip()
+        if digest == _sources_digest() and name.strip() and library.is_file():
+            torch.ops.load_library(str(library))
             return
     _compile_and_load(isa)
     newest = max(build.glob("*.so"), key=lambda path: path.stat().st_mtime)

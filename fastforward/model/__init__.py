@@ -117,6 +117,12 @@ class Model:
         return self.hf.config._attn_implementation == flex.NAME
 
     @property
+    def fits_step_graphs(self) -> bool:
+        """Whether steps can run at fixed shapes (`use_step_graphs`): SDPA attention over one mask for
+        every layer (no FlexAttention, no sliding windows, not the CPU's `--exact` attention)."""
+        return not (self.uses_flex or self.window is not None or self.batch_invariant)
+
+    @property
     def batch_invariant(self) -> bool:
         """Whether a row's logits must not depend on what shares its forward (`--exact` attention): then a
         batch is also prefilled row by row (`Session`)."""
@@ -265,7 +271,7 @@ class Model:
         captured as a CUDA graph once its shape repeats (`capture`; False runs it eagerly, as on a CPU).
         step_length: every step of at most that many tokens runs at that length, so that lossless decoders
         give AR's tokens bit for bit at any precision (`--exact` on a GPU)."""
-        if self.uses_flex or self.window is not None or self.batch_invariant:
+        if not self.fits_step_graphs:
             raise FastForwardError(
                 "CUDA graphs need SDPA attention without sliding windows; "
                 "use --no-cuda-graphs with this model or attention"
@@ -532,7 +538,7 @@ def load_model(
         model.compile_steps(Store(fastforward_home(), "compiled", path, code, "compiling again", **setting))
     on_gpu = model.device.type == "cuda"
     if cuda_graphs is None:
-        cuda_graphs = on_gpu and not compile and model.window is None and not model.uses_flex and not exact
+        cuda_graphs = on_gpu and not compile and model.fits_step_graphs
     if cuda_graphs:
         if not on_gpu:
             raise FastForwardError("CUDA graphs need a CUDA --device; leave out --cuda-graphs on this one")

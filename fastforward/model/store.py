@@ -35,8 +35,6 @@ from fastforward.cpu import native, w4a8
 PACKAGE = Path(__file__).resolve().parents[1]
 QUANTIZATION_CODE = (PACKAGE / "cpu",)  # the code an entry depends on: its files are part of the key
 SOURCE_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json")  # weights and configuration: all the entry holds
-
-
 ENTRY_FORMAT = "crc32-mmap"  # part of the key: entries checked another way are other entries
 CHECK = ".check"  # an entry's checksum file
 LEGACY_CHECK = ".sha256"  # the checksum files of entries made before ENTRY_FORMAT: removed with them
