@@ -60,6 +60,8 @@ void quantize_row(const float* x, int64_t blocks, int8_t* q, float* d, float* ds
 #if defined(__AVX512VNNI__)
 
 constexpr int MAX_ROWS = 8;
+template <int R>
+constexpr int CHAINS = R >= 4 ? 1 : 4 / R;
 
 // R rows times one tile: each group's codes are unpacked once and used for every row.
 template <int R>
@@ -77,16 +79,22 @@ void tile_rows(const uint8_t* codes, const uint16_t* scales, int64_t groups, con
       c[i + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), nibble);
     }
     const __m512 s = simd::load_half(scales + g * 2 * TILE), m = simd::load_half(scales + g * 2 * TILE + TILE);
-    __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-    for (int i = 0; i < 8; ++i)  // rows innermost: R independent chains hide VPDPBUSD's latency
+    // R x CHAINS independent VPDPBUSD chains hide its latency: with few rows each row's eight products
+    // go to several partial sums, added after (integer sums: exact, so the bits do not depend on R).
+    __m512i dot[R][CHAINS<R>];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < CHAINS<R>; ++j) dot[r][j] = _mm512_setzero_si512();
+    for (int i = 0; i < 8; ++i)  // rows innermost
       for (int r = 0; r < R; ++r) {
         const int32_t* quad = reinterpret_cast<const int32_t*>(q + r * k + g * BLOCK);
-        dot[r] = _mm512_dpbusd_epi32(dot[r], c[i], _mm512_set1_epi32(quad[i]));
+        __m512i& sum = dot[r][i % CHAINS<R>];
+        sum = _mm512_dpbusd_epi32(sum, c[i], _mm512_set1_epi32(quad[i]));
       }
     for (int r = 0; r < R; ++r) {
       const int64_t block = r * (k / BLOCK) + g;
-      const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(s, _mm512_set1_ps(d[block])));
+      __m512i total = dot[r][0];
+      for (int j = 1; j < CHAINS<R>; ++j) total = _mm512_add_epi32(total, dot[r][j]);
+      const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(s, _mm512_set1_ps(d[block])));
       const __m512 v = _mm512_mul_ps(m, _mm512_set1_ps(dsum[block]));
       acc[r] = _mm512_add_ps(acc[r], _mm512_add_ps(u, v));
     }
