@@ -62,6 +62,14 @@ def test_layer_takes_any_layout_and_dtype_of_its_input():
     assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 32)
     direct = (kernel(rows, layer.codes, layer.scales) + linear.bias).bfloat16()
     assert torch.equal(y, direct.reshape(2, 3, 32))
+    # without a bias the layer is the kernel alone: it takes [..., in] in any layout and dtype itself
+    bare = w4a8.W4A8Linear(torch.nn.Linear(64, 32, bias=False))
+    flat = kernel(x.reshape(6, 64), bare.codes, bare.scales)
+    assert torch.equal(bare(x), flat.reshape(2, 3, 32))
+    assert torch.equal(bare(x.transpose(0, 1).contiguous().transpose(0, 1)), flat.reshape(2, 3, 32))
+    y = bare(half)
+    expected = kernel(rows, bare.codes, bare.scales).bfloat16().reshape(2, 3, 32)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, expected)
 
 
 def test_pack_keeps_codes_that_dequantize_close_to_the_weights():

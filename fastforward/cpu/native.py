@@ -185,7 +185,7 @@ TILE = 16  # output columns per w4a8 kernel tile
 
 @torch.library.register_fake("fastforward::w4a8_linear", lib=library)
 def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], codes.shape[0] * TILE)
+    return x.new_empty(*x.shape[:-1], codes.shape[0] * TILE)
 
 
 @torch.library.register_fake("fastforward::exact_attention", lib=library)

@@ -81,17 +81,8 @@ class W4A8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # An eager one-token step of SmolLM2-135M calls this 211 times: float32 input takes no
-        # conversions (each `.float()`, `.to()` or `.reshape()` is a dispatcher call even when it
-        # returns its input; a profile of one step counted 764 `aten::to` calls before, 342 after:
-        # docs/notes/2026-11-queries-per-token-and-avx2-block-cost.md).
-        if x.dtype == torch.float32 and x.is_contiguous():
-            rows = x.view(-1, self.in_features)
-        else:
-            rows = x.reshape(-1, self.in_features).float().contiguous()
-        y = _KERNEL(rows, self.codes, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        if y.dtype != x.dtype:  # float32 out of the kernel; the input's dtype out of the layer
-            y = y.to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        # An eager one-token step of SmolLM2-135M calls this 211 times: the kernel takes any layout and
+        # dtype and returns the input's dtype, so a layer without a bias makes one call and nothing else.
+        if self.bias is None:
+            return _KERNEL(x, self.codes, self.scales)
+        return (_KERNEL(x.float(), self.codes, self.scales) + self.bias).to(x.dtype)
