@@ -25,6 +25,9 @@ python -m fastforward.cpu.native
 python -c "from fastforward.model import load_model; load_model('smollm2-135m', quantize='int4', exact=True)"
 # Its compiled steps (`generate --compile`): the kinds a one-prompt decoder runs, a block (jacobi) and one
 # token (ar), compiled now (about 90 s) and kept, so a first `--compile` reads them in seconds (fastforward/cpu/compiled.py).
+# serve compiles by default: its warm-up (one prompt alone and in a batch) is kept for its first start too
 { fastforward generate --compile --decoder jacobi --max-new-tokens 8 Hello > /dev/null \
-  && fastforward generate --compile --decoder ar --max-new-tokens 4 Hello > /dev/null; } \
+  && python -c "from fastforward.api import build_decoder; from fastforward.model import load_model; \
+from fastforward.serving.engine import warm_up; \
+warm_up(load_model('smollm2-135m', quantize='int4', exact=True, compile=True), build_decoder('ar'))"; } \
   || echo "setup.sh: compiled steps not prepared (said above); --compile will compile them at first use" >&2

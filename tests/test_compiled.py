@@ -146,6 +146,25 @@ def test_warm_up_compiles_one_row_and_a_batch(compiled, monkeypatch):
     assert {ids.shape[0] for ids in seen} == {1, 2}
 
 
+@needs_aot_compile
+def test_a_step_that_fails_to_compile_runs_eagerly_and_says_so_once(prompts, monkeypatch, capsys):
+    model = tiny_model(seed=0)
+    eager = ARDecoder().generate(model, [prompts[0]], max_new_tokens=6)[0].token_ids
+    model.compile_steps()
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("dynamo cannot trace this\nsecond line")
+
+    monkeypatch.setattr("fastforward.cpu.compiled.aot_compile_fullgraph", broken)
+    for _ in range(2):
+        assert ARDecoder().generate(model, [prompts[0]], max_new_tokens=6)[0].token_ids == eager
+    assert len(calls) == 1  # not tried again at every step
+    err = capsys.readouterr().err
+    assert err.count("could not compile this step (RuntimeError: dynamo cannot trace this); it runs eagerly") == 1
+
+
 def test_compile_without_a_cxx_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setattr("shutil.which", lambda name: None)
     with pytest.raises(FastForwardError, match="needs a C\\+\\+ compiler"):

@@ -90,3 +90,24 @@ def test_precision_defaults_follow_the_device():
     assert resolved("--device", "cuda") == ("bfloat16", "none", False)
     assert resolved("--device", "cuda:1", "--dtype", "float32") == ("float32", "none", False)
     assert resolved("--quantize", "int8", "--no-exact") == ("float32", "int8", False)
+
+
+def test_serve_compiles_by_default_where_it_can_and_generate_does_not(monkeypatch, capsys):
+    """A server lives long enough for compiled steps to pay back their start-up; a one-shot generate does not."""
+    from fastforward.cli import resolve_precision
+    from fastforward.cpu import compiled
+
+    def resolved(command: str, *argv: str) -> bool:
+        args = build_parser().parse_args([command, *argv] + (["x"] if command == "generate" else []))
+        resolve_precision(args)
+        return args.compile
+
+    monkeypatch.setattr(compiled, "unavailable", lambda device_type: None)
+    assert resolved("serve") is True and resolved("generate") is False
+    assert resolved("serve", "--no-compile") is False and resolved("generate", "--compile") is True
+    assert resolved("serve", "--device", "cuda") is False  # CUDA graphs instead
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(compiled, "unavailable", lambda device_type: "needs a C++ compiler")
+    assert resolved("serve") is False
+    said = capsys.readouterr().err
+    assert "fastforward serve: decoding steps run eagerly: compiling them needs a C++ compiler" in said

@@ -166,7 +166,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(tiny, tmp_path):
     tiny.save(tmp_path / "m")
     port = free_port()
     command = [sys.executable, "-m", "fastforward", "serve", "--model", str(tmp_path / "m"), "--port", str(port)]
-    command += ["--served-name", "tiny", "--dtype", "float32"]
+    command += ["--served-name", "tiny", "--dtype", "float32", "--no-compile"]  # compiling: tests/test_compiled.py
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
@@ -273,7 +273,7 @@ def test_replicas_on_ray_serve_answer_as_generate(tiny, tmp_path):
     tiny.save(tmp_path / "m")
     port = free_port()
     command = [sys.executable, "-m", "fastforward", "serve", "--model", str(tmp_path / "m"), "--port", str(port)]
-    command += ["--served-name", "tiny", "--quantize", "none", "--no-exact", "--replicas", "2"]
+    command += ["--served-name", "tiny", "--quantize", "none", "--no-exact", "--no-compile", "--replicas", "2"]
     command += ["--cpus-per-replica", "0.5"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)

@@ -110,13 +110,16 @@ def add_precision_flags(
     )
 
 
-def add_compile_flag(p: argparse.ArgumentParser) -> None:
-    """--compile and --cuda-graphs, for the commands whose model is loaded through `precision`."""
+def add_compile_flag(p: argparse.ArgumentParser, compile: bool = False) -> None:
+    """--compile / --no-compile and --cuda-graphs, for the commands whose model is loaded through
+    `precision`. compile: the command's default on a CPU where steps can be compiled (`resolve_precision`)."""
+    p.set_defaults(cpu_compile=compile)
+    default = "on on a CPU where torch can keep compiled steps (2.13 and a C++ compiler)" if compile else "off"
     p.add_argument(
         "--compile",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="compile the decoding steps (inductor): faster steps, the same tokens; each kind of step compiles "
-        "once (about a minute) and is kept in $FASTFORWARD_HOME/compiled (see docs/precision.md)",
+        f"once (about a minute) and is kept in $FASTFORWARD_HOME/compiled (default: {default}; see docs/precision.md)",
     )
     p.add_argument(
         "--cuda-graphs",
@@ -137,6 +140,21 @@ def resolve_precision(args: argparse.Namespace) -> None:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if "cpu_compile" in vars(args) and args.compile is None:
+        args.compile = not on_gpu and args.cpu_compile and _compiles_here(args.command)
+
+
+def _compiles_here(command: str) -> bool:
+    """Whether a command whose default is --compile gets it here; if not, it says why in one line."""
+    try:
+        from fastforward.cpu.compiled import unavailable
+    except ImportError as error:  # a torch without dynamo's AOT compile
+        reason = f"needs dynamo's AOT compile ({error})"
+    else:
+        reason = unavailable("cpu")
+    if reason is not None:
+        print(f"fastforward {command}: decoding steps run eagerly: compiling them {reason}", file=sys.stderr)
+    return reason is None
 
 
 def precision(args: argparse.Namespace) -> dict:

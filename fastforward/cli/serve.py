@@ -51,7 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-tokens", type=positive_int, default=256, help="budget of a request that gives none")
     add_precision_flags(p, dtype="float32", quantize="int4", exact=True)
-    add_compile_flag(p)
+    # A server lives long: compiled steps pay back their start-up (seconds, once kept) within its first
+    # requests (docs/results.md, "CPU speed against llama.cpp").
+    add_compile_flag(p, compile=True)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     p.add_argument(
         "--replicas",

@@ -75,19 +75,27 @@ class GraphEntry(Protocol):
     def save(self, value: Any) -> None: ...
 
 
-def compile_forward(hf: torch.nn.Module, store: GraphEntry | None = None) -> CompiledSteps:
-    """The compiled forward of `hf` against a cache; its graphs are read from and kept in `store`."""
+def unavailable(device_type: str) -> str | None:
+    """What compiling decoding steps needs and this machine lacks ("needs ..."), or None."""
     compilers = [os.environ.get("CXX"), "c++", "g++", "clang++"]
-    if next(hf.parameters()).device.type == "cpu" and not any(c and shutil.which(c) for c in compilers):
-        raise FastForwardError(
-            "--compile needs a C++ compiler for torch.compile's CPU kernels and found none (c++, g++, clang++, "
-            "$CXX): install one (e.g. apt install g++) or leave out --compile"
+    if device_type == "cpu" and not any(c and shutil.which(c) for c in compilers):
+        return (
+            "needs a C++ compiler for torch.compile's CPU kernels and found none (c++, g++, clang++, $CXX): "
+            "install one (e.g. apt install g++)"
         )
     if not AOT_COMPILE_WORKS:
-        raise FastForwardError(
-            f"--compile needs dynamo's AOT compile as torch 2.13 has it, and this is torch {torch.__version__}: "
-            "install torch 2.13 (pip install torch==2.13.0) or leave out --compile"
+        return (
+            f"needs dynamo's AOT compile as torch 2.13 has it, and this is torch {torch.__version__}: "
+            "install torch 2.13 (pip install torch==2.13.0)"
         )
+    return None
+
+
+def compile_forward(hf: torch.nn.Module, store: GraphEntry | None = None) -> CompiledSteps:
+    """The compiled forward of `hf` against a cache; its graphs are read from and kept in `store`."""
+    reason = unavailable(next(hf.parameters()).device.type)
+    if reason is not None:
+        raise FastForwardError(f"--compile {reason}, or leave out --compile")
     eager_rounding()
     if hf.config._attn_implementation == attention.NAME:
         # Decided now, not in the first trace: the trace reads the decision as a constant.
@@ -140,6 +148,7 @@ class CompiledSteps:
         }
         self.backend = torch._TorchCompileInductorWrapper("default", options, dynamic=True)
         self.modules: dict[str, str] = {}  # globals the graphs' code names a module by: name -> module
+        self.failed = False  # a compile failed: steps no graph serves run eagerly from then on
         self.kinds: list[AOTCompiledFunction] = self._read()
 
     def __call__(self, **inputs: Any) -> Any:
@@ -148,7 +157,18 @@ class CompiledSteps:
                 if index:  # the kind of the last step first: steps come in runs of one kind
                     self.kinds.insert(0, self.kinds.pop(index))
                 return kind.fn(self.hf, **inputs)
-        kind = self._compile(inputs)
+        if self.failed:  # said once: the steps no graph serves run eagerly
+            return self.forward(self.hf, **inputs)
+        # A server compiles its kinds before its first request (`serving.engine.warm_up`); one compiled
+        # later holds every request of the moment, so it is said.
+        print("fastforward: compiling a new kind of decoding step (once per model and setting)...", file=sys.stderr)
+        try:
+            kind = self._compile(inputs)
+        except Exception as error:  # a model dynamo cannot trace: slower steps, the same tokens
+            self.failed = True
+            said = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            print(f"fastforward: could not compile this step ({said}); it runs eagerly", file=sys.stderr)
+            return self.forward(self.hf, **inputs)
         self.kinds.insert(0, kind)
         self._write()
         return kind.fn(self.hf, **inputs)
