@@ -23,11 +23,9 @@ python -m fastforward.cpu.native
 # The embedded default (SmolLM2-135M, int4 --exact, what `fastforward generate` loads): converted and
 # quantized once now rather than at the first command (fastforward/model/store.py).
 python -c "from fastforward.model import load_model; load_model('smollm2-135m', quantize='int4', exact=True)"
-# Its compiled steps (`generate --compile`): the kinds a one-prompt decoder runs, a block (jacobi) and one
-# token (ar), compiled now (about 90 s) and kept, so a first `--compile` reads them in seconds (fastforward/cpu/compiled.py).
-# serve compiles by default: its warm-up (one prompt alone and in a batch) is kept for its first start too
-{ fastforward generate --compile --decoder jacobi --max-new-tokens 8 Hello > /dev/null \
-  && python -c "from fastforward.api import build_decoder; from fastforward.model import load_model; \
-from fastforward.serving.engine import warm_up; \
-warm_up(load_model('smollm2-135m', quantize='int4', exact=True, compile=True), build_decoder('ar'))"; } \
-  || echo "setup.sh: compiled steps not prepared (said above); --compile will compile them at first use" >&2
+# The compiled steps `serve` runs by default (and `--compile`): one token and a block, one prompt and a
+# batch, compiled now (about 3 min) and kept, so the first start of the default and of the README's
+# demo server reads them back in seconds (fastforward/cpu/compiled.py).
+{ fastforward serve --warm-up-only > /dev/null \
+  && fastforward serve --warm-up-only --model demo-sbd --decoder sbd-verified --block-size 16 > /dev/null; } \
+  || echo "setup.sh: compiled steps not prepared (said above); serve and --compile will compile them at first use" >&2

@@ -140,10 +140,10 @@ def test_each_compiled_model_runs_its_own_graphs(cached_step):
         assert cached_step(model, cache, [model.mask_token_id]).shape[-1] == vocab + 1
 
 
-def test_warm_up_compiles_one_row_and_a_batch(compiled, monkeypatch):
+def test_warm_up_compiles_one_row_and_a_batch_of_one_token_and_of_blocks(compiled, monkeypatch):
     seen = compiled_inputs(compiled, monkeypatch)
     assert warm_up(compiled, ARDecoder()) > 0
-    assert {ids.shape[0] for ids in seen} == {1, 2}
+    assert {(ids.shape[0], ids.shape[1] > 1) for ids in seen} == {(1, False), (2, False), (1, True), (2, True)}
 
 
 @needs_aot_compile
@@ -262,3 +262,20 @@ def test_a_compiled_step_has_the_eager_steps_logits(compiled, cached_step, monke
         cache = compiled.new_cache()
         cached_step(compiled, cache, prompt)
         assert torch.equal(cached_step(compiled, cache, tokens), fast)
+
+
+def test_serve_warm_up_only_prepares_the_servers_steps_and_exits(tmp_path, monkeypatch, capsys):
+    """The warm-up itself is tested above; here the command's wiring: the server's model (compiled by
+    default) and decoder, then exit 0 without serving."""
+    from fastforward.cli import main
+
+    tiny_model(seed=0).save(tmp_path / "model")
+    monkeypatch.setenv("FASTFORWARD_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(compiled_module, "unavailable", lambda device_type: None)  # compiled by default
+    monkeypatch.setattr("fastforward.model.Model.compile_steps", lambda model, store=None: None)
+    warmed = []
+    monkeypatch.setattr("fastforward.cli.serve.warm_up", lambda model, decoder: warmed.append(decoder.name) or 1.0)
+    command = ["serve", "--model", str(tmp_path / "model"), "--decoder", "jacobi", "--warm-up-only"]
+    assert main([*command, "--no-compile"]) == 2
+    assert "--warm-up-only prepares compiled steps: leave out --no-compile" in capsys.readouterr().err
+    assert main(command) == 0 and warmed == ["jacobi"]

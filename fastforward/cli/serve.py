@@ -16,7 +16,8 @@ from fastforward.cli import (
     precision,
 )
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
-from fastforward.model import check_device, load_model
+from fastforward.errors import FastForwardError
+from fastforward.model import Model, check_device, load_model
 from fastforward.serving.engine import warm_up
 
 
@@ -65,6 +66,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cpus-per-replica", type=float, default=None, help="CPUs Ray reserves for each replica (default: Ray's 1)"
     )
+    p.add_argument(
+        "--warm-up-only",
+        action="store_true",
+        help="compile (or read back) the steps this server would need, then exit without serving: setup.sh "
+        "prepares the defaults so; an image build can prepare its own",
+    )
     add_threads_flag(p)
     p.set_defaults(run=run)
 
@@ -100,6 +107,11 @@ def run(args: argparse.Namespace) -> int:
         "continuous": not args.static_batches,
         "max_step_tokens": args.max_step_tokens,
     }
+    if args.warm_up_only:  # here, for this machine's store: replicas on it read the same
+        if not args.compile:
+            raise FastForwardError("--warm-up-only prepares compiled steps: leave out --no-compile")
+        _warm_up(load_model(args.model, device=args.device, **precision(args)), args)
+        return 0
     if args.replicas:
         from fastforward.serving import replicas
 
@@ -111,11 +123,9 @@ def run(args: argparse.Namespace) -> int:
         print("fastforward serve: shut down", flush=True)
         return 0
     model = load_model(args.model, device=args.device, **precision(args))
-    server = Server(model, **options)
     if args.compile:
-        print("fastforward serve: compiling the decoding steps (one prompt, alone and in a batch)...", flush=True)
-        seconds = warm_up(model, build_decoder(args.decoder, **decoder_knobs(args)))
-        print(f"fastforward serve: compiled in {seconds:.0f} s", flush=True)
+        _warm_up(model, args)
+    server = Server(model, **options)
     print(f"fastforward serve: {name} with {args.decoder} on http://{args.host}:{args.port}/v1", flush=True)
     config = uvicorn.Config(
         server.app(), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30
@@ -123,3 +133,9 @@ def run(args: argparse.Namespace) -> int:
     GracefulServer(config).run()
     print("fastforward serve: shut down", flush=True)
     return 0
+
+
+def _warm_up(model: Model, args: argparse.Namespace) -> None:
+    print("fastforward serve: compiling the decoding steps (one prompt, alone and in a batch)...", flush=True)
+    seconds = warm_up(model, build_decoder(args.decoder, **decoder_knobs(args)))
+    print(f"fastforward serve: compiled in {seconds:.0f} s", flush=True)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from fastforward.decoding.decoders import Decoder
+from fastforward.decoding.decoders import Decoder, registry
 from fastforward.decoding.runtime import Generation, Prompt, Session
 from fastforward.model import Model
 from fastforward.serving.metrics import Metrics
@@ -414,11 +414,19 @@ class TextStream:
 WARM_UP_TEXT = "one two three, one two three, one two three, one two three"  # repeats: drafting decoders draft
 
 
+# Requests may name another decoder than the server's: these make the kinds of step the continuous
+# decoders run (one token, a causal block), so that such a request compiles nothing either.
+WARM_UP_DECODERS = ("ar", "jacobi")
+
+
 def warm_up(model: Model, decoder: Decoder) -> float:
-    """Decode a short prompt alone and in a batch of two, so the graphs a server needs are compiled
-    before its first request; returns the seconds it took."""
+    """Decode a short prompt alone and in a batch of two, with the server's decoder and `WARM_UP_DECODERS`,
+    so the graphs a server needs are compiled before its first request (a step compiled later holds
+    every request of the moment); returns the seconds it took."""
     started = time.perf_counter()
     prompt = model.encode_prompt(WARM_UP_TEXT)
-    for batch in ([prompt], [prompt, prompt[1:]]):
-        decoder.generate(model, batch, max_new_tokens=24)
+    others = [registry.spec(name).create() for name in WARM_UP_DECODERS if name != decoder.name]
+    for each in [decoder, *others]:
+        for batch in ([prompt], [prompt, prompt[1:]]):
+            each.generate(model, batch, max_new_tokens=24)
     return time.perf_counter() - started
