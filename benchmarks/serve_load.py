@@ -50,6 +50,12 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=None, help="the decoder's block size (jacobi)")
     p.add_argument("--quantize", default="none", choices=("none", "int8", "int4"))
     p.add_argument("--exact", action="store_true", help="row-invariant attention (with --quantize)")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compiled steps, as `fastforward serve` runs by default (prepared before the timed requests)",
+    )
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--budgets", type=int, nargs=2, default=(16, 64), help="smallest and largest max_tokens")
@@ -67,7 +73,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=RESULTS / "serve_load.json")
     args = p.parse_args()
 
-    model = load_model(args.model, quantize=args.quantize, exact=args.exact)
+    model = load_model(args.model, quantize=args.quantize, exact=args.exact, compile=args.compile)
     knobs = {"block_size": args.block_size} if args.block_size else {}
     requests = workload(model, args)
     load_before = load_average()
@@ -120,13 +126,14 @@ def serve(args: argparse.Namespace, requests: list[dict], clients: int | None, r
     command = [sys.executable, "-m", "fastforward", "serve", "--model", args.model, "--served-name", "m"]
     command += ["--decoder", args.decoder, "--port", str(port), "--max-batch-size", str(args.max_batch_size)]
     command += ["--quantize", args.quantize, "--exact" if args.exact else "--no-exact"]
+    command += ["--compile" if args.compile else "--no-compile"]
     command += ["--block-size", str(args.block_size)] if args.block_size else []
     command += ["--max-step-tokens", str(args.max_step_tokens)] if args.max_step_tokens else []
     command += ["--static-batches"] if static else []
     command += ["--threads", str(args.server_threads)] if args.server_threads else []
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(600):
+        for _ in range(6000):  # up to 10 min: a server compiles what is not kept yet before it listens
             if server.poll() is not None:
                 raise RuntimeError(f"the server exited: {server.stderr.read()}")
             with contextlib.suppress(httpx.HTTPError):
@@ -143,8 +150,10 @@ def in_process(model, args: argparse.Namespace, knobs: dict, requests: list[dict
     """--clients clients of the continuous engine in this process, through `Engine.submit` and the
     jobs' event queues: the server without its HTTP layer (and with no load generator beside it)."""
     from fastforward.serving.app import CompletionRequest, Server
-    from fastforward.serving.engine import Engine
+    from fastforward.serving.engine import Engine, warm_up
 
+    if args.compile:  # as the server does before it listens
+        warm_up(model, build_decoder(args.decoder, **knobs))
     server = Server(model, "m", args.decoder, knobs, args.max_batch_size, max_step_tokens=args.max_step_tokens)
 
     async def run() -> list[dict]:
