@@ -311,3 +311,27 @@ def test_replicas_without_ray_name_the_extra(monkeypatch, capsys):
 
     assert main(["serve", "--model", "no/such/model", "--replicas", "2"]) == 2
     assert "pip install 'fastforward[ray]'" in capsys.readouterr().err
+
+
+def test_the_warm_up_serves_through_an_engine_and_says_when_decoding_fails(tiny, monkeypatch):
+    from fastforward.decoding.decoders.ar import ARDecoder
+    from fastforward.errors import FastForwardError
+    from fastforward.serving.engine import warm_up
+
+    rows_seen = []
+    forward = tiny.run
+
+    def counting(*args, **kwargs):
+        rows_seen.append(args[0].tokens.shape[0] if args else None)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(tiny, "run", counting)
+    assert warm_up(tiny, build_decoder("ar")) > 0
+    assert {1, 2} <= set(rows_seen)  # alone, and with a second request joining the running batch
+
+    def broken(self, session):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ARDecoder, "step", broken)
+    with pytest.raises(FastForwardError, match="the server's warm-up failed: decoding failed: RuntimeError: boom"):
+        warm_up(tiny, build_decoder("ar"))

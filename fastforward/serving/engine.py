@@ -36,6 +36,7 @@ import torch
 
 from fastforward.decoding.decoders import Decoder, registry
 from fastforward.decoding.runtime import Generation, Prompt, Session
+from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.serving.metrics import Metrics
 
@@ -420,13 +421,39 @@ WARM_UP_DECODERS = ("ar", "jacobi")
 
 
 def warm_up(model: Model, decoder: Decoder) -> float:
-    """Decode a short prompt alone and in a batch of two, with the server's decoder and `WARM_UP_DECODERS`,
-    so the graphs a server needs are compiled before its first request (a step compiled later holds
-    every request of the moment); returns the seconds it took."""
+    """Serve a short prompt alone, then two (the second joining the first's running batch), through an
+    engine as the server's, with the server's decoder and with each of `WARM_UP_DECODERS`: so every kind
+    of step a server runs is compiled before its first request (one compiled later holds every request
+    of the moment). Returns the seconds it took."""
     started = time.perf_counter()
     prompt = model.encode_prompt(WARM_UP_TEXT)
     others = [registry.spec(name).create() for name in WARM_UP_DECODERS if name != decoder.name]
-    for each in [decoder, *others]:
-        for batch in ([prompt], [prompt, prompt[1:]]):
-            each.generate(model, batch, max_new_tokens=24)
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        engine = Engine(model, max_batch_size=2)
+
+        def submit(each: Decoder, ids: list[int]) -> Job:
+            job = Job(ids, each, f"warm-up {each.name}", 24, [], loop)
+            engine.submit(job)
+            return job
+
+        async def finish(job: Job, first_event_only: bool = False) -> None:
+            while (event := await job.events.get()).finish_reason is None and not first_event_only:
+                pass
+            if event.error:
+                raise FastForwardError(f"the server's warm-up failed: {event.error}")
+
+        try:
+            for each in [decoder, *others]:
+                await finish(submit(each, prompt))
+                running = submit(each, prompt)
+                await finish(running, first_event_only=True)  # decoding: the next one joins its batch
+                joining = submit(each, prompt[1:])
+                await finish(running)
+                await finish(joining)
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    asyncio.run(serve())
     return time.perf_counter() - started
