@@ -207,13 +207,16 @@ def test_a_second_load_reads_the_compiled_steps_back(saved_int4, prompts, monkey
     torch._dynamo.reset()
     first = load_model(saved_int4, quantize="int4", exact=True, compile=True)
     tokens = decoded(first, prompts[:2])
+    ARDecoder().generate(first, prompts[:2], max_new_tokens=4)  # and a kind these prompts alone do not need
     kinds = len(first.compiled_forward.kinds)
-    assert kinds >= 2  # one token and a block
+    assert kinds >= 3  # one token and a block, for one row; one token for two
     torch._dynamo.reset()
     no_compiling(monkeypatch)
     second = load_model(saved_int4, quantize="int4", exact=True, compile=True)
     assert len(second.compiled_forward.kinds) == kinds
     assert decoded(second, prompts[:2]) == tokens
+    # each kind is read back when a step of its signature first comes: the two-row kind never did
+    assert sum(kind.compiled is not None for kind in second.compiled_forward.kinds) == kinds - 1
 
 
 def test_a_corrupt_or_stale_compiled_entry_is_said_and_compiled_again(saved_int4, prompts, tmp_path, capsys):
@@ -235,6 +238,14 @@ def test_a_corrupt_or_stale_compiled_entry_is_said_and_compiled_again(saved_int4
     model = load_model(saved_int4, quantize="int4", exact=True, compile=True)
     assert "unusable" in capsys.readouterr().err and model.compiled_forward.kinds == []
     assert decoded(model, prompts[:1]) == tokens
+    # a kind read back only when its first step comes: found unusable then, said, compiled again
+    signatures = [kind.signature for kind in model.compiled_forward.kinds]
+    store.save({"kinds": [(signature, b"not a graph") for signature in signatures], "modules": {}, "vector_isas": []})
+    capsys.readouterr()
+    model = load_model(saved_int4, quantize="int4", exact=True, compile=True)
+    assert ARDecoder().generate(model, prompts[:1], max_new_tokens=24)[0].token_ids == tokens[0]  # ar's: one kind
+    said = capsys.readouterr().err
+    assert said.count("a kept compiled step is unusable") == 1 and "compiling it again" in said
 
 
 @pytest.mark.parametrize("name", sorted(registry.specs()))

@@ -149,29 +149,41 @@ class CompiledSteps:
         self.backend = torch._TorchCompileInductorWrapper("default", options, dynamic=True)
         self.modules: dict[str, str] = {}  # globals the graphs' code names a module by: name -> module
         self.failed = False  # a compile failed: steps no graph serves run eagerly from then on
-        self.kinds: list[AOTCompiledFunction] = self._read()
+        self.kinds: list[_Kind] = self._read()
 
     def __call__(self, **inputs: Any) -> Any:
+        signature = _signature(inputs)
         for index, kind in enumerate(self.kinds):
-            if kind.guard_check(self.hf, **inputs):
+            function = self._function(kind) if kind.signature == signature else None
+            if function is not None and function.guard_check(self.hf, **inputs):
                 if index:  # the kind of the last step first: steps come in runs of one kind
                     self.kinds.insert(0, self.kinds.pop(index))
-                return kind.fn(self.hf, **inputs)
+                return function.fn(self.hf, **inputs)
         if self.failed:  # said once: the steps no graph serves run eagerly
             return self.forward(self.hf, **inputs)
         # A server compiles its kinds before its first request (`serving.engine.warm_up`); one compiled
         # later holds every request of the moment, so it is said.
         print("fastforward: compiling a new kind of decoding step (once per model and setting)...", file=sys.stderr)
         try:
-            kind = self._compile(inputs)
+            compiled = self._compile(inputs)
         except Exception as error:  # a model dynamo cannot trace: slower steps, the same tokens
             self.failed = True
             said = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
             print(f"fastforward: could not compile this step ({said}); it runs eagerly", file=sys.stderr)
             return self.forward(self.hf, **inputs)
-        self.kinds.insert(0, kind)
+        self.kinds.insert(0, _Kind(signature, compiled=compiled))
         self._write()
-        return kind.fn(self.hf, **inputs)
+        return compiled.fn(self.hf, **inputs)
+
+    def _function(self, kind: _Kind) -> AOTCompiledFunction | None:
+        """A kind's graph, read back now if it was not yet; None (said, and the kind forgotten) if it
+        cannot be: its steps compile again."""
+        try:
+            return kind.function(self.external)
+        except Exception as error:
+            print(f"fastforward: a kept compiled step is unusable ({error}); compiling it again", file=sys.stderr)
+            kind.signature = None  # matches no step; not kept at the next write
+            return None
 
     def _compile(self, inputs: dict[str, Any]) -> AOTCompiledFunction:
         buffers = [t for value in inputs.values() for layer in getattr(value, "layers", ()) for t in _buffers(layer)]
@@ -198,7 +210,7 @@ class CompiledSteps:
         return kind
 
     # ---- the store ----------------------------------------------------------------------------
-    def _read(self) -> list[AOTCompiledFunction]:
+    def _read(self) -> list[_Kind]:
         entry = self.store.load() if self.store is not None else None
         if entry is None:
             return []
@@ -206,9 +218,7 @@ class CompiledSteps:
             trust_vector_isas(entry["vector_isas"])
             self.modules = dict(entry["modules"])
             scope = {name: importlib.import_module(module) for name, module in self.modules.items()}
-            # Inference tensors: the steps run in inference mode, and guards compare dispatch keys.
-            with torch.inference_mode():
-                return [_KeptKind.deserialize(data, scope, self.external) for data in entry["kinds"]]
+            return [_Kind(signature, data=data, scope=scope) for signature, data in entry["kinds"]]
         except Exception as error:  # made by code this key did not foresee: compile again
             print(
                 f"fastforward: compiled steps in {self.store.directory} unusable ({error}); compiling again",
@@ -221,11 +231,42 @@ class CompiledSteps:
         if self.store is None:
             return
         try:
-            kinds = [AOTCompiledFunction.serialize(k, self.external).serialized_data for k in self.kinds]
+            kept = [kind for kind in self.kinds if kind.signature is not None]
+            kinds = [(kind.signature, kind.serialized(self.external)) for kind in kept]
         except Exception as error:  # a graph that holds what cannot be pickled: it serves this process only
             print(f"fastforward: could not keep the compiled steps ({error})", file=sys.stderr)
             return
         self.store.save({"kinds": kinds, "modules": self.modules, "vector_isas": vector_isas()})
+
+
+def _signature(inputs: dict[str, Any]) -> tuple:
+    """What a kind's guards certainly tell apart, read cheaply from a step's inputs: which are None or
+    tensors, their dimensions, and which sizes are 1 (dynamo traces a size of 1 as a constant). Kinds
+    of another signature are not even read back from the store (each takes 0.3-0.9 s on a 2-core Xeon)."""
+    return tuple(
+        (name, tuple(size == 1 for size in value.shape) if isinstance(value, torch.Tensor) else type(value).__name__)
+        for name, value in sorted(inputs.items())
+    )
+
+
+class _Kind:
+    """One kind of step: its signature and its graph, read back from the store when first needed."""
+
+    def __init__(self, signature: tuple, compiled: AOTCompiledFunction | None = None, data: bytes = b"", scope=None):
+        self.signature: tuple | None = signature
+        self.compiled, self.data, self.scope = compiled, data, scope
+
+    def function(self, external: dict[str, Any]) -> AOTCompiledFunction:
+        if self.compiled is None:
+            # Inference tensors: the steps run in inference mode, and guards compare dispatch keys.
+            with torch.inference_mode():
+                self.compiled = _KeptKind.deserialize(self.data, self.scope, external)
+        return self.compiled
+
+    def serialized(self, external: dict[str, Any]) -> bytes:
+        if self.compiled is None:  # never read back: kept as it was read
+            return self.data
+        return AOTCompiledFunction.serialize(self.compiled, external).serialized_data
 
 
 class _KeptKind(AOTCompiledFunction):
