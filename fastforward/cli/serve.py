@@ -136,6 +136,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _warm_up(model: Model, args: argparse.Namespace) -> None:
-    print("fastforward serve: compiling the decoding steps (one prompt, alone and in a batch)...", flush=True)
+    print(
+        "fastforward serve: preparing the compiled decoding steps (a model's first start compiles them, "
+        "minutes on a small CPU; later starts read them back; --no-compile: eager steps)...",
+        flush=True,
+    )
     seconds = warm_up(model, build_decoder(args.decoder, **decoder_knobs(args)))
     print(f"fastforward serve: compiled in {seconds:.0f} s", flush=True)
