@@ -112,5 +112,22 @@ def test_leave_drops_padding_no_row_needs(tiny, prompts):
         while not session.finished_rows[0]:
             decoder.step(session)
         session.leave([0])
-        assert session.batch == 1 and bool(session.key_valid[0, 0])  # its padding went with the other row
+        # its padding went with the other row; alone, it needs no mask (its steps are a lone prompt's)
+        assert session.batch == 1 and session.key_valid is None
         assert session.cache.get_seq_length() == len(prompts[3]) + len(session.outputs[0]) - 1
+
+
+def test_a_row_left_alone_keeps_only_its_valid_entries_and_no_mask(tiny, prompts):
+    decoder = JacobiDecoder(4)  # rejected drafts leave holes in a batch's cache
+    with torch.inference_mode():
+        session = decoder.open_session(tiny, [prompts[0], prompts[1]], [6, 20])
+        decoder.begin(session, range(2))
+        while not session.finished_rows[0]:
+            decoder.step(session)
+        holes = int((~session.key_valid[1]).sum())
+        session.leave([0])
+        assert holes > 0 and session.key_valid is None
+        _check_cache(tiny, session)
+        while not session.finished:
+            decoder.step(session)
+        assert session.result(0).token_ids == decoder.generate(tiny, [prompts[1]], 20)[0].token_ids

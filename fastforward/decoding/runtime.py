@@ -588,11 +588,19 @@ class Session:
     def _squeeze(self) -> None:
         """Drop cache entries no row sees: leading padding, and once holes (entries rows did not keep)
         make up most of the cache, every hole: each row's valid entries are packed to the right. A
-        session that rows keep joining would otherwise grow by the longest step of any row, forever."""
+        session that rows keep joining would otherwise grow by the longest step of any row, forever.
+        A single row keeps only its valid entries, and no mask."""
         valid, length = self.key_valid, self.key_valid.shape[1]
         if not self.batch:  # every row left: nothing to keep
             drop_leading(self.cache, length)
             self.key_valid = valid[:, :0]
+            return
+        if self.batch == 1:
+            # One row needs no mask once its holes are gone: its steps then run as a prompt's alone do
+            # (with compiled steps, one kind of step fewer for a server to compile).
+            if not bool(valid.all()):
+                repack(self.cache, valid[0].nonzero().reshape(1, -1))
+            self.key_valid = None
             return
         width = int(valid.sum(dim=1).max())
         if length > 2 * width + self.SQUEEZE_SLACK:  # amortised: each repack at least halves the cache
