@@ -23,10 +23,8 @@ python -m fastforward.cpu.native
 # The embedded default (SmolLM2-135M, int4 --exact, what `fastforward generate` loads): converted and
 # quantized once now rather than at the first command (fastforward/model/store.py).
 python -c "from fastforward.model import load_model; load_model('smollm2-135m', quantize='int4', exact=True)"
-# Its compiled steps for one prompt (`generate --compile`): a block (jacobi) and one token (ar), compiled
-# now (about 90 s) and kept, so a first `--compile` reads them in seconds (fastforward/cpu/compiled.py).
-# `serve` compiles the rest of what it needs (several rows, padding) at its first start, or ahead of it
-# with `fastforward serve --warm-up-only` (about 6 min on 2 cores: left out here, which the demo does not need).
-{ fastforward generate --compile --decoder jacobi --max-new-tokens 8 Hello > /dev/null \
-  && fastforward generate --compile --decoder ar --max-new-tokens 4 Hello > /dev/null; } \
-  || echo "setup.sh: compiled steps not prepared (said above); --compile will compile them at first use" >&2
+# Its compiled steps (`serve` compiles by default; `generate --compile`): one token and a block, for one
+# prompt and for a batch, compiled now (about 4 min on 2 cores) and kept, so that the first `serve` or
+# `--compile` reads them back in seconds (fastforward/cpu/compiled.py).
+fastforward serve --warm-up-only > /dev/null \
+  || echo "setup.sh: compiled steps not prepared (said above); serve and --compile will compile them at first use" >&2
