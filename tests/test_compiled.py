@@ -146,6 +146,23 @@ def test_warm_up_compiles_one_row_and_a_batch_of_one_token_and_of_blocks(compile
     assert {(ids.shape[0], ids.shape[1] > 1) for ids in seen} == {(1, False), (2, False), (1, True), (2, True)}
 
 
+def test_after_a_warm_up_a_kind_it_did_not_prepare_runs_eagerly(compiled, prompts, monkeypatch, capsys):
+    """A server's warm-up stops compiling: a kind compiled in the middle of serving would hold every
+    request for a minute or more. Such steps run eagerly, with the same tokens, said once."""
+    steps = compiled.compiled_forward
+    monkeypatch.setattr(steps, "compile_new_kinds", True)  # restored after: the fixture is shared
+    monkeypatch.setattr(steps, "said_eager", False)
+    warm_up(compiled, ARDecoder())
+    assert steps.compile_new_kinds is False
+    monkeypatch.setattr(steps, "kinds", [])  # every kind is then one the warm-up did not prepare
+    no_compiling(monkeypatch)
+    batch = prompts[:3]
+    decoded = [g.token_ids for g in build_decoder("jacobi").generate(compiled, batch, max_new_tokens=12)]
+    monkeypatch.setattr(compiled, "compiled_forward", None)
+    assert [g.token_ids for g in build_decoder("jacobi").generate(compiled, batch, max_new_tokens=12)] == decoded
+    assert capsys.readouterr().err.count("a kind of step the warm-up did not prepare runs eagerly") == 1
+
+
 @needs_aot_compile
 def test_a_step_that_fails_to_compile_runs_eagerly_and_says_so_once(prompts, monkeypatch, capsys):
     model = tiny_model(seed=0)

@@ -149,6 +149,10 @@ class CompiledSteps:
         self.backend = torch._TorchCompileInductorWrapper("default", options, dynamic=True)
         self.modules: dict[str, str] = {}  # globals the graphs' code names a module by: name -> module
         self.failed = False  # a compile failed: steps no graph serves run eagerly from then on
+        # False once a server has prepared its kinds (`serving.engine.warm_up`): a step of a kind it did
+        # not meet runs eagerly (the same tokens) rather than hold every request for a minute's compile.
+        self.compile_new_kinds = True
+        self.said_eager = False
         self.kinds: list[_Kind] = self._read()
 
     def __call__(self, **inputs: Any) -> Any:
@@ -160,6 +164,11 @@ class CompiledSteps:
                     self.kinds.insert(0, self.kinds.pop(index))
                 return function.fn(self.hf, **inputs)
         if self.failed:  # said once: the steps no graph serves run eagerly
+            return self.forward(self.hf, **inputs)
+        if not self.compile_new_kinds:
+            if not self.said_eager:
+                self.said_eager = True
+                print("fastforward: a kind of step the warm-up did not prepare runs eagerly", file=sys.stderr)
             return self.forward(self.hf, **inputs)
         # A server compiles its kinds before its first request (`serving.engine.warm_up`); one compiled
         # later holds every request of the moment, so it is said.

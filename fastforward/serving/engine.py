@@ -422,9 +422,11 @@ WARM_UP_DECODERS = ("ar", "jacobi")
 
 def warm_up(model: Model, decoder: Decoder) -> float:
     """Serve a short prompt alone, then two (the second joining the first's running batch), through an
-    engine as the server's, with the server's decoder and with each of `WARM_UP_DECODERS`: so every kind
-    of step a server runs is compiled before its first request (one compiled later holds every request
-    of the moment). Returns the seconds it took."""
+    engine as the server's, with the server's decoder and with each of `WARM_UP_DECODERS`: so the kinds
+    of step a server runs are compiled before its first request. After it, compiled steps compile no new
+    kind: one compiled in the middle of serving would hold every request of the moment for a minute or
+    more, so a step of a kind the warm-up did not meet runs eagerly (the same tokens; said once).
+    Returns the seconds it took."""
     started = time.perf_counter()
     prompt = model.encode_prompt(WARM_UP_TEXT)
     others = [registry.spec(name).create() for name in WARM_UP_DECODERS if name != decoder.name]
@@ -456,4 +458,6 @@ def warm_up(model: Model, decoder: Decoder) -> float:
             await asyncio.to_thread(engine.stop)
 
     asyncio.run(serve())
+    if model.compiled_forward is not None:  # from now on, what it did not prepare runs eagerly
+        model.compiled_forward.compile_new_kinds = False
     return time.perf_counter() - started
