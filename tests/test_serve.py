@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -328,6 +329,11 @@ def test_the_warm_up_serves_through_an_engine_and_says_when_decoding_fails(tiny,
     monkeypatch.setattr(tiny, "run", counting)
     assert warm_up(tiny, build_decoder("ar")) > 0
     assert {1, 2} <= set(rows_seen)  # alone, and with a second request joining the running batch
+
+    async def inside_a_running_loop() -> float:  # as a Ray Serve replica's builder may call it
+        return warm_up(tiny, build_decoder("ar"))
+
+    assert asyncio.run(inside_a_running_loop()) > 0
 
     def broken(self, session):
         raise RuntimeError("boom")

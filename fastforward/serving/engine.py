@@ -29,6 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -457,7 +458,9 @@ def warm_up(model: Model, decoder: Decoder) -> float:
         finally:
             await asyncio.to_thread(engine.stop)
 
-    asyncio.run(serve())
+    # On a thread of its own: a caller may be inside an event loop already (a Ray Serve replica's builder).
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, serve()).result()
     if model.compiled_forward is not None:  # from now on, what it did not prepare runs eagerly
         model.compiled_forward.compile_new_kinds = False
     return time.perf_counter() - started
