@@ -16,7 +16,10 @@ ARRIVALS = [(0, 0, 12), (0, 1, 5), (2, 2, 17), (3, 3, 9), (3, 0, 7), (9, 1, 14),
 
 def _check_cache(tiny, session) -> None:
     """Every running row's valid cache entries are a causal prefill of its prompt and committed tokens
-    (all but the last, which the next step feeds)."""
+    (all but the last, which the next step feeds), and the cache's buffers are laid out as fresh ones
+    are: compiled steps guard on their strides (a view past dropped entries ran eagerly)."""
+    for layer in session.cache.layers:
+        assert layer.key_buffer.is_contiguous() and layer.value_buffer.is_contiguous()
     for row in range(session.batch):
         if session.finished_rows[row]:
             continue
@@ -115,6 +118,27 @@ def test_leave_drops_padding_no_row_needs(tiny, prompts):
         # its padding went with the other row; alone, it needs no mask (its steps are a lone prompt's)
         assert session.batch == 1 and session.key_valid is None
         assert session.cache.get_seq_length() == len(prompts[3]) + len(session.outputs[0]) - 1
+
+
+def test_leading_entries_no_staying_row_sees_are_dropped(tiny, prompts):
+    """The longest row leaves two shorter ones: the columns only it filled go, and the buffers that
+    stay are laid out as fresh ones (`_check_cache`), which compiled steps' guards need."""
+    decoder = ARDecoder()
+    with torch.inference_mode():
+        session = decoder.open_session(tiny, [prompts[2]], 4)  # the longest prompt
+        decoder.begin(session, range(1))
+        decoder.begin(session, session.join([prompts[3], prompts[1]], 20))
+        while not session.finished_rows[0]:
+            decoder.step(session)
+        width = session.cache.get_seq_length()
+        session.leave([0])
+        assert session.batch == 2 and session.cache.get_seq_length() < width
+        assert bool(session.key_valid[:, 0].any())
+        _check_cache(tiny, session)
+        while not session.finished:
+            decoder.step(session)
+    alone = [decoder.generate(tiny, [prompts[i]], 20)[0].token_ids for i in (3, 1)]
+    assert [session.result(row).token_ids for row in range(2)] == alone
 
 
 def test_a_row_left_alone_keeps_only_its_valid_entries_and_no_mask(tiny, prompts):

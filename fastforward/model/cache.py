@@ -163,11 +163,18 @@ def truncate(cache: Cache, length: int) -> None:
 
 def drop_leading(cache: Cache, count: int) -> None:
     """Drop the first `count` entries of every row and layer (entries no query sees any more, after the
-    rows that needed them left). Growing layers keep views of their buffers: no copy."""
+    rows that needed them left). Growing layers move what stays to the front of fresh buffers of the
+    same capacity: a view past the dropped entries would keep the old strides, which compiled steps
+    guard on, so a batch after a join or leave would run eagerly."""
     for layer in cache.layers:
         if isinstance(layer, GrowingLayer):
-            layer.key_buffer, layer.value_buffer = layer.key_buffer[:, :, count:], layer.value_buffer[:, :, count:]
-            layer.length -= count
+            kept = layer.length - count
+            for name in ("key_buffer", "value_buffer"):
+                old = getattr(layer, name)
+                new = torch.empty_like(old, memory_format=torch.contiguous_format)
+                new[:, :, :kept] = old[:, :, count : layer.length]
+                setattr(layer, name, new)
+            layer.length = kept
         else:
             layer.keys, layer.values = layer.keys[:, :, count:], layer.values[:, :, count:]
     if getattr(cache, "key_positions", None) is not None:
