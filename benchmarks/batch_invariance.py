@@ -4,10 +4,12 @@
 decoded one at a time with greedy `ar`, then in left-padded batches of 3 and of 8 with `ar` and
 `jacobi`; counts the prompts whose tokens equal one-prompt `ar`'s. `--cost`: what batch invariance
 costs: `ar` and `jacobi` at batch 1 and 8, tokens/s (prefill included), with `--exact`'s invariance
-(row-by-row prefill, bfloat16 GEMMs in calls of at most 32 rows) and without it, interleaved in one
-process, median of `--rounds`. `--gemm`: whether torch's bfloat16 `linear` gives a row the same bits
-in calls of 33 to 400 rows (the kernel past 32 rows) and in zero-padded calls of exactly 64 rows, and
-what one row and 136 rows cost in one call, in 32-row calls and in 64-row calls, for SmolLM2-135M's shapes.
+(row-by-row prefill, bfloat16 GEMMs in calls of exactly 16 or 32 rows on packed weights) and without
+it (a batched prefill, `nn.Linear`), interleaved in one process, median of `--rounds`. `--gemm`:
+whether torch's bfloat16 `linear` gives a row the same bits in calls of 33 to 400 rows (the kernel past
+32 rows) and whether `--exact`'s fixed calls do (the sizes each shape's probe chose), wherever a row
+sits; what one row and 136 rows cost in one `linear` and in fixed calls (and in the small calls), for
+SmolLM2-135M's shapes and larger ones.
 
     python benchmarks/batch_invariance.py --check        # 8 chat, 21 pycode, 21 humaneval prompts
     python benchmarks/batch_invariance.py --cost
@@ -65,7 +67,7 @@ def check(args: argparse.Namespace) -> dict:
 
 @contextmanager
 def without_invariance(model: Model):
-    """`--exact` as it was before batch invariance: batched prefill, bfloat16 GEMMs in one call."""
+    """`--exact` as it was before batch invariance: batched prefill, bfloat16 GEMMs by `nn.Linear`."""
     chunked = [m for m in model.hf.modules() if type(m) is RowChunkedLinear]
     for module in chunked:
         module.__class__ = nn.Linear
@@ -79,7 +81,7 @@ def without_invariance(model: Model):
 
 def cost(args: argparse.Namespace) -> dict:
     figures = {}
-    for label in ("bfloat16 --exact", "int4 --exact"):
+    for label in args.precisions:
         model = load_smollm2(**PRECISIONS[label])
         prompts = [p for group in prompt_groups(model, 8).values() for p in group][:8]
         runs: dict[str, list[float]] = {}
@@ -101,12 +103,16 @@ def cost(args: argparse.Namespace) -> dict:
     return figures
 
 
-GEMM_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]  # in → out features
+# in → out features: SmolLM2-135M's projections and output layer, then Qwen2-0.5B's MLP and a 2048-wide model's
+GEMM_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152), (896, 4864), (4864, 896), (2048, 8192)]
 
 
 def gemm(args: argparse.Namespace) -> list[dict]:
-    """Row invariance of the bfloat16 GEMM past 32 rows and of fixed 64-row calls, and their costs (µs)."""
+    """Row invariance of torch's bfloat16 `linear` past 32 rows, and of `--exact`'s calls of exactly 16 or
+    32 rows on packed weights (`fastforward.cpu.row_chunks`); their costs (µs)."""
     import torch
+
+    from fastforward.cpu.row_chunks import LARGE, SMALL, _fixed_calls, call_sizes
 
     torch.manual_seed(0)
     linear, rows = torch.nn.functional.linear, []
@@ -120,26 +126,37 @@ def gemm(args: argparse.Namespace) -> list[dict]:
         return round((time.perf_counter() - started) / repeats * 1e6, 1)
 
     for inputs, outputs in GEMM_SHAPES:
-        weight = torch.randn(outputs, inputs, dtype=torch.bfloat16)
+        weight = torch.randn(outputs, inputs, dtype=torch.bfloat16) * 0.05
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, LARGE[-1])
+        sizes = list(call_sizes(weight, packed))
         x = torch.randn(400, inputs, dtype=torch.bfloat16)
         first = linear(x[:33], weight)
         changes = [
             m for m in (34, 40, 48, 64, 100, 128, 200, 300, 400) if not torch.equal(linear(x[:m], weight)[:33], first)
         ]
-        padded = torch.zeros(64, inputs, dtype=torch.bfloat16)
-        padded[10] = x[0]
-        fixed = torch.equal(linear(x[:64], weight)[0], linear(padded, weight)[10])
-        repeats = 50 if outputs > 40000 else 300
-        one, block, zeros = x[:1], x[:136], torch.zeros(192, inputs, dtype=torch.bfloat16)
+
+        def calls(rows: torch.Tensor, sizes: list[int] = sizes) -> torch.Tensor:
+            return _fixed_calls(rows, weight, None, packed, sizes)  # noqa: B023
+
+        alone = torch.cat([calls(x[r : r + 1]) for r in range(300)])
+        # each row alone, against rows 0..n-1 together and rows s..s+n-1 (each row in other places of a call)
+        fixed = all(
+            torch.equal(calls(x[s : s + n]), alone[s : s + n])
+            for n in (2, 16, 17, 33, 47, 48, 49, 64, 65, 97, 128, 129, 200, 290)
+            for s in (0, 7)
+        )
+        repeats = 30 if outputs * inputs > 5e6 else 300
+        one, block = x[:1], x[:136]
         row = {
             "shape": f"{inputs}->{outputs}",
-            "row_changes_from_33_rows_at": changes,
-            "64_row_calls_invariant": fixed,
-            "one_row_us": micros(lambda: linear(one, weight), repeats),  # noqa: B023
-            "one_row_as_64_us": micros(lambda: linear(zeros[:64], weight), repeats),  # noqa: B023
-            "136_rows_one_call_us": micros(lambda: linear(block, weight), repeats),  # noqa: B023
-            "136_rows_32_row_calls_us": micros(lambda: [linear(p, weight) for p in block.split(32)], repeats),  # noqa: B023
-            "136_rows_64_row_calls_us": micros(lambda: [linear(p, weight) for p in zeros.split(64)], repeats),  # noqa: B023
+            "linear_row_changes_from_33_rows_at": changes,
+            "call_sizes": sizes,
+            "fixed_calls_invariant": fixed,
+            "one_row_linear_us": micros(lambda: linear(one, weight), repeats),  # noqa: B023
+            "one_row_fixed_calls_us": micros(lambda: calls(one), repeats),  # noqa: B023
+            "136_rows_linear_us": micros(lambda: linear(block, weight), repeats),  # noqa: B023
+            "136_rows_fixed_calls_us": micros(lambda: calls(block), repeats),  # noqa: B023
+            "136_rows_small_calls_us": micros(lambda: calls(block, list(SMALL)), repeats),  # noqa: B023
         }
         log(str(row))
         rows.append(row)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import fastforward as ff
-from fastforward.cpu.row_chunks import RowChunkedLinear, chunk_rows
+from fastforward.cpu import row_chunks
+from fastforward.cpu.row_chunks import LARGE, SMALL, RowChunkedLinear, chunk_rows
 from fastforward.decoding.decoders import registry
 from fastforward.model import load_model
 from fastforward.model.tiny import tiny_model
@@ -76,16 +77,28 @@ def test_random_drafts_on_a_quantized_model(saved):
     assert outputs(model, "jacobi", prompts, draft_init="random") == alone
 
 
-def test_bfloat16_linears_compute_each_row_as_a_one_row_call(saved):
+def test_bfloat16_linears_are_row_chunked_with_packed_weights(saved):
     model = load_model(saved, dtype="bfloat16", exact=True)
-    assert all(type(m) is RowChunkedLinear for m in model.hf.modules() if isinstance(m, torch.nn.Linear))
-    # at SmolLM2-135M's shapes, where this CPU's bfloat16 GEMM changes kernel past 32 rows
+    chunked = [m for m in model.hf.modules() if isinstance(m, torch.nn.Linear)]
+    assert chunked and all(type(m) is RowChunkedLinear for m in chunked)
+    assert all(m.packed is not None and m.sizes in (list(LARGE), list(SMALL)) for m in chunked)
+
+
+@pytest.mark.parametrize("sizes", ["probed", "small"])
+def test_bfloat16_linears_compute_each_row_as_a_one_row_call(sizes, monkeypatch):
+    """At SmolLM2-135M's MLP shapes, where this CPU's bfloat16 GEMM changes kernel past 32 rows: rows
+    in a call of 150 (past the largest call) or of 40 equal each row alone, bit for bit."""
+    if sizes == "small":  # the set a shape gets where the larger calls do not agree
+        monkeypatch.setattr(row_chunks, "call_sizes", lambda weight, packed: SMALL)
     torch.manual_seed(0)
     layers = torch.nn.Sequential(torch.nn.Linear(576, 1536), torch.nn.Linear(1536, 576)).bfloat16()
     chunk_rows(layers)
-    x = torch.randn(100, 576).bfloat16()
+    assert sizes != "small" or layers[0].sizes == list(SMALL)
+    x = torch.randn(150, 576).bfloat16()
     with torch.inference_mode():
-        assert torch.equal(layers(x), torch.cat([layers(row[None]) for row in x]))
+        alone = torch.cat([layers(row[None]) for row in x])
+        assert torch.equal(layers(x), alone)
+        assert torch.equal(layers(x[7:47]), alone[7:47])
 
 
 @pytest.mark.parametrize("name", ["ar", "jacobi", "lookup"])

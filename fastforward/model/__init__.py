@@ -530,7 +530,7 @@ def load_model(
         if store is not None:
             store.save(hf)  # quantized once: the next load at this setting reads it back
     if exact:
-        row_chunks.chunk_rows(hf)  # bfloat16 GEMMs round by row count past 32 rows
+        row_chunks.chunk_rows(hf)  # bfloat16 GEMMs round by row count
     model = Model(hf, tokenizer, name=name_or_path)
     if compile:  # kept per model and setting; the graphs trace fastforward's model code too (the cache)
         code = (PACKAGE / "cpu", PACKAGE / "model")
