@@ -99,6 +99,7 @@ def test_bfloat16_linears_compute_each_row_as_a_one_row_call(sizes, monkeypatch)
         alone = torch.cat([layers(row[None]) for row in x])
         assert torch.equal(layers(x), alone)
         assert torch.equal(layers(x[7:47]), alone[7:47])
+        assert layers(x[:0]).shape == (0, 576)
 
 
 @pytest.mark.parametrize("name", ["ar", "jacobi", "lookup"])

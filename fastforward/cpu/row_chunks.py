@@ -48,6 +48,8 @@ def _fixed_calls(
     smallest size that holds it, filled with the rows before it (computed twice, kept once) or, when
     there are too few, with zeros."""
     rows, largest = x.shape[0], sizes[-1]
+    if not rows:
+        return x.new_empty(0, weight.shape[0])
     full = rows - rows % largest
     parts = [_product(x[start : start + largest], weight, bias, packed) for start in range(0, full, largest)]
     if full < rows:
@@ -103,7 +105,8 @@ class RowChunkedLinear(nn.Linear):
         flat = x.reshape(-1, x.shape[-1])
         # eagerly without the custom operation's dispatch (tens of µs a call, hundreds of calls a step)
         product = _opaque_linear if torch.compiler.is_compiling() else _fixed_calls
-        return product(flat, self.weight, self.bias, self.packed, self.sizes).reshape(*x.shape[:-1], -1)
+        out = product(flat, self.weight, self.bias, self.packed, self.sizes)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
 def chunk_rows(model: nn.Module) -> int:
