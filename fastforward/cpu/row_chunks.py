@@ -18,7 +18,7 @@ call packs them again every time, which costs more than the product itself at a 
 one-row step pays a 48-row call and is still faster than `nn.Linear`'s one row (SmolLM2-135M's
 576 → 576 projection: about 29 against 38 µs), and 136 rows cost two calls, about what one
 `nn.Linear` call of 136 rows does. The packed copy is memory beside the weights, which stay (the
-state dict, tied embeddings). The probe runs at the thread count of the load; change threads before
+state dict, tied embeddings): SmolLM2-135M in bfloat16 holds 1100 MB with it, 808 MB without. The probe runs at the thread count of the load; change threads before
 loading, not after.
 """
 
