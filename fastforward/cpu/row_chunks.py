@@ -14,12 +14,11 @@ computes a row to the same bits, wherever the row sits in the call:
   alone). `python benchmarks/batch_invariance.py --gemm` measures both.
 
 The calls go to oneDNN with the weights packed once at load (`_reorder_linear_weight`): an `nn.Linear`
-call packs them again every time, which costs more than the product itself at a few rows. So a
-one-row step pays a 48-row call and is still faster than `nn.Linear`'s one row (SmolLM2-135M's
-576 → 576 projection: about 29 against 38 µs), and 136 rows cost two calls, about what one
-`nn.Linear` call of 136 rows does. The packed copy is memory beside the weights, which stay (the
-state dict, tied embeddings): SmolLM2-135M in bfloat16 holds 1100 MB with it, 808 MB without. The probe runs at the thread count of the load; change threads before
-loading, not after.
+call packs them again every time, which costs more than the product itself at a few rows, so a
+one-row step's padded call on packed weights costs about what `nn.Linear`'s one row does (figures:
+`--gemm` in docs/results.md). The packed copy is memory beside the weights, which stay (the state
+dict, tied embeddings): SmolLM2-135M in bfloat16 holds 1100 MB with it, 808 MB without. The probe
+runs at the thread count of the load; change threads before loading, not after.
 """
 
 from __future__ import annotations
