@@ -84,16 +84,19 @@ def test_bfloat16_linears_are_row_chunked_with_packed_weights(saved):
     assert all(m.packed is not None and m.sizes in (list(LARGE), list(SMALL)) for m in chunked)
 
 
-@pytest.mark.parametrize("sizes", ["probed", "small"])
+@pytest.mark.parametrize("sizes", ["probed", "small", "unpacked"])
 def test_bfloat16_linears_compute_each_row_as_a_one_row_call(sizes, monkeypatch):
     """At SmolLM2-135M's MLP shapes, where this CPU's bfloat16 GEMM changes kernel past 32 rows: rows
     in a call of 150 (past the largest call) or of 40 equal each row alone, bit for bit."""
     if sizes == "small":  # the set a shape gets where the larger calls do not agree
         monkeypatch.setattr(row_chunks, "call_sizes", lambda weight, packed: SMALL)
+    if sizes == "unpacked":  # no oneDNN (or not a CPU): `linear` itself in the fixed calls
+        monkeypatch.setattr(row_chunks, "PACKS", False)
     torch.manual_seed(0)
     layers = torch.nn.Sequential(torch.nn.Linear(576, 1536), torch.nn.Linear(1536, 576)).bfloat16()
     chunk_rows(layers)
     assert sizes != "small" or layers[0].sizes == list(SMALL)
+    assert (layers[0].packed is None) == (sizes == "unpacked")
     x = torch.randn(150, 576).bfloat16()
     with torch.inference_mode():
         alone = torch.cat([layers(row[None]) for row in x])

@@ -34,7 +34,9 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 PACKS = torch.backends.mkldnn.is_available()  # without oneDNN (not an x86 build): unpacked calls
 
 
-def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
+def _product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -82,7 +84,7 @@ def call_sizes(weight: torch.Tensor, packed: torch.Tensor | None) -> tuple[int, 
     value, fewer rows the fewer outputs a row has), so the probe takes hundreds of rows."""
     rows = min(1024, max(64, PROBE_VALUES // weight.shape[0]))
     generator = torch.Generator().manual_seed(0)
-    probe = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
+    probe = torch.randn(rows, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
 
     def through(size: int, shift: int) -> torch.Tensor:
         return _fixed_calls(F.pad(probe, (0, 0, shift, 0)), weight, None, packed, [size])[shift:]
