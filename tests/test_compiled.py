@@ -307,3 +307,19 @@ def test_serve_warm_up_only_prepares_the_servers_steps_and_exits(tmp_path, monke
     assert main([*command, "--no-compile"]) == 2
     assert "--warm-up-only prepares compiled steps: leave out --no-compile" in capsys.readouterr().err
     assert main(command) == 0 and warmed == ["jacobi"]
+
+
+@needs_aot_compile
+def test_compiled_bfloat16_steps_give_eager_tokens_in_a_batch(tmp_path):
+    """bfloat16 `--exact`: compiled steps round their fused operations as eager's kernels do
+    (`eager_rounding`), and the linears' fixed-size calls stay one opaque operation, so compiled `ar`
+    and a batch of compiled `jacobi` give each prompt eager one-prompt AR's tokens."""
+    torch._dynamo.reset()
+    tiny_model(seed=0, init_std=0.5).save(tmp_path / "model")
+    eager = load_model(str(tmp_path / "model"), dtype="bfloat16", exact=True)
+    compiled = load_model(str(tmp_path / "model"), dtype="bfloat16", exact=True, compile=True)
+    texts = ["def add(a, b):", "Tom has 3 apples and buys 5 more.", "0", "The quick brown fox"]
+    prompts = [eager.encode_prompt(text, chat_template=False) for text in texts]
+    alone = [ARDecoder().generate(eager, [p], max_new_tokens=16)[0].token_ids for p in prompts]
+    assert [ARDecoder().generate(compiled, [p], max_new_tokens=16)[0].token_ids for p in prompts] == alone
+    assert [g.token_ids for g in build_decoder("jacobi").generate(compiled, prompts, max_new_tokens=16)] == alone
