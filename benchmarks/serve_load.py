@@ -61,7 +61,9 @@ def main() -> int:
     p.add_argument("--budgets", type=int, nargs=2, default=(16, 64), help="smallest and largest max_tokens")
     p.add_argument("--rates", type=float, nargs="*", default=[8.0, 32.0], help="Poisson arrival rates (requests/s)")
     p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument("--max-step-tokens", type=int, default=None, help="as `fastforward serve --max-step-tokens`")
+    p.add_argument(
+        "--max-step-tokens", type=int, default=None, help="as `fastforward serve --max-step-tokens` (default: its own)"
+    )
     p.add_argument(
         "--server-threads", type=int, default=None, help="the server's torch threads (default: its own choice)"
     )
@@ -157,7 +159,7 @@ def in_process(model, args: argparse.Namespace, knobs: dict, requests: list[dict
     server = Server(model, "m", args.decoder, knobs, args.max_batch_size, max_step_tokens=args.max_step_tokens)
 
     async def run() -> list[dict]:
-        engine = Engine(model, args.max_batch_size, server.metrics, max_step_tokens=args.max_step_tokens)
+        engine = Engine(model, args.max_batch_size, server.metrics, max_step_tokens=server.max_step_tokens)
         results: list[dict] = [{} for _ in requests]
         queue = list(range(len(requests)))
         started = time.perf_counter()

@@ -155,3 +155,27 @@ def test_a_row_left_alone_keeps_only_its_valid_entries_and_no_mask(tiny, prompts
         while not session.finished:
             decoder.step(session)
         assert session.result(0).token_ids == decoder.generate(tiny, [prompts[1]], 20)[0].token_ids
+
+
+def test_a_bound_on_a_forwards_tokens_keeps_jacobis_outputs(tiny, prompts):
+    """`Session.step_tokens` (the server's `--max-step-tokens`): `jacobi` drafts fewer tokens a row
+    while many rows share a forward; each row's output is still its output alone."""
+    decoder = JacobiDecoder(8)
+    with torch.inference_mode():
+        session = decoder.open_session(tiny, prompts, 20)
+        session.step_tokens = 9  # four rows: one draft each, a 2-token forward per row
+        assert decoder._drafts(session) == 1
+        decoder.begin(session, range(len(prompts)))
+        while not session.finished:
+            decoder.step(session)
+    got = [session.result(row) for row in range(len(prompts))]
+    alone = [decoder.generate(tiny, [p], 20)[0] for p in prompts]
+    assert [g.token_ids for g in got] == [a.token_ids for a in alone]
+    assert sum(g.stats.queries for g in got) < sum(a.stats.queries for a in alone)
+
+
+def test_servers_bound_a_forwards_tokens_on_a_cpu_by_default(tiny):
+    from fastforward.serving.app import CPU_STEP_TOKENS, Server
+
+    assert Server(tiny, "tiny", "jacobi", {}, max_batch_size=8).max_step_tokens == CPU_STEP_TOKENS
+    assert Server(tiny, "tiny", "jacobi", {}, max_batch_size=8, max_step_tokens=40).max_step_tokens == 40

@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=None,
         help="bound the tokens of one forward over its rows: jacobi drafts less while many requests share it "
-        "(default: no bound)",
+        "(default: 128 on a CPU, no bound on a GPU)",
     )
     p.add_argument(
         "--static-batches",
