@@ -157,21 +157,24 @@ def test_a_row_left_alone_keeps_only_its_valid_entries_and_no_mask(tiny, prompts
         assert session.result(0).token_ids == decoder.generate(tiny, [prompts[1]], 20)[0].token_ids
 
 
-def test_a_bound_on_a_forwards_tokens_keeps_jacobis_outputs(tiny, prompts):
-    """`Session.step_tokens` (the server's `--max-step-tokens`): `jacobi` drafts fewer tokens a row
+@pytest.mark.parametrize(
+    "decoder", [JacobiDecoder(8), PromptLookupDecoder(8, 2, 1, jacobi_drafts=2)], ids=["jacobi", "lookup"]
+)
+def test_a_bound_on_a_forwards_tokens_keeps_the_outputs(tiny, prompts, decoder):
+    """`Session.step_tokens` (the server's `--max-step-tokens`): a decoder drafts fewer tokens a row
     while many rows share a forward; each row's output is still its output alone."""
-    decoder = JacobiDecoder(8)
     with torch.inference_mode():
         session = decoder.open_session(tiny, prompts, 20)
-        session.step_tokens = 9  # four rows: one draft each, a 2-token forward per row
-        assert decoder._drafts(session) == 1
+        session.step_tokens = 9  # four rows: two tokens each, one of them a draft
+        assert session.row_tokens() == 2
         decoder.begin(session, range(len(prompts)))
         while not session.finished:
             decoder.step(session)
     got = [session.result(row) for row in range(len(prompts))]
     alone = [decoder.generate(tiny, [p], 20)[0] for p in prompts]
     assert [g.token_ids for g in got] == [a.token_ids for a in alone]
-    assert sum(g.stats.queries for g in got) < sum(a.stats.queries for a in alone)
+    unbounded = decoder.generate(tiny, prompts, 20)
+    assert sum(g.stats.queries for g in got) < sum(g.stats.queries for g in unbounded)
 
 
 def test_servers_bound_a_forwards_tokens_on_a_cpu_by_default(tiny):

@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-step-tokens",
         type=positive_int,
         default=None,
-        help="bound the tokens of one forward over its rows: jacobi drafts less while many requests share it "
+        help="bound the tokens of one forward over its rows: jacobi and lookup draft less while many requests share it "
         "(default: 128 on a CPU, no bound on a GPU)",
     )
     p.add_argument(

@@ -200,7 +200,8 @@ class Session:
         self.steps: list[dict[int, int]] = [{} for _ in rows]  # per row: steps that committed k tokens, by k
         self.row_state: dict[str, list] = {}  # a decoder's per-row lists (`per_row`), kept in step by join/leave
         # A bound on the tokens one forward runs over all its rows, for decoders that can draft less when
-        # many rows share a forward (jacobi); None: none. The server sets it (`serve --max-step-tokens`).
+        # many rows share a forward (jacobi, lookup: `row_tokens`); None: none. The server sets it
+        # (`serve --max-step-tokens`).
         self.step_tokens: int | None = None
         self._reads: dict[tuple[int, int], torch.Tensor] = {}
         self._step: _Step | None = None
@@ -476,6 +477,12 @@ class Session:
     def produced(self) -> int:
         """The most leading positions committed by a row still running (0 when none runs)."""
         return max((f for f, d in zip(self.frontiers, self.finished_rows, strict=True) if not d), default=0)
+
+    def row_tokens(self) -> int | None:
+        """The tokens each running row may put in a forward under `step_tokens` (None: no bound)."""
+        if self.step_tokens is None:
+            return None
+        return self.step_tokens // max(1, self.batch - sum(self.finished_rows))
 
     @property
     def finished(self) -> bool:

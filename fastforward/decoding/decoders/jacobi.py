@@ -56,10 +56,8 @@ class JacobiDecoder(Decoder):
     def _drafts(self, session: Session) -> int:
         """Drafts per row this step: the block size, or fewer when `session.step_tokens` bounds the
         tokens of a forward over its running rows (the output is the same; only the forwards change)."""
-        if session.step_tokens is None:
-            return self.block_size
-        running = max(1, session.batch - sum(session.finished_rows))
-        return max(1, min(self.block_size, session.step_tokens // running - 1))
+        row_tokens = session.row_tokens()
+        return self.block_size if row_tokens is None else max(1, min(self.block_size, row_tokens - 1))
 
     def begin(self, session: Session, rows: range) -> None:
         first = session.sample(session.next_logits, session.next_pos).tolist()  # every row: a pure function

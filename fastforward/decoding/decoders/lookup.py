@@ -145,9 +145,11 @@ class PromptLookupDecoder(Decoder):
         a guess like any other: accepted only where it is the prediction)."""
         index, last, chain, length = (session.per_row(k) for k in ("index", "last", "chain", "length"))
         running = [not done for done in session.finished_rows]
+        row_tokens = session.row_tokens()  # under the server's bound, shorter drafts (0: an AR step)
+        longest = self.lookup_tokens if row_tokens is None else max(0, row_tokens - 1)
         drafts = []
         for row, runs in enumerate(running):
-            want = length[row].next() if runs else 0
+            want = min(length[row].next(), longest) if runs else 0
             drafts.append(index[row].draft(want) if want else [])
         n = max(len(d) for d in drafts)
         filled = [(d + chain[row] + [last[row]] * n)[:n] for row, d in enumerate(drafts)]
