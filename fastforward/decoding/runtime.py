@@ -536,7 +536,7 @@ class Session:
             if valid is None:
                 valid = torch.ones(session.batch, length, dtype=torch.bool, device=self.device)
             validity.append(F.pad(valid if rows is None else valid[rows], (width - length, 0), value=False))
-        rows = [index if drop else None, None]  # nothing dropped: the running rows as they are, no gather
+        rows = [stay if drop else None, None]  # nothing dropped: the running rows as they are
         self.cache = stack_rows(self.model.hf.config, [self.cache, new.cache], [width - mine, width - theirs], rows)
         self._keep_rows(stay, index)
         self.key_valid = torch.cat(validity)

@@ -12,6 +12,8 @@ layers included: they keep every entry, and their masks hide what the window no 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from transformers import Cache, DynamicCache, PreTrainedConfig
@@ -223,33 +225,46 @@ def prepare_cache(cache: Cache, entries: int) -> None:
             layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
 
 
-def stack_rows(
-    config: PreTrainedConfig, caches: list[Cache], pads: list[int], rows: list[torch.Tensor | None] | None = None
-) -> DynamicCache:
-    """One batched cache from caches of growing layers, the rows of cache i (`rows[i]`, default all)
-    left-padded by `pads[i]` zero entries (which the caller's masks hide): each row holds exactly
-    the entries it held. Every entry is copied once, into buffers with room to grow."""
-    rows = rows or [None] * len(caches)
+def _runs(rows: Sequence[int]) -> list[slice]:
+    """`rows` (ascending) as slices of consecutive rows: views of a cache's tensors, where indexing by
+    the rows themselves would gather a copy before the copy into the stacked buffers."""
+    runs: list[slice] = []
+    for row in rows:
+        if runs and runs[-1].stop == row:
+            runs[-1] = slice(runs[-1].start, row + 1)
+        else:
+            runs.append(slice(row, row + 1))
+    return runs
 
-    def parts(index: int, name: str) -> list[torch.Tensor]:
+
+def stack_rows(
+    config: PreTrainedConfig, caches: list[Cache], pads: list[int], rows: list[Sequence[int] | None] | None = None
+) -> DynamicCache:
+    """One batched cache from caches of growing layers, the rows of cache i (`rows[i]`, ascending,
+    default all) left-padded by `pads[i]` zero entries (which the caller's masks hide): each row holds
+    exactly the entries it held. Every entry is copied once, into buffers with room to grow."""
+    rows = rows or [None] * len(caches)
+    selections = [[slice(None)] if r is None else _runs(r) for r in rows]
+
+    def parts(index: int, name: str) -> list[tuple[torch.Tensor, int]]:
+        """(rows of one cache's tensor, their padding), in the stacked order."""
         found = [getattr(c.layers[index], name) for c in caches]
-        return [t if r is None else t[r] for t, r in zip(found, rows, strict=True)]
+        return [(t[run], pad) for t, runs, pad in zip(found, selections, pads, strict=True) for run in runs]
 
     cache = new_cache(config)
     for index, layer in enumerate(cache.layers):
         keys, values = parts(index, "keys"), parts(index, "values")
-        width = keys[0].shape[2] + pads[0]
+        width = keys[0][0].shape[2] + keys[0][1]
         if not isinstance(layer, GrowingLayer):  # transformers' own layers: stacked as they are
-            layer.update(
-                *(torch.cat([F.pad(p, (0, 0, pad, 0)) for p, pad in zip(t, pads, strict=True)]) for t in (keys, values))
-            )
+            layer.update(*(torch.cat([F.pad(p, (0, 0, pad, 0)) for p, pad in t]) for t in (keys, values)))
             continue
-        like = keys[0].new_empty(sum(k.shape[0] for k in keys), keys[0].shape[1], 1, keys[0].shape[3])
+        first = keys[0][0]
+        like = first.new_empty(sum(k.shape[0] for k, _ in keys), first.shape[1], 1, first.shape[3])
         layer.lazy_initialization(like, like)
         layer.reserve(width, like)
         for buffer, stacked in ((layer.key_buffer, keys), (layer.value_buffer, values)):
             start = 0
-            for part, pad in zip(stacked, pads, strict=True):
+            for part, pad in stacked:
                 end = start + part.shape[0]
                 buffer[start:end, :, :pad].zero_()  # padding: finite, so that masked attention stays finite
                 buffer[start:end, :, pad:width] = part
@@ -257,6 +272,6 @@ def stack_rows(
         layer.length = width
     positions = [getattr(c, "key_positions", None) for c in caches]
     if all(p is not None for p in positions):
-        selected = [p if r is None else p[r] for p, r in zip(positions, rows, strict=True)]
+        selected = [p if r is None else p[list(r)] for p, r in zip(positions, rows, strict=True)]
         cache.key_positions = torch.cat([F.pad(p, (pad, 0)) for p, pad in zip(selected, pads, strict=True)])
     return cache
