@@ -9,9 +9,11 @@ computes a row to the same bits, wherever the row sits in the call:
 
 - `LARGE` (48, 64, 96, 128 rows) holds on some shapes, not all (at 576 → 192, 96 rows take the small
   calls' kernel), so each shape is probed when the model loads (`call_sizes`);
-- `SMALL` (16, 32 rows) held on every shape measured (SmolLM2-135M's, Qwen2-0.5B's MLP, 2048 ↔ 8192,
-  at 1 and 2 threads) and serves where `LARGE` does not (probed too; if it failed, calls of 32 rows
-  alone). `python benchmarks/batch_invariance.py --gemm` measures both.
+- `SMALL` (16, 32 rows) held on every shape measured here (SmolLM2-135M's, Qwen2-0.5B's MLP,
+  2048 ↔ 8192, at 1 and 2 threads) and serves where `LARGE` does not. It is probed too: on the 16-core
+  Xeon beside the H100 (torch 2.11) 16 and 32 rows differed at most of SmolLM2-135M's shapes, which
+  then take calls of 32 rows alone (`LARGE` held there at 1 and 2 threads, mostly not at 16).
+  `python benchmarks/batch_invariance.py --gemm` measures both.
 
 The calls go to oneDNN with the weights packed once at load (`_reorder_linear_weight`): an `nn.Linear`
 call packs them again every time, which costs more than the product itself at a few rows, so a
@@ -77,8 +79,10 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: 
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def call_sizes(weight: torch.Tensor, packed: torch.Tensor | None) -> tuple[int, ...]:
-    """`LARGE`, else `SMALL`: the first set each of whose sizes computes random rows to the same bits,
+def call_sizes(
+    weight: torch.Tensor, packed: torch.Tensor | None, candidates: tuple[tuple[int, ...], ...] = (LARGE, SMALL)
+) -> tuple[int, ...]:
+    """`LARGE`, else `SMALL`: the first of `candidates` each of whose sizes computes random rows to the same bits,
     in calls of that size and shifted by a few rows; else calls of `SMALL[-1]` alone. Two kernels differ
     in 1 to 10 % of rows of SmolLM2-135M's shapes (their float32 sums mostly round to the same bfloat16
     value, fewer rows the fewer outputs a row has), so the probe takes hundreds of rows."""
@@ -93,7 +97,7 @@ def call_sizes(weight: torch.Tensor, packed: torch.Tensor | None) -> tuple[int, 
         reference = through(sizes[0], 0)
         return all(torch.equal(through(size, shift), reference) for size in sizes for shift in (0, 7))
 
-    return next((sizes for sizes in (LARGE, SMALL) if agree(sizes)), SMALL[-1:])
+    return next((sizes for sizes in candidates if agree(sizes)), SMALL[-1:])
 
 
 class RowChunkedLinear(nn.Linear):
