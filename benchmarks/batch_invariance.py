@@ -3,7 +3,8 @@
 `--check`: for each precision, the `cpu_speed.py` prompts (chat's 8, and `--n` `pycode` and `humaneval`)
 decoded one at a time with greedy `ar`, then in left-padded batches of 3 and of 8 with `ar` and
 `jacobi`; counts the prompts whose tokens equal one-prompt `ar`'s. `--cost`: what batch invariance
-costs: `ar` and `jacobi` at batch 1 and 8, tokens/s (prefill included), with `--exact`'s invariance
+costs: `ar` and `jacobi` at batch 1 and 8, tokens/s with the prefill and of the decoding steps alone
+(the steady state: the tokens after each row's first over the steps' seconds), with `--exact`'s invariance
 (row-by-row prefill, bfloat16 GEMMs in calls of exactly 16 or 32 rows on packed weights) and without
 it (a batched prefill, `nn.Linear`), interleaved in one process, median of `--rounds`. `--gemm`:
 whether torch's bfloat16 `linear` gives a row the same bits in calls of 33 to 400 rows (the kernel past
@@ -30,6 +31,7 @@ from common import RESULTS, load_average, load_smollm2, log, prompt_groups, set_
 from torch import nn
 
 import fastforward as ff
+from fastforward import Generation
 from fastforward.cpu.row_chunks import RowChunkedLinear
 from fastforward.model import Model
 
@@ -41,11 +43,22 @@ PRECISIONS = {
 }
 
 
+def generate(model: Model, name: str, prompts: list[list[int]], batch: int, tokens: int) -> list[list[Generation]]:
+    """The prompts in batches of `batch`, one list of generations per batch."""
+    decoder = ff.build_decoder(name)
+    return [decoder.generate(model, prompts[start : start + batch], tokens) for start in range(0, len(prompts), batch)]
+
+
 def decode(model: Model, name: str, prompts: list[list[int]], batch: int, tokens: int) -> list[list[int]]:
-    decoder, out = ff.build_decoder(name), []
-    for start in range(0, len(prompts), batch):
-        out += [g.token_ids for g in decoder.generate(model, prompts[start : start + batch], tokens)]
-    return out
+    return [g.token_ids for group in generate(model, name, prompts, batch, tokens) for g in group]
+
+
+def decoding_only(batches: list[list[Generation]]) -> tuple[int, float]:
+    """Tokens after each row's first (which the prefill gives) and the seconds of the steps after the
+    prefill: a batch's rows share one prefill and its steps run until its last row ends."""
+    tokens = sum(len(g.token_ids) - 1 for group in batches for g in group)
+    seconds = sum(max(g.stats.seconds for g in group) - group[0].stats.prefill_seconds for group in batches)
+    return tokens, seconds
 
 
 def check(args: argparse.Namespace) -> dict:
@@ -91,14 +104,20 @@ def cost(args: argparse.Namespace) -> dict:
                     for variant in ("invariant", "not invariant"):
                         with without_invariance(model) if variant == "not invariant" else _nothing():
                             started = time.perf_counter()
-                            out = decode(model, name, prompts, batch, args.new_tokens)
+                            batches = generate(model, name, prompts, batch, args.new_tokens)
                             seconds = time.perf_counter() - started
-                        runs.setdefault(f"{name} batch {batch} {variant}", []).append(sum(map(len, out)) / seconds)
+                        key = f"{name} batch {batch} {variant}"
+                        runs.setdefault(key, []).append(sum(len(g.token_ids) for b in batches for g in b) / seconds)
+                        steps_tokens, steps_seconds = decoding_only(batches)
+                        runs.setdefault(f"{key}, decoding only", []).append(steps_tokens / steps_seconds)
         medians = {key: round(statistics.median(v), 2) for key, v in runs.items()}
         for name in ("ar", "jacobi"):
             for batch in (1, 8):
-                on, off = medians[f"{name} batch {batch} invariant"], medians[f"{name} batch {batch} not invariant"]
-                log(f"{label:18s} {name:7s} batch {batch}: {on:7.2f} tok/s invariant, {off:7.2f} not ({on / off:.3f}x)")
+                for part in ("", ", decoding only"):
+                    on = medians[f"{name} batch {batch} invariant{part}"]
+                    off = medians[f"{name} batch {batch} not invariant{part}"]
+                    what = f"batch {batch}{part or ', prefill included'}"
+                    log(f"{label:18s} {name:7s} {what:29s}: {on:7.2f} tok/s invariant, {off:7.2f} not ({on / off:.3f})")
         figures[label] = medians
     return figures
 

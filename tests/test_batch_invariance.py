@@ -13,7 +13,7 @@ import torch
 
 import fastforward as ff
 from fastforward.cpu import row_chunks
-from fastforward.cpu.row_chunks import LARGE, SMALL, RowChunkedLinear, chunk_rows
+from fastforward.cpu.row_chunks import SIZES, RowChunkedLinear, chunk_rows, plan
 from fastforward.decoding.decoders import registry
 from fastforward.model import load_model
 from fastforward.model.tiny import tiny_model
@@ -81,30 +81,42 @@ def test_bfloat16_linears_are_row_chunked_with_packed_weights(saved):
     model = load_model(saved, dtype="bfloat16", exact=True)
     chunked = [m for m in model.hf.modules() if isinstance(m, torch.nn.Linear)]
     assert chunked and all(type(m) is RowChunkedLinear for m in chunked)
-    assert all(m.packed is not None and m.sizes in (list(LARGE), list(SMALL)) for m in chunked)
+    assert all(m.packed is not None and set(m.sizes) <= set(SIZES) for m in chunked)
 
 
 @pytest.mark.parametrize("sizes", ["probed", "small", "unpacked"])
 def test_bfloat16_linears_compute_each_row_as_a_one_row_call(sizes, monkeypatch):
     """At SmolLM2-135M's MLP shapes, where the Xeon's bfloat16 GEMM changes kernel past 32 rows (and
-    another CPU's already between 16 and 32): rows in a call of 150 (past the largest call) or of 40
-    equal each row alone, bit for bit."""
-    if sizes == "small":  # what a shape gets where the larger calls do not agree: SMALL, or 32 rows alone
+    another CPU's already between 16 and 32): rows in several calls (600, past the largest call), in one
+    (136) or in a padded one (40) equal each row alone, bit for bit."""
+    if sizes == "small":  # the small-row kernel's sizes: both, or one alone where they disagree
         probe = row_chunks.call_sizes
-        monkeypatch.setattr(row_chunks, "call_sizes", lambda weight, packed: probe(weight, packed, (SMALL,)))
+        monkeypatch.setattr(row_chunks, "call_sizes", lambda weight, packed: probe(weight, packed, (16, 32)))
     if sizes == "unpacked":  # no oneDNN (or not a CPU): `linear` itself in the fixed calls
         monkeypatch.setattr(row_chunks, "PACKS", False)
     torch.manual_seed(0)
     layers = torch.nn.Sequential(torch.nn.Linear(576, 1536), torch.nn.Linear(1536, 576)).bfloat16()
     chunk_rows(layers)
-    assert sizes != "small" or layers[0].sizes in (list(SMALL), list(SMALL[-1:]))
+    assert sizes != "small" or set(layers[0].sizes) <= {16, 32}
     assert (layers[0].packed is None) == (sizes == "unpacked")
-    x = torch.randn(150, 576).bfloat16()
+    x = torch.randn(600, 576).bfloat16()
     with torch.inference_mode():
         alone = torch.cat([layers(row[None]) for row in x])
         assert torch.equal(layers(x), alone)
+        assert torch.equal(layers(x[100:236]), alone[100:236])
         assert torch.equal(layers(x[7:47]), alone[7:47])
         assert layers(x[:0]).shape == (0, 576)
+
+
+def test_call_plans_cover_the_rows_in_the_fewest_calls():
+    """Every row count goes in as few calls as the largest size allows, of the set's sizes, none spare."""
+    for sizes in ((40, 48, 64, 80, 112, 128, 160), (16, 32), (32,)):
+        for rows in range(1, 1100):
+            calls = plan(rows, sizes)
+            assert set(calls) <= set(sizes) and list(calls) == sorted(calls, reverse=True)
+            assert sum(calls) >= rows > sum(calls[:-1])
+            assert len(calls) == -(-rows // sizes[-1])
+    assert plan(136, (40, 48, 64, 80, 112, 128, 160)) == (160,)
 
 
 @pytest.mark.parametrize("name", ["ar", "jacobi", "lookup"])

@@ -26,8 +26,8 @@ call of its own. Together with row-invariant matmuls (`quantize.Int8Linear`, `In
 decoders give greedy AR's tokens exactly. The two paths round differently, so one is chosen per
 process (`native_kernel`).
 
-It is chosen (`load_model(..., exact=True)`) rather than always on. A prefill (no cache yet) runs SDPA:
-AR and every decoder start from the same prefill of the same prompt, so it needs no invariance.
+It is chosen (`load_model(..., exact=True)`) rather than always on. A prefill (no cache yet) runs SDPA,
+each row of a padded batch alone (`padded_prefill`): AR and every decoder start from the same prefill.
 Registered with transformers' `AttentionInterface` as "fastforward_exact": no modeling file is touched.
 """
 
@@ -43,6 +43,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from fastforward.cpu import native
+from fastforward.cpu.padded_prefill import attend_rows_apart
 from fastforward.errors import FastForwardError
 
 NAME = "fastforward_exact"
@@ -63,8 +64,10 @@ def row_invariant_attention(
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise FastForwardError("--exact attention has no logit soft-capping or attention sinks; use --no-exact")
     length, dim, total = query.shape[2], query.shape[3], key.shape[2]
-    if total == length:  # a prefill (nothing cached): shared by AR and every decoder, so SDPA's speed is kept
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if total == length:  # a prefill (nothing cached): SDPA's speed is kept, each row alone in a padded batch
+        return attend_rows_apart(
+            sdpa_attention_forward, module, query, key, value, attention_mask, dropout, scaling, **kwargs
+        )
     scale = dim**-0.5 if scaling is None else scaling
     if not torch.compiler.is_compiling():
         return _attend(query, key, value, attention_mask, scale), None

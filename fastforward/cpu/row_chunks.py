@@ -4,16 +4,14 @@ oneDNN picks its bfloat16 GEMM kernel by the number of rows, so a row's result c
 rows share the call (on the 2-core Xeon here, AVX-512 BF16 and AMX: from 33 rows on for some of
 SmolLM2-135M's shapes). A decoding step of a batch runs rows × block tokens through every layer, so a
 row's logits moved with what shared its batch. With `--exact`, bfloat16 and float16 linear layers run
-in calls whose row counts come from one set per layer, the last call zero-padded. Every size of a set
-computes a row to the same bits, wherever the row sits in the call:
-
-- `LARGE` (48, 64, 96, 128 rows) holds on some shapes, not all (at 576 → 192, 96 rows take the small
-  calls' kernel), so each shape is probed when the model loads (`call_sizes`);
-- `SMALL` (16, 32 rows) held on every shape measured here (SmolLM2-135M's, Qwen2-0.5B's MLP,
-  2048 ↔ 8192, at 1 and 2 threads) and serves where `LARGE` does not. It is probed too: on the 16-core
-  Xeon beside the H100 (torch 2.11) 16 and 32 rows differed at most of SmolLM2-135M's shapes, which
-  then take calls of 32 rows alone (`LARGE` held there at 1 and 2 threads, mostly not at 16).
-  `python benchmarks/batch_invariance.py --gemm` measures both.
+in calls whose row counts come from one set per layer, all of whose sizes compute a row to the same
+bits wherever the row sits in the call. Which sizes do depends on the CPU, the thread count and the
+shape, so each shape is probed when the model loads (`call_sizes`): it tries `SIZES` and keeps the
+largest group that agrees. On the Xeon here at 2 threads, 40 to 256 rows agree at most of
+SmolLM2-135M's shapes (at 576 → 192 all but 96 and 192), 16 and 32 rows form the other group; on the
+16-core Xeon beside the H100 (torch 2.11) 16 and 32 rows differed at most of those shapes.
+`python benchmarks/batch_invariance.py --gemm` measures them. A step's rows go in the calls `plan`
+picks: few calls (each reads all the weights), few rows computed twice or on zeros.
 
 The calls go to oneDNN with the weights packed once at load (`_reorder_linear_weight`): an `nn.Linear`
 call packs them again every time, which costs more than the product itself at a few rows, so a
@@ -25,12 +23,17 @@ runs at the thread count of the load; change threads before loading, not after.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-LARGE = (48, 64, 96, 128)
-SMALL = (16, 32)
+from fastforward.errors import FastForwardError
+
+SIZES = (16, 32, 40, 48, 64, 80, 96, 112, 128, 160, 192, 256)  # the row counts a probe tries
+PACK_ROWS = 128  # the row count oneDNN packs the weights for
+CALL_ROWS = 128  # what a call costs beyond its rows, in rows: at these widths each call reads every weight
 PROBE_VALUES = 2**18  # outputs a probe compares per size: rows × out features, at least 64 rows, at most 1024
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 PACKS = torch.backends.mkldnn.is_available()  # without oneDNN (not an x86 build): unpacked calls
@@ -44,23 +47,40 @@ def _product(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+@functools.lru_cache(maxsize=4096)
+def plan(rows: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The calls (largest first) that cover `rows` at the least cost, a call costing `CALL_ROWS` plus
+    its size: 136 rows take one call of 160 rather than 128 and 40. Past twice the largest size the
+    extra rows go in calls of the largest."""
+    largest = sizes[-1]
+    bulk = max(0, rows // largest - 1)
+    rest = rows - bulk * largest
+    cost, last = [0] + [0] * rest, [0] * (rest + 1)  # the least cost of covering r rows, and its last call
+    for r in range(1, rest + 1):
+        cost[r], last[r] = min((CALL_ROWS + size + cost[max(0, r - size)], size) for size in sizes)
+    calls, r = [], rest
+    while r > 0:
+        calls.append(last[r])
+        r -= last[r]
+    return (largest,) * bulk + tuple(sorted(calls, reverse=True))
+
+
 def _fixed_calls(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None, sizes: list[int]
 ) -> torch.Tensor:
-    """x [N, in] @ weight.T + bias in calls of the largest of `sizes` rows; the rest in one call of the
-    smallest size that holds it, filled with the rows before it (computed twice, kept once) or, when
-    there are too few, with zeros."""
-    rows, largest = x.shape[0], sizes[-1]
+    """x [N, in] @ weight.T + bias in the calls of `plan`: the last ends at the last row, computing a few
+    rows before it twice (kept once), or, when there are fewer rows than one call, on zero rows."""
+    rows = x.shape[0]
     if not rows:
         return x.new_empty(0, weight.shape[0])
-    full = rows - rows % largest
-    parts = [_product(x[start : start + largest], weight, bias, packed) for start in range(0, full, largest)]
-    if full < rows:
-        size = next(size for size in sizes if size >= rows - full)
-        if size > rows:
-            x = F.pad(x, (0, 0, 0, size - rows))
-        start = min(full, rows - size) if size <= rows else 0
-        parts.append(_product(x[start : start + size], weight, bias, packed)[full - start :])
+    calls = plan(rows, tuple(sizes))
+    if rows < calls[0]:
+        x = F.pad(x, (0, 0, 0, calls[0] - rows))
+    parts, start = [], 0
+    for size in calls:
+        begin = min(start, max(0, rows - size))
+        parts.append(_product(x[begin : begin + size], weight, bias, packed)[start - begin : rows - begin])
+        start += size
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out[:rows]
 
@@ -80,12 +100,12 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: 
 
 
 def call_sizes(
-    weight: torch.Tensor, packed: torch.Tensor | None, candidates: tuple[tuple[int, ...], ...] = (LARGE, SMALL)
+    weight: torch.Tensor, packed: torch.Tensor | None, candidates: tuple[int, ...] = SIZES
 ) -> tuple[int, ...]:
-    """`LARGE`, else `SMALL`: the first of `candidates` each of whose sizes computes random rows to the same bits,
-    in calls of that size and shifted by a few rows; else calls of `SMALL[-1]` alone. Two kernels differ
-    in 1 to 10 % of rows of SmolLM2-135M's shapes (their float32 sums mostly round to the same bfloat16
-    value, fewer rows the fewer outputs a row has), so the probe takes hundreds of rows."""
+    """The largest group of `candidates` that compute random rows to the same bits, in calls of that
+    size and shifted by a few rows (ties: the group with the larger sizes). Two kernels differ in 1 to
+    10 % of rows of SmolLM2-135M's shapes (their float32 sums mostly round to the same bfloat16 value,
+    fewer rows the fewer outputs a row has), so the probe takes hundreds of rows."""
     rows = min(1024, max(64, PROBE_VALUES // weight.shape[0]))
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(rows, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
@@ -93,11 +113,22 @@ def call_sizes(
     def through(size: int, shift: int) -> torch.Tensor:
         return _fixed_calls(F.pad(probe, (0, 0, shift, 0)), weight, None, packed, [size])[shift:]
 
-    def agree(sizes: tuple[int, ...]) -> bool:
-        reference = through(sizes[0], 0)
-        return all(torch.equal(through(size, shift), reference) for size in sizes for shift in (0, 7))
-
-    return next((sizes for sizes in candidates if agree(sizes)), SMALL[-1:])
+    groups: list[tuple[torch.Tensor, list[int]]] = []
+    for size in candidates:
+        out = through(size, 0)
+        if not torch.equal(through(size, 7), out):
+            continue  # a row's bits depend on where it sits in the call: no use
+        group = next((sizes for reference, sizes in groups if torch.equal(reference, out)), None)
+        if group is None:
+            groups.append((out, [size]))
+        else:
+            group.append(size)
+    if not groups:
+        raise FastForwardError(
+            f"no call size computes a row of a {tuple(weight.shape)} {weight.dtype} layer to the same bits "
+            "wherever it sits on this CPU: run without --exact, or in float32"
+        )
+    return tuple(max((sizes for _, sizes in groups), key=lambda sizes: (len(sizes), sizes[-1])))
 
 
 class RowChunkedLinear(nn.Linear):
@@ -126,7 +157,7 @@ def chunk_rows(model: nn.Module) -> int:
                 continue
             packed = None
             if PACKS and module.weight.device.type == "cpu":
-                packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), LARGE[-1])
+                packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_ROWS)
             shape = (*module.weight.shape, module.weight.dtype, module.weight.device, packed is None)
             if shape not in probed:
                 probed[shape] = call_sizes(module.weight, packed)

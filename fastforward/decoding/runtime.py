@@ -38,11 +38,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from fastforward.cpu import padded_prefill
 from fastforward.decoding import metrics
 from fastforward.decoding.sampling import Sampler, greedy, row_key, uniforms
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, visibility
-from fastforward.model.cache import GrowingLayer, drop_leading, gather_entries, repack, stack_rows, truncate
+from fastforward.model.cache import drop_leading, gather_entries, repack, stack_rows, truncate
 
 
 @dataclass
@@ -232,36 +233,19 @@ class Session:
         if any(pads):
             pad_counts = torch.tensor(pads, device=self.device)[:, None]
             self.key_valid = torch.arange(width, device=self.device)[None] >= pad_counts
-        growing = all(isinstance(layer, GrowingLayer) for layer in self.cache.layers)
-        if self.batch > 1 and self.model.batch_invariant and growing:
-            return self._prefill_rows(rows, tokens, positions, pads)
         # Read where each prefix ends; rows with suffixes of different lengths read different slots.
         ends = [width - len(t) + len(p.prefix) - 1 for p, t in zip(rows, tokens, strict=True)]
         read = sorted(set(ends))
-        logits = self._run(ids, pos, None, torch.tensor(read, device=self.device))
+        reads = torch.tensor(read, device=self.device)
+        if self.model.batch_invariant and any(pads):
+            # Each row's attention alone, from its first token, under a one-prompt prefill's mask: its
+            # entries and logits are a one-prompt prefill's bits (`padded_prefill`).
+            with padded_prefill.rows_apart(pads):
+                logits = self.model.run(Layout(ids, pos, None, reads, keep=width), self.cache)
+        else:
+            logits = self._run(ids, pos, None, reads)
         pick = torch.tensor([read.index(e) for e in ends], device=self.device)
         return logits[torch.arange(self.batch, device=self.device), pick]
-
-    def _prefill_rows(
-        self, rows: list[Prompt], tokens: list[list[int]], positions: list[list[int]], pads: list[int]
-    ) -> torch.Tensor:
-        """Each row prefilled alone, then the caches stacked left-padded: a row's entries and logits are
-        the bits a one-prompt prefill gives, whatever shares its batch (a batched prefill's kernels round
-        by row count and padding). For `--exact` models, whose decoding steps are row-invariant too."""
-        logits, caches = [], []
-        for prompt, ids, where in zip(rows, tokens, positions, strict=True):
-            cache = self.model.new_cache()
-            layout = Layout(
-                torch.tensor([ids], device=self.device),
-                torch.tensor([where], device=self.device),
-                None,
-                torch.tensor([len(prompt.prefix) - 1], device=self.device),
-                keep=len(ids),
-            )
-            logits.append(self.model.run(layout, cache)[0, 0])
-            caches.append(cache)
-        self.cache = stack_rows(self.model.hf.config, caches, pads)
-        return torch.stack(logits)
 
     # ---- the step protocol --------------------------------------------------------------------
     def forward(

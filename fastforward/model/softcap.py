@@ -7,7 +7,8 @@ dense masks every layout passes), so fastforward registers its own two functions
 
 - `NAME`: the eager computation, with masked scores set to -inf before the softmax;
 - `EXACT`: the same per query, over exactly the keys it sees, so that its result is the same bits
-  whatever else shares the forward (`--exact`; a prefill, shared by AR and every decoder, stays batched).
+  whatever else shares the forward (`--exact`; a prefill, shared by AR and every decoder, runs each
+  row of a padded batch alone: `fastforward.cpu.padded_prefill`).
 
 Both cost more than SDPA's fused kernel: the scores are materialised, and `EXACT` makes one small call
 per query and layer (figures: docs/results.md, "Precision and exactness").
@@ -19,6 +20,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from fastforward.cpu.padded_prefill import attend_rows_apart
 from fastforward.errors import FastForwardError
 
 NAME = "fastforward_softcap"
@@ -63,8 +65,10 @@ def softcap_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 def exact_softcap_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """`softcap_attention` one query at a time over the keys it sees, in key order (row-invariant)."""
-    if query.shape[2] == key.shape[2]:  # a prefill: shared by AR and every decoder
-        return softcap_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if query.shape[2] == key.shape[2]:  # a prefill: shared by AR and every decoder, each row alone in a batch
+        return attend_rows_apart(
+            softcap_attention, module, query, key, value, attention_mask, dropout, scaling, **kwargs
+        )
     key, value, mask, cap = _prepare(query, key, value, attention_mask, **kwargs)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     out = torch.empty_like(query)
