@@ -15,6 +15,7 @@ import fastforward as ff
 from fastforward.cpu import row_chunks
 from fastforward.cpu.row_chunks import SIZES, RowChunkedLinear, chunk_rows, plan
 from fastforward.decoding.decoders import registry
+from fastforward.decoding.runtime import Session
 from fastforward.model import load_model
 from fastforward.model.tiny import tiny_model
 
@@ -106,6 +107,23 @@ def test_bfloat16_linears_compute_each_row_as_a_one_row_call(sizes, monkeypatch)
         assert torch.equal(layers(x[100:236]), alone[100:236])
         assert torch.equal(layers(x[7:47]), alone[7:47])
         assert layers(x[:0]).shape == (0, 576)
+
+
+@pytest.mark.parametrize("setting", [name for name in SETTINGS if "exact" in name])
+def test_a_padded_prefill_gives_each_row_a_one_prompt_prefills_bits(saved, setting):
+    """One forward prefills a left-padded batch (each row's attention alone, `padded_prefill`): every
+    row's logits and valid cache entries equal those of the row's prompt prefilled alone, bit for bit."""
+    model = load_model(saved, **SETTINGS[setting])
+    prompts = [model.encode_prompt(text) for text in TEXTS]
+    with torch.inference_mode():
+        batch = Session(model, prompts, 4)
+        for row, prompt in enumerate(prompts):
+            alone = Session(model, [prompt], 4)
+            assert torch.equal(batch.next_logits[row], alone.next_logits[0])
+            valid = batch.key_valid[row]
+            for mine, theirs in zip(batch.cache.layers, alone.cache.layers, strict=True):
+                assert torch.equal(mine.keys[row][:, valid], theirs.keys[0])
+                assert torch.equal(mine.values[row][:, valid], theirs.values[0])
 
 
 def test_call_plans_cover_the_rows_in_the_fewest_calls():

@@ -125,7 +125,7 @@ class Model:
     @property
     def batch_invariant(self) -> bool:
         """Whether a row's logits must not depend on what shares its forward (`--exact` attention): then a
-        batch is also prefilled row by row (`Session`)."""
+        padded batch's prefill attends each row alone (`Session`, `fastforward.cpu.padded_prefill`)."""
         return self.hf.config._attn_implementation in (exact_attention.NAME, softcap.EXACT)
 
     @property
