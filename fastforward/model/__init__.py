@@ -269,8 +269,9 @@ class Model:
     def use_step_graphs(self, capture: bool = True, step_length: int | None = None) -> None:
         """Run every step against a cache as a fixed-shape forward (`fastforward.model.step_graphs`),
         captured as a CUDA graph once its shape repeats (`capture`; False runs it eagerly, as on a CPU).
-        step_length: every step of at most that many tokens runs at that length, so that lossless decoders
-        give AR's tokens bit for bit at any precision (`--exact` on a GPU)."""
+        step_length: every step of at most that many tokens runs at that length, so that a token's logits
+        come from the same kernels alone or in a block: lossless decoders then gave AR's tokens at
+        bfloat16 on an H100 at batch 1, not at batch 16 (`fastforward.model.step_graphs`)."""
         if not self.fits_step_graphs:
             raise FastForwardError(
                 "CUDA graphs need SDPA attention without sliding windows; "

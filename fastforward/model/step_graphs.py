@@ -20,9 +20,12 @@ step is a fixed-shape forward:
 A shape is captured the second time it is seen, so one-off shapes (a last, shorter block) stay
 eager; `ar`, `jacobi` at its block, `mbd --static` and `lookup`'s few draft lengths repeat theirs.
 With a `step_length`, every step up to that many tokens runs at exactly that length: a token's logits
-are then computed by the same kernels whether it is fed alone or inside a block, the condition for
-lossless decoders to give AR's tokens bit for bit at bfloat16 on a GPU (tested on the CPU, where the
-two agree anyway; its CUDA case waits for a GPU run).
+are then computed by the same kernels whether it is fed alone or inside a block, which lossless
+decoders need to give AR's tokens bit for bit at bfloat16 on a GPU. It is not enough in a batch: on
+one H100 `jacobi` and `lookup` gave `ar`'s tokens at batch 1 and not at batch 16 (SmolLM2-135M, 128
+tokens; the tiny model of the CUDA test agreed). A likely cause, not verified: rows that accept
+different counts leave holes in the shared slots, so a row's keys fall into the attention kernel's
+key tiles differently than in `ar`'s run.
 Without `capture` (a CPU, the tests) the same fixed-shape forward runs eagerly. Its logits equal an
 eager step's up to kernel rounding (the mask over the capacity takes another attention kernel than
 the causal path; 1e-4 in float32 in the tests), and every decoder gives the same tokens.
