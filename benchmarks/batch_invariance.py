@@ -5,18 +5,19 @@ decoded one at a time with greedy `ar`, then in left-padded batches of 3 and of 
 `jacobi`; counts the prompts whose tokens equal one-prompt `ar`'s. `--cost`: what batch invariance
 costs: `ar` and `jacobi` at batch 1 and 8, tokens/s with the prefill and of the decoding steps alone
 (the steady state: the tokens after each row's first over the steps' seconds), with `--exact`'s invariance
-(row-by-row prefill, bfloat16 GEMMs in calls of exactly 16 or 32 rows on packed weights) and without
-it (a batched prefill, `nn.Linear`), interleaved in one process, median of `--rounds`. `--gemm`:
+(a padded prefill's attention row by row, bfloat16 GEMMs in calls of probed row counts on packed
+weights) and without it (SDPA over the padded batch, `nn.Linear`), interleaved in one process, median
+of `--rounds`. `--gemm`:
 whether torch's bfloat16 `linear` gives a row the same bits in calls of 33 to 400 rows (the kernel past
 32 rows) and whether `--exact`'s fixed calls do (the sizes each shape's probe chose), wherever a row
-sits; what one row and 136 rows cost in one `linear` and in fixed calls (and in the small calls), for
-SmolLM2-135M's shapes and larger ones.
+sits; what one row and 136 rows cost in one `linear` and in fixed calls (and in calls of 16 and 32
+rows), for SmolLM2-135M's shapes and larger ones.
 
     python benchmarks/batch_invariance.py --check        # 8 chat, 21 pycode, 21 humaneval prompts
     python benchmarks/batch_invariance.py --cost
     python benchmarks/batch_invariance.py --gemm
 
-Writes benchmarks/results/batch_invariance.json with the machine and its load average.
+Writes benchmarks/results/batch_invariance_<modes>.json with the machine and its load average.
 """
 
 from __future__ import annotations
@@ -127,11 +128,11 @@ GEMM_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152), (
 
 
 def gemm(args: argparse.Namespace) -> list[dict]:
-    """Row invariance of torch's bfloat16 `linear` past 32 rows, and of `--exact`'s calls of exactly 16 or
-    32 rows on packed weights (`fastforward.cpu.row_chunks`); their costs (µs)."""
+    """Row invariance of torch's bfloat16 `linear` past 32 rows, and of `--exact`'s calls of the probed
+    row counts on packed weights (`fastforward.cpu.row_chunks`); their costs (µs)."""
     import torch
 
-    from fastforward.cpu.row_chunks import LARGE, SMALL, _fixed_calls, call_sizes
+    from fastforward.cpu.row_chunks import PACK_ROWS, _fixed_calls, call_sizes, plan
 
     torch.manual_seed(0)
     linear, rows = torch.nn.functional.linear, []
@@ -146,7 +147,7 @@ def gemm(args: argparse.Namespace) -> list[dict]:
 
     for inputs, outputs in GEMM_SHAPES:
         weight = torch.randn(outputs, inputs, dtype=torch.bfloat16) * 0.05
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, LARGE[-1])
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
         sizes = list(call_sizes(weight, packed))
         x = torch.randn(400, inputs, dtype=torch.bfloat16)
         first = linear(x[:33], weight)
@@ -175,7 +176,8 @@ def gemm(args: argparse.Namespace) -> list[dict]:
             "one_row_fixed_calls_us": micros(lambda: calls(one), repeats),  # noqa: B023
             "136_rows_linear_us": micros(lambda: linear(block, weight), repeats),  # noqa: B023
             "136_rows_fixed_calls_us": micros(lambda: calls(block), repeats),  # noqa: B023
-            "136_rows_small_calls_us": micros(lambda: calls(block, list(SMALL)), repeats),  # noqa: B023
+            "136_rows_calls": plan(136, tuple(sizes)),
+            "136_rows_small_calls_us": micros(lambda: calls(block, [16, 32]), repeats),  # noqa: B023
         }
         log(str(row))
         rows.append(row)
