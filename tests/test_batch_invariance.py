@@ -109,11 +109,15 @@ def test_bfloat16_linears_compute_each_row_as_a_one_row_call(sizes, monkeypatch)
         assert layers(x[:0]).shape == (0, 576)
 
 
-@pytest.mark.parametrize("setting", [name for name in SETTINGS if "exact" in name])
-def test_a_padded_prefill_gives_each_row_a_one_prompt_prefills_bits(saved, setting):
+@pytest.mark.parametrize("setting", [name for name in SETTINGS if "exact" in name] + ["int4 --exact, PyTorch's kernel"])
+def test_a_padded_prefill_gives_each_row_a_one_prompt_prefills_bits(saved, setting, monkeypatch):
     """One forward prefills a left-padded batch (each row's attention alone, `padded_prefill`): every
-    row's logits and valid cache entries equal those of the row's prompt prefilled alone, bit for bit."""
-    model = load_model(saved, **SETTINGS[setting])
+    row's logits and valid cache entries equal those of the row's prompt prefilled alone, bit for bit.
+    With PyTorch's int4 kernel a prefill multiplies by bfloat16 copies of the weights from 16 rows on
+    (`quantize.prefill_kernels`), whose rounding depends on the row count: each row alone there too."""
+    if setting.endswith("PyTorch's kernel"):
+        monkeypatch.setenv("FASTFORWARD_INT4_KERNEL", "pytorch")
+    model = load_model(saved, **SETTINGS[setting.split(",")[0]])
     prompts = [model.encode_prompt(text) for text in TEXTS]
     with torch.inference_mode():
         batch = Session(model, prompts, 4)
@@ -124,6 +128,8 @@ def test_a_padded_prefill_gives_each_row_a_one_prompt_prefills_bits(saved, setti
             for mine, theirs in zip(batch.cache.layers, alone.cache.layers, strict=True):
                 assert torch.equal(mine.keys[row][:, valid], theirs.keys[0])
                 assert torch.equal(mine.values[row][:, valid], theirs.values[0])
+        unpadded, alone = Session(model, [prompts[3]] * 3, 4), Session(model, [prompts[3]], 4)  # no padding
+        assert all(torch.equal(logits, alone.next_logits[0]) for logits in unpadded.next_logits)
 
 
 def test_call_plans_cover_the_rows_in_the_fewest_calls():

@@ -8,7 +8,9 @@ order, so its cache entries and logits came out a few bits apart from a one-prom
 the model's own prefill attention on each row's unpadded queries and keys, with the mask a one-prompt
 prefill gets (the batch's, cut to the row), and leaves the padded queries' outputs zero (their cache
 entries are never seen). So a batch is prefilled in one forward, its linear layers in large calls,
-and each row's entries and logits are the bits a one-prompt prefill gives.
+and each row's entries and logits are the bits a one-prompt prefill gives. A layer whose prefill
+kernel rounds by row count (PyTorch's int4 kernel's bfloat16 copies, `quantize.prefill_kernels`)
+runs each row's tokens alone too (`each_row`).
 """
 
 from __future__ import annotations
@@ -54,3 +56,15 @@ def attend_rows_apart(
         rows = [t[row : row + 1, :, pad:].contiguous() for t in (query, key, value)]
         out[row, pad:] = attention(module, *rows, mask, *args, **kwargs)[0][0]
     return out, None
+
+
+def each_row(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, width: int) -> torch.Tensor | None:
+    """Inside `rows_apart`: `function` on each row's own tokens of x [B, T, in] (the rows a one-prompt
+    prefill gives it), zeros at the padding, [B, T, width]; None outside, or for another batch."""
+    pads = _pads.get()
+    if pads is None or x.dim() != 3 or x.shape[0] != len(pads):
+        return None
+    out = x.new_zeros(*x.shape[:-1], width)
+    for row, pad in enumerate(pads):
+        out[row, pad:] = function(x[row, pad:])
+    return out

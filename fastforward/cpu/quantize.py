@@ -45,7 +45,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from fastforward.cpu import fusion, smoothing, w4a8
+from fastforward.cpu import fusion, padded_prefill, smoothing, w4a8
 from fastforward.errors import FastForwardError
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -129,6 +129,13 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and _prefill.active:  # in a padded `--exact` prefill, each row alone
+            apart = padded_prefill.each_row(self._multiply, x, self.out_features)
+            if apart is not None:
+                return apart
+        return self._multiply(x)
+
+    def _multiply(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.dense is not None and _prefill.active and rows.shape[0] >= DENSE_ROWS:
             y = nn.functional.linear(rows, self.dense).to(x.dtype)

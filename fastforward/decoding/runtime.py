@@ -237,9 +237,9 @@ class Session:
         ends = [width - len(t) + len(p.prefix) - 1 for p, t in zip(rows, tokens, strict=True)]
         read = sorted(set(ends))
         reads = torch.tensor(read, device=self.device)
-        if self.model.batch_invariant and any(pads):
+        if self.model.batch_invariant and self.batch > 1:
             # Each row's attention alone, from its first token, under a one-prompt prefill's mask: its
-            # entries and logits are a one-prompt prefill's bits (`padded_prefill`).
+            # entries and logits are a one-prompt prefill's bits (`padded_prefill`), padded or not.
             with padded_prefill.rows_apart(pads):
                 logits = self.model.run(Layout(ids, pos, None, reads, keep=width), self.cache)
         else:
