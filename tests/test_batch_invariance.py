@@ -88,8 +88,8 @@ def test_bfloat16_linears_are_row_chunked_with_packed_weights(saved):
 @pytest.mark.parametrize("sizes", ["probed", "small", "unpacked"])
 def test_bfloat16_linears_compute_each_row_as_a_one_row_call(sizes, monkeypatch):
     """At SmolLM2-135M's MLP shapes, where the Xeon's bfloat16 GEMM changes kernel past 32 rows (and
-    another CPU's already between 16 and 32): rows in several calls (600, past the largest call), in one
-    (136) or in a padded one (40) equal each row alone, bit for bit."""
+    another CPU's already between 16 and 32): 600 rows (several calls), 136 and 40 rows, and 5 rows (a
+    call filled with zero rows) equal each row alone, bit for bit."""
     if sizes == "small":  # the small-row kernel's sizes: both, or one alone where they disagree
         probe = row_chunks.call_sizes
         monkeypatch.setattr(row_chunks, "call_sizes", lambda weight, packed: probe(weight, packed, (16, 32)))
@@ -106,6 +106,7 @@ def test_bfloat16_linears_compute_each_row_as_a_one_row_call(sizes, monkeypatch)
         assert torch.equal(layers(x), alone)
         assert torch.equal(layers(x[100:236]), alone[100:236])
         assert torch.equal(layers(x[7:47]), alone[7:47])
+        assert torch.equal(layers(x[3:8]), alone[3:8])
         assert layers(x[:0]).shape == (0, 576)
 
 
