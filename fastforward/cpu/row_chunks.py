@@ -24,6 +24,7 @@ runs at the thread count of the load; change threads before loading, not after.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +67,11 @@ def plan(rows: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _fixed_calls(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None, sizes: list[int]
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    sizes: Sequence[int],
 ) -> torch.Tensor:
     """x [N, in] @ weight.T + bias in the calls of `plan`: the last ends at the last row, computing a few
     rows before it twice (kept once), or, when there are fewer rows than one call, on zero rows."""
@@ -135,13 +140,14 @@ class RowChunkedLinear(nn.Linear):
     """An `nn.Linear` (same parameters, same state dict) computed in calls of fixed row counts."""
 
     packed: torch.Tensor | None
-    sizes: list[int]
+    sizes: tuple[int, ...]  # a tuple: `plan`'s cache key as it is, on every call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        # eagerly without the custom operation's dispatch (tens of µs a call, hundreds of calls a step)
-        product = _opaque_linear if torch.compiler.is_compiling() else _fixed_calls
-        out = product(flat, self.weight, self.bias, self.packed, self.sizes)
+        if torch.compiler.is_compiling():  # the custom operation's schema takes a list
+            out = _opaque_linear(flat, self.weight, self.bias, self.packed, list(self.sizes))
+        else:  # eagerly without the custom operation's dispatch (tens of µs a call, hundreds of calls a step)
+            out = _fixed_calls(flat, self.weight, self.bias, self.packed, self.sizes)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -163,6 +169,6 @@ def chunk_rows(model: nn.Module) -> int:
                 probed[shape] = call_sizes(module.weight, packed)
             module.__class__ = RowChunkedLinear
             module.register_buffer("packed", packed, persistent=False)
-            module.sizes = list(probed[shape])
+            module.sizes = probed[shape]
             changed += 1
     return changed
