@@ -26,6 +26,19 @@ def test_arithmetic_infill_hides_a_calculation_line_of_the_solution():
     ]
 
 
+def test_arithmetic_number_infill_hides_a_number_that_only_the_suffix_gives_away():
+    plain = ArithmeticTask(**SMALL).examples("test", 60, seed=3)
+    hidden = get_task("arithmetic-number-infill", **SMALL).examples("test", 60, seed=3)
+    for a, b in zip(plain, hidden, strict=True):
+        assert b.prompt + b.reference + b.meta["suffix"] == a.prompt + a.completion
+        number = b.reference.strip()
+        assert number.isdigit() and b.reference in (f" {number}", number)  # " 3" or the 10 of "$10"
+        assert len(b.prompt) < len(a.prompt)  # hidden in the problem statement, not its question
+        solution = b.meta["suffix"][b.meta["suffix"].index("\n") + 1 :]
+        assert number in solution.replace("=", " ").split()  # the worked solution writes it out
+    assert len({len(e.prompt) for e in hidden}) > 10  # numbers at many places
+
+
 def test_pycode_infill_reassembles_the_file():
     task = get_task("pycode-infill", suffix_lines=3)
     for e in task.examples("test", 5, seed=1):

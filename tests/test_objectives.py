@@ -13,7 +13,7 @@ from fastforward.model.tiny import tiny_model
 from fastforward.training.data import Batch
 from fastforward.training.objectives import NTP, SBD, make_objective
 from fastforward.training.objectives.base import IGNORE
-from fastforward.training.objectives.sbd import draw_block, draw_masked, sbd_layout
+from fastforward.training.objectives.sbd import draw_block, draw_block_suffixes, draw_masked, sbd_layout
 
 # SBD paper Fig. 8: L = 8, k = 4. Rows are queries, columns keys; [clean x1..x8 ; copy x̂1..x̂8].
 FIG8 = """
@@ -87,6 +87,30 @@ def test_masking_draws_only_targets_and_follows_the_generator():
     assert rates.min() < 0.2 and rates.max() > 0.8  # η ~ U(0, 1) per row
     sizes = {draw_block(2, 16, torch.Generator().manual_seed(s)) for s in range(300)}
     assert sizes == set(range(2, 17))
+
+
+def test_block_suffix_masking_reveals_a_left_part_and_masks_the_rest_of_each_block():
+    loss_mask = torch.tensor([[False] * 3 + [True] * 19] * 200)
+    masked = draw_block_suffixes(loss_mask, 4, torch.Generator().manual_seed(2))
+    assert not masked[:, :3].any()  # prompt tokens stay clean
+    for start in range(0, 22, 4):
+        part = masked[:, start : start + 4].int()
+        assert (part.diff(dim=1) >= 0).all()  # once masked, masked to the block's end
+    # every cut happens: the last position of a block is always masked (cut < 4), the first sometimes
+    assert masked[:, 7].all() and 0 < masked[:, 4].float().mean() < 1
+    assert torch.equal(masked, draw_block_suffixes(loss_mask, 4, torch.Generator().manual_seed(2)))
+
+
+def test_sbd_suffix_share_picks_the_masking_per_row(model):
+    batch = make_batch([[5] * 32] * 64)
+    generator = torch.Generator().manual_seed(0)
+    assert torch.equal(
+        SBD(suffix_share=0.0).draw(batch, generator).masked, SBD().draw(batch, torch.Generator().manual_seed(0)).masked
+    )
+    masking = SBD(min_block=4, max_block=4, suffix_share=1.0).draw(batch, generator)
+    assert (masking.masked.view(64, 8, 4).int().diff(dim=2) >= 0).all()
+    with pytest.raises(FastForwardError, match="suffix_share"):
+        SBD(suffix_share=1.5)
 
 
 def test_sbd_setup_adds_a_recorded_mask_token(model):

@@ -18,7 +18,7 @@ from fastforward.errors import FastForwardError
 from fastforward.model import Layout, visibility
 from fastforward.model.tiny import tiny_model
 from fastforward.training.objectives import SetDLM, make_objective
-from fastforward.training.objectives.setdlm import hitting_times, reveal_ranks
+from fastforward.training.objectives.setdlm import hitting_times, middle_span, reveal_ranks
 
 # Three clean tokens revealed in the order x2, x0, x1 (ranks 1, 2, 0), then their masks.
 # Rows are queries, columns keys: [clean x0 x1 x2 ; masks m0 m1 m2].
@@ -45,8 +45,8 @@ def _in_order_share(ranks: torch.Tensor) -> float:
 
 def test_small_sets_are_nearly_left_to_right_large_ones_are_not():
     batch = make_batch([[5] * 64] * 200)
-    narrow = reveal_ranks(batch, 1.0, 2.0, torch.Generator().manual_seed(0))
-    wide = reveal_ranks(batch, 16.0, 32.0, torch.Generator().manual_seed(0))
+    narrow = reveal_ranks(batch.loss_mask, batch.valid, 1.0, 2.0, torch.Generator().manual_seed(0))
+    wide = reveal_ranks(batch.loss_mask, batch.valid, 16.0, 32.0, torch.Generator().manual_seed(0))
     assert _in_order_share(narrow) > 0.85 > 0.7 > _in_order_share(wide) > 0.5
     # a position's rank stays within about max_set of its own index
     assert (narrow - torch.arange(64)).abs().max() <= 4
@@ -55,7 +55,7 @@ def test_small_sets_are_nearly_left_to_right_large_ones_are_not():
 def test_prompt_first_in_order_padding_last():
     batch = make_batch([[1, 2, 3, 4, 5, 6, 0, 0]], loss_mask=[[0, 0, 0, 1, 1, 1, 0, 0]], valid=[[1] * 6 + [0, 0]])
     for seed in range(10):
-        ranks = reveal_ranks(batch, 2.0, 4.0, torch.Generator().manual_seed(seed))[0].tolist()
+        ranks = reveal_ranks(batch.loss_mask, batch.valid, 2.0, 4.0, torch.Generator().manual_seed(seed))[0].tolist()
         assert ranks[:3] == [0, 1, 2] and sorted(ranks[3:6]) == [3, 4, 5] and ranks[6:] == [6, 7]
 
 
@@ -80,6 +80,37 @@ def test_objective_trains_masks_only_and_takes_an_ntp_term():
     assert with_ntp["loss"] == pytest.approx(with_ntp["mask_loss"] + 0.5 * with_ntp["ntp_loss"], rel=1e-5)
     with pytest.raises(FastForwardError):
         make_objective("setdlm", set_size=0)
+
+
+def test_infilling_rows_reveal_prefix_and_suffix_before_a_middle_span():
+    valid = torch.tensor([[True] * 20 + [False] * 4])
+    spans = [middle_span(valid, 5, torch.Generator().manual_seed(s))[0] for s in range(200)]
+    for span in spans:
+        where = span.nonzero()[:, 0]
+        assert 1 <= len(where) <= 5 and where.diff().eq(1).all() and where.max() < 20  # one run, in the text
+    assert {int(s.nonzero()[0]) for s in spans} == set(range(20))  # every start happens (spans shrink at the end)
+    span = spans[0][None]
+    ranks = reveal_ranks(span, valid, 2.0, 4.0, torch.Generator().manual_seed(0), context_first=True)[0]
+    context = valid[0] & ~span[0]
+    assert ranks[context].max() < ranks[span[0]].min()  # prefix and suffix come before every middle token
+    assert ranks[~valid[0]].min() > ranks[valid[0]].max()  # padding last
+
+
+def test_infill_share_makes_middles_the_only_targets_and_counts_them():
+    model = tiny_model(seed=1)
+    batch = make_batch(torch.randint(2, 250, (64, 16), generator=torch.Generator().manual_seed(0)).tolist())
+    objective = SetDLM(infill_share=0.5, max_span=3, ntp_weight=0.0)
+    objective.setup(model)
+    targets, _ = objective.draw(batch, torch.Generator().manual_seed(1))
+    per_row = targets.sum(1)
+    assert ((per_row >= 1) & (per_row <= 3)).sum() > 10 and (per_row == 16).sum() > 10  # both kinds of row
+    counted = objective.counts(model, batch, torch.Generator().manual_seed(1))
+    assert counted["mask"] == int(targets.sum())
+    _, metrics = objective.loss(model, batch, torch.Generator().manual_seed(1))
+    assert metrics["masked"] == counted["mask"]
+    assert torch.equal(SetDLM().draw(batch, torch.Generator().manual_seed(1))[0], batch.loss_mask)
+    with pytest.raises(FastForwardError, match="infill_share"):
+        SetDLM(infill_share=2.0)
 
 
 # ---- decoding ----------------------------------------------------------------------------------
@@ -184,7 +215,14 @@ def test_cli_trains_setdlm_then_decodes(tmp_path, capsys):
     args += ["--set-size", "2", "--max-set", "4"]
     assert main(args) == 0
     config = json.loads((tmp_path / "run" / "train_config.json").read_text())["objective"]
-    assert config == {"name": "setdlm", "set_size": 2.0, "max_set": 4.0, "ntp_weight": 1.0}
+    assert config == {
+        "name": "setdlm",
+        "set_size": 2.0,
+        "max_set": 4.0,
+        "ntp_weight": 1.0,
+        "infill_share": 0.0,
+        "max_span": 8,
+    }
     capsys.readouterr()
     gen = ["generate", "--model", str(tmp_path / "run"), "--decoder", "setdlm", "--window", "3", "--json"]
     assert main([*gen, "--max-new-tokens", "6", "1 +"]) == 0

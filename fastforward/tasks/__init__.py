@@ -17,7 +17,7 @@ from fastforward.errors import FastForwardError
 from fastforward.tasks.arithmetic import ArithmeticTask
 from fastforward.tasks.base import Example, Grade, Task
 from fastforward.tasks.humaneval import HumanEvalTask
-from fastforward.tasks.infill import ArithmeticInfillTask, PyCodeInfillTask
+from fastforward.tasks.infill import ArithmeticInfillTask, ArithmeticNumberInfillTask, PyCodeInfillTask
 from fastforward.tasks.jsonl import JsonlTask
 from fastforward.tasks.pycode import PyCodeTask
 
@@ -26,6 +26,7 @@ TASKS: dict[str, type[Task]] = {
     "pycode": PyCodeTask,
     "humaneval": HumanEvalTask,
     "arithmetic-infill": ArithmeticInfillTask,
+    "arithmetic-number-infill": ArithmeticNumberInfillTask,
     "pycode-infill": PyCodeInfillTask,
 }
 

@@ -2,6 +2,9 @@
 
 * `arithmetic-infill`: a worked solution with one of its calculation lines hidden. The lines
   after it use that line's result, so the middle is well defined and graded by exact match.
+* `arithmetic-number-infill`: one number of the problem statement hidden. The prefix says nothing
+  about it; the suffix (the rest of the problem and the worked solution, which computes with that
+  number) gives it away, so only a decoder that reads the suffix can beat a guess.
 * `pycode-infill`: one non-blank line of a standard-library file, given the lines before and
   `suffix_lines` lines after.
 
@@ -13,6 +16,7 @@ ROUGE-L F1 (Google's `rouge-score`, its default tokenizer: lower case, words and
 
 from __future__ import annotations
 
+import re
 from functools import cached_property
 
 from rouge_score import rouge_scorer
@@ -59,6 +63,36 @@ class ArithmeticInfillTask(_InfillGrading, ArithmeticTask):
             suffix = "".join("\n" + line for line in lines[hidden + 1 :])
             meta = {"suffix": suffix, "answer": example.reference, "hidden_line": hidden}
             out.append(Example(example.id, prefix, lines[hidden], example.completion, meta))
+        return out
+
+
+class ArithmeticNumberInfillTask(_InfillGrading, ArithmeticTask):
+    """A number of the problem statement, between the text before it and the rest of the problem
+    with its worked solution. Only numbers the solution writes out are hidden, so the suffix always
+    determines the middle; the prefix never does (numbers are drawn independently)."""
+
+    name = "arithmetic-number-infill"
+    max_new_tokens = 8
+    NUMBER = re.compile(r" ?(?<=[ $])(\d+)\b")  # " 3" (with its space: one token) or the 10 of "$10"
+
+    def examples(self, split: str = "test", n: int | None = None, seed: int = 0) -> list[Example]:
+        rng = seeded_rng("arithmetic-number-infill", split, seed)
+        out = []
+        for example in super().examples(split, n, seed):
+            solution = example.completion or ""
+            question_at = example.prompt.rstrip().rfind(". ") + 1  # the question names no new number
+            hideable = [
+                m
+                for m in self.NUMBER.finditer(example.prompt[:question_at])
+                if re.search(rf"\b{m.group(1)}\b", solution)
+            ]
+            if not hideable:
+                raise FastForwardError(f"problem {example.id} has no number that its solution uses")
+            hidden = rng.choice(hideable)
+            prefix, middle = example.prompt[: hidden.start()], hidden.group(0)
+            suffix = example.prompt[hidden.end() :] + solution
+            meta = {"suffix": suffix, "answer": example.reference}
+            out.append(Example(example.id, prefix, middle, example.completion, meta))
         return out
 
 

@@ -103,6 +103,8 @@ class MultiTF(SBD):
             raise FastForwardError(f"unknown layouts {self.layouts!r}; choose one of {', '.join(LAYOUTS)}")
         if self.schedule not in SCHEDULES:
             raise FastForwardError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.suffix_share:
+            raise FastForwardError("suffix_share is SBD's masking; MultiTF draws its masks per noise-group")
 
     def draw(self, batch: Batch, generator: torch.Generator) -> Masking:
         """The block size (once per step); each row's noise-groups, mask ratios and masks (its own stream)."""

@@ -50,6 +50,16 @@ def draw_masked(loss_mask: torch.Tensor, generator: torch.Generator) -> torch.Te
     return (coins < eta).to(loss_mask.device) & loss_mask
 
 
+def draw_block_suffixes(loss_mask: torch.Tensor, block: int, generator: torch.Generator) -> torch.Tensor:
+    """Each block of `block` positions masked from a uniform cut in [0, block) to its end: the left
+    part is revealed and the right part masked, the state a decoder that reveals the leftmost
+    masked position walks through (rare under eq. 13, whose masks are independent per token)."""
+    length = loss_mask.shape[-1]
+    offsets = torch.arange(length) % block
+    cuts = torch.randint(0, block, (loss_mask.shape[0], -(-length // block)), generator=generator)
+    return (offsets >= cuts.repeat_interleave(block, dim=1)[:, :length]).to(loss_mask.device) & loss_mask
+
+
 def sbd_layout(batch: Batch, masked: torch.Tensor, block: int, mask_id: int) -> tuple[Layout, torch.Tensor]:
     """The doubled layout of Fig. 8 and its labels [B, 2L]: clean i → x_{i+1}, masked copy i → x_i."""
     rule = visibility.sbd_train(batch.tokens.shape[1], block, batch.tokens.device)
@@ -113,8 +123,11 @@ class SBD(Objective):
     min_block: int = 2
     max_block: int = 16
     ntp_weight: float = 1.0
+    suffix_share: float = 0.0  # rows masked by `draw_block_suffixes` instead of eq. 13 (ours, not the paper's)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.suffix_share <= 1:
+            raise FastForwardError(f"suffix_share must be in [0, 1], got {self.suffix_share}")
         if not 1 <= self.min_block <= self.max_block:
             raise FastForwardError(
                 f"block sizes must satisfy 1 <= min_block <= max_block, got {self.min_block} and {self.max_block}"
@@ -128,8 +141,14 @@ class SBD(Objective):
     def draw(self, batch: Batch, generator: torch.Generator) -> Masking:
         """The block size (once per step) and each row's masks (from the row's stream)."""
         block = draw_block(self.min_block, self.max_block, generator)
-        masked = per_row(batch, generator, lambda row, g: draw_masked(row.loss_mask, g))
+        masked = per_row(batch, generator, lambda row, g: self._draw_row(row.loss_mask, block, g))
         return Masking(block, masked, stats={"block": float(block)})
+
+    def _draw_row(self, loss_mask: torch.Tensor, block: int, generator: torch.Generator) -> torch.Tensor:
+        """One row's masks: block suffixes for a `suffix_share` of rows, eq. 13 for the rest."""
+        if self.suffix_share and float(torch.rand(1, generator=generator)) < self.suffix_share:
+            return draw_block_suffixes(loss_mask, block, generator)
+        return draw_masked(loss_mask, generator)
 
     def rule(self, length: int, masking: Masking, device: torch.device) -> torch.Tensor:
         """The visibility rule of the dual stream under `masking`."""

@@ -59,28 +59,50 @@ def hitting_times(length: int, set_size: float, max_set: float, batch: int, gene
     return starts + width * (1 - torch.exp(-draws / k))
 
 
-def reveal_ranks(batch: Batch, set_size: float, max_set: float, generator: torch.Generator) -> torch.Tensor:
-    """[B, L] each token's place in its row's reveal order (prompt first, padding last)."""
-    rows, length = batch.tokens.shape
+def reveal_ranks(
+    targets: torch.Tensor,
+    valid: torch.Tensor,
+    set_size: float,
+    max_set: float,
+    generator: torch.Generator,
+    context_first: bool = False,
+) -> torch.Tensor:
+    """[B, L] each token's place in its row's reveal order (padding last). Tokens that are not
+    targets come just before the targets near them, or, with `context_first`, before every target
+    (an infilling row: prefix and suffix are known, the middle is revealed in the schedule's order)."""
+    rows, length = targets.shape
+    device = valid.device
     times = hitting_times(length, set_size, max_set, rows, generator)
     spacing = 1.0 / (length + max_set - 1)
     starts = torch.arange(length) * spacing
-    loss_mask, valid = batch.loss_mask.cpu(), batch.valid.cpu()
-    keys = torch.where(loss_mask, times, starts - max_set * spacing)
+    targets, valid = targets.cpu(), valid.cpu()
+    keys = torch.where(targets, times, starts - (2.0 if context_first else max_set * spacing))
     keys = torch.where(valid, keys, 2 + starts)
-    return keys.argsort(dim=1).argsort(dim=1).to(batch.tokens.device)
+    return keys.argsort(dim=1).argsort(dim=1).to(device)
 
 
-def setdlm_layout(batch: Batch, ranks: torch.Tensor, mask_id: int) -> tuple[Layout, torch.Tensor]:
+def middle_span(valid: torch.Tensor, max_span: int, generator: torch.Generator) -> torch.Tensor:
+    """[1, L] a run of 1..`max_span` consecutive valid tokens at a uniform place: an infilling row's
+    middle (prompt tokens included, so the model learns to fill any text between known text)."""
+    count = int(valid.sum())
+    span = min(int(torch.randint(1, max_span + 1, (1,), generator=generator)), count)
+    start = int(torch.randint(0, count - span + 1, (1,), generator=generator))
+    place = torch.arange(valid.shape[-1], device=valid.device)
+    return valid & (place >= start) & (place < start + span)
+
+
+def setdlm_layout(
+    batch: Batch, targets: torch.Tensor, ranks: torch.Tensor, mask_id: int
+) -> tuple[Layout, torch.Tensor]:
     """The two-stream layout and its labels [B, 2L] (only the masks are labelled: copy ℓ → x_ℓ)."""
-    copy = batch.tokens.masked_fill(batch.loss_mask, mask_id)
+    copy = batch.tokens.masked_fill(targets, mask_id)
     rule = visibility.reveal_order(ranks, ranks)
     layout = Layout(
         tokens=torch.cat([batch.tokens, copy], dim=1),
         positions=positions(batch).repeat(1, 2),
         visibility=visibility.against_cache(rule, batch.valid.repeat(1, 2)),
     )
-    labels = torch.cat([torch.full_like(batch.tokens, IGNORE), batch.tokens.masked_fill(~batch.loss_mask, IGNORE)], 1)
+    labels = torch.cat([torch.full_like(batch.tokens, IGNORE), batch.tokens.masked_fill(~targets, IGNORE)], 1)
     return layout, labels
 
 
@@ -92,21 +114,40 @@ class SetDLM(Objective):
     set_size: float = 4.0
     max_set: float = 8.0
     ntp_weight: float = 1.0
+    infill_share: float = 0.0  # rows made infilling rows (`middle_span`, context first; ours, not the paper's)
+    max_span: int = 8
 
     def __post_init__(self) -> None:
         if self.set_size <= 0 or self.max_set < 1:
             raise FastForwardError(f"need set_size > 0 and max_set >= 1, got {self.set_size} and {self.max_set}")
+        if not 0 <= self.infill_share <= 1 or self.max_span < 1:
+            raise FastForwardError(
+                f"need 0 <= infill_share <= 1 and max_span >= 1, got {self.infill_share} and {self.max_span}"
+            )
         if self.ntp_weight < 0:
             raise FastForwardError(f"ntp_weight must be >= 0, got {self.ntp_weight}")
 
     def setup(self, model: Model) -> None:
         model.add_mask_token()
 
+    def draw(self, batch: Batch, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's targets and reveal ranks ([B, L] each), from the row's own stream."""
+        drawn = per_row(batch, generator, self._draw_row)
+        return drawn[:, 0].bool(), drawn[:, 1]
+
+    def _draw_row(self, row: Batch, generator: torch.Generator) -> torch.Tensor:
+        """[1, 2, L]: the row's targets and ranks; an `infill_share` of rows are infilling rows."""
+        targets, infill = row.loss_mask, False
+        if self.infill_share and float(torch.rand(1, generator=generator)) < self.infill_share:
+            targets, infill = middle_span(row.valid, self.max_span, generator), True
+        ranks = reveal_ranks(targets, row.valid, self.set_size, self.max_set, generator, context_first=infill)
+        return torch.stack([targets.long(), ranks], dim=1)
+
     def loss(
         self, model: Model, batch: Batch, generator: torch.Generator, norms: Norms = None
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        ranks = per_row(batch, generator, lambda row, g: reveal_ranks(row, self.set_size, self.max_set, g))
-        layout, labels = setdlm_layout(batch, ranks, model.require_mask_token(self.name))
+        targets, ranks = self.draw(batch, generator)
+        layout, labels = setdlm_layout(batch, targets, ranks, model.require_mask_token(self.name))
         length = batch.tokens.shape[1]
         hidden = model.hidden_states(layout)[:, length:]
         mask, count = label_loss(model, hidden, labels[:, length:], term_norm(norms, "mask"))
@@ -120,8 +161,9 @@ class SetDLM(Objective):
         return loss, {"loss": loss.item(), **metrics}
 
     def counts(self, model: Model, batch: Batch, generator: torch.Generator) -> dict[str, int]:
-        """Every target is masked once, whatever the order: the counts need no draw."""
-        counts = {"mask": int(batch.loss_mask.sum())}
+        """Every target is masked once, whatever the order (infilling rows: their middles)."""
+        targets = self.draw(batch, generator)[0] if self.infill_share else batch.loss_mask
+        counts = {"mask": int(targets.sum())}
         if self.ntp_weight > 0:
             counts["ntp"] = labelled(next_token_labels(batch))
         return counts
