@@ -46,11 +46,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help=f"weight of the NTP term (sbd, multitf: default {sbd.ntp_weight:g}; setdlm: {sd.ntp_weight:g})",
     )
+    p.add_argument(
+        "--suffix-share",
+        type=float,
+        default=sbd.suffix_share,
+        help="share of rows whose blocks are masked from a random cut to their end (sbd)",
+    )
     p.add_argument("--max-group", type=int, default=mtf.max_group, help="most blocks in a noise-group (multitf)")
     p.add_argument("--layouts", choices=LAYOUTS, default=mtf.layouts, help="noise-group layouts (multitf)")
     p.add_argument("--schedule", choices=SCHEDULES, default=mtf.schedule, help="mask ratios in a group (multitf)")
     p.add_argument("--set-size", type=float, default=sd.set_size, help="desired tokens per reveal set (setdlm)")
     p.add_argument("--max-set", type=float, default=sd.max_set, help="reveal window width s_max (setdlm)")
+    p.add_argument(
+        "--infill-share",
+        type=float,
+        default=sd.infill_share,
+        help="share of rows trained to fill a middle span between known text (setdlm)",
+    )
+    p.add_argument("--max-span", type=int, default=sd.max_span, help="longest middle of an infilling row (setdlm)")
     p.add_argument(
         "--noise-schedule", default=jf.noise_schedule, help="progressive, random or reverse (jacobi_forcing)"
     )
@@ -133,8 +146,11 @@ def run(args: argparse.Namespace) -> int:
         **weight,
         min_block=args.min_block,
         max_block=args.max_block,
+        suffix_share=args.suffix_share,
         set_size=args.set_size,
         max_set=args.max_set,
+        infill_share=args.infill_share,
+        max_span=args.max_span,
         max_group=args.max_group,
         layouts=args.layouts,
         schedule=args.schedule,

@@ -2,9 +2,9 @@
 
 Built-in tasks: `arithmetic` (GSM8K-style word problems), `pycode` (next line of standard-library
 Python), `humaneval` (pass@1 on the 164 HumanEval problems), and the infilling tasks
-`arithmetic-infill` and `pycode-infill` (`fastforward.tasks.infill`). Any other argument that names a file (or
-ends in .jsonl) is a JSONL task of {"prompt", "answer"} records. See `fastforward.tasks.base` for the
-protocol.
+`arithmetic-infill`, `arithmetic-number-infill` and `pycode-infill` (`fastforward.tasks.infill`). Any
+other argument that names a file (or ends in .jsonl) is a JSONL task of {"prompt", "answer"} records.
+See `fastforward.tasks.base` for the protocol.
 """
 
 from __future__ import annotations
