@@ -118,6 +118,8 @@ def test_zoo_stages_provenance_packing_and_task_options(tmp_path, capsys):
     assert zoo.verify(shipped)["stored_as"] == "bfloat16"
     assert zoo.task_options(shipped, "arithmetic") == {"min_ops": 2, "max_ops": 3, "max_number": 20, "max_factor": 5}
     assert zoo.task_options(shipped, "pycode") == {}
+    assert zoo.task_options(shipped, "arithmetic-number-infill") == zoo.task_options(shipped, "arithmetic")
+    assert zoo.task_options(shipped, "arithmetics") == {}
     data = (shipped / "model.safetensors").read_bytes()
     (shipped / "model.safetensors").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(FastForwardError, match="does not match its provenance"):

@@ -128,12 +128,13 @@ def write_task_options(directory: Path, config: DemoConfig) -> None:
 
 
 def task_options(directory: str | Path, task: str) -> dict[str, Any]:
-    """The options of `task` that the checkpoint in `directory` was trained for ({} if none recorded)."""
+    """The options of `task` that the checkpoint in `directory` was trained for ({} if none recorded);
+    a task built on the recorded one (`arithmetic-infill`, `arithmetic-number-infill`) shares them."""
     path = Path(directory) / TASK_FILE
     if not path.is_file():
         return {}
     recorded = json.loads(path.read_text())
-    if recorded.get("name") != task.removesuffix("-infill"):
+    if task != recorded.get("name") and not task.startswith(f"{recorded.get('name')}-"):
         return {}
     return {k: v for k, v in recorded.items() if k not in ("name", "themes", "test_fraction", "strict")}
 
