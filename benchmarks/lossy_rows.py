@@ -10,8 +10,8 @@ problems:
                    the SBD model post-trained for 400 steps after a learning-rate restart)
     setdlm_infill  SetDLM with a quarter of the rows infilling rows (`--infill-share 0.25`)
 
-Rows: for the SBD models, AR, `sbd` over γ with the paper's entropy policy and with `entropy-left`
-(block 16), and SingleBD (`sbd`, threshold τ, small blocks); for the MultiTF models, SingleBD and
+Rows: for the SBD models, AR, `sbd` over γ with the paper's entropy policy, `entropy-left` and
+`entropy-prefix` (block 16), and SingleBD (`sbd`, threshold τ, small blocks); for the MultiTF models, SingleBD and
 MultiBD (`mbd`) at the demo's τ, and MultiBD at thresholds picked on a validation split (problems of
 the train split that no stage trained on: the highest-TPF grid point whose validation accuracy is at
 least SingleBD's there); for the SetDLM models, AR and `setdlm` over window × threshold on
@@ -64,7 +64,8 @@ def validation_examples(config: DemoConfig, n: int) -> list:
 
 def sbd_decoders(args: argparse.Namespace) -> dict:
     found = {}
-    for policy, gammas in (("entropy", args.gammas), ("entropy-left", args.left_gammas)):
+    policies = (("entropy", args.gammas), ("entropy-left", args.left_gammas), ("entropy-prefix", args.prefix_gammas))
+    for policy, gammas in policies:
         for g in gammas:
             found[f"sbd {policy} γ={g:g}"] = build_decoder("sbd", block_size=16, policy=policy, gamma=g)
     found[single_label(args)] = single(args, args.tau)
@@ -139,6 +140,7 @@ def main() -> None:
     zoo_arguments(p, "runs/lossy", "lossy_rows.json", "fine-tune steps of every candidate")
     p.add_argument("--gammas", default="0.1,0.35,0.6", help="γ of the entropy policy")
     p.add_argument("--left-gammas", default="0,0.01,0.03,0.1", help="γ of the entropy-left policy")
+    p.add_argument("--prefix-gammas", default="0.1,0.35,0.6,1", help="γ of the entropy-prefix policy")
     p.add_argument("--tau", type=float, default=0.9, help="SingleBD's and the demo MultiBD's threshold")
     p.add_argument("--small-block", type=int, default=6)
     p.add_argument("--adds", default="0.1,0.5", help="MultiBD add thresholds tried on the validation split")
@@ -147,7 +149,7 @@ def main() -> None:
     p.add_argument("--thresholds", default="0.9,0.99")
     p.add_argument("--n-validation", type=int, default=100)
     args = p.parse_args()
-    for key in ("gammas", "left_gammas", "adds", "accepts", "thresholds"):
+    for key in ("gammas", "left_gammas", "prefix_gammas", "adds", "accepts", "thresholds"):
         setattr(args, key, [float(x) for x in getattr(args, key).split(",")])
     args.windows = [int(x) for x in args.windows.split(",")]
 

@@ -13,6 +13,7 @@ from fastforward.decoding.policies import (
     ConfidenceBounded,
     EntropyBounded,
     EntropyLeftmost,
+    EntropyPrefix,
     Factor,
     Threshold,
     entropy_and_confidence,
@@ -61,6 +62,15 @@ def test_entropy_leftmost_reveals_the_leftmost_position_when_none_is_confident()
         EntropyLeftmost(0.5)(confident, torch.ones(1, 3, dtype=torch.bool)),
         EntropyBounded(0.5)(confident, torch.ones(1, 3, dtype=torch.bool)),
     )
+
+
+def test_entropy_prefix_reveals_a_run_from_the_leftmost_masked_position():
+    logits = _logits((1, 2, 0))  # entropies ln2, ln4, 0: exclusive sums in position order 0, ln2, 3 ln2
+    masked = torch.ones(1, 3, dtype=torch.bool)
+    assert EntropyPrefix(0.0)(logits, masked).tolist() == [[True, False, False]]
+    assert EntropyPrefix(0.7)(logits, masked).tolist() == [[True, True, False]]
+    assert EntropyBounded(0.7)(logits, masked).tolist() == [[True, True, True]]  # in entropy order: 0, 0, ln2
+    assert EntropyPrefix(0.0)(logits, torch.tensor([[False, True, True]])).tolist() == [[False, True, False]]
 
 
 @pytest.mark.parametrize(("gamma", "expected"), [(0.0, 2), (0.69, 2), (0.70, 3)])
@@ -118,7 +128,9 @@ def _reference(policy, logits, masked):
     reveal = torch.zeros_like(masked)
     for r in range(masked.shape[0]):
         open_ = [i for i in range(masked.shape[1]) if masked[r, i]]
-        if isinstance(policy, EntropyBounded):
+        if isinstance(policy, EntropyPrefix):
+            order = open_
+        elif isinstance(policy, EntropyBounded):
             order = sorted(open_, key=lambda i: float(entropy[r, i]))
         else:
             order = sorted(open_, key=lambda i: -float(confidence[r, i]))
@@ -126,7 +138,7 @@ def _reference(policy, logits, masked):
         c = [float(confidence[r, i]) for i in order]
         n = 0
         for s in range(len(order)):
-            if isinstance(policy, EntropyBounded):
+            if isinstance(policy, EntropyBounded | EntropyPrefix):
                 ok = sum(h[:s]) <= policy.gamma
             elif isinstance(policy, ConfidenceBounded):
                 ok = sum(h[: s + 1]) - max(h[: s + 1]) <= policy.gamma
@@ -148,6 +160,8 @@ def _reference(policy, logits, masked):
         EntropyBounded(0.0),
         EntropyBounded(0.8),
         EntropyBounded(math.inf),
+        EntropyPrefix(0.0),
+        EntropyPrefix(0.8),
         ConfidenceBounded(0.5),
         Factor(2.0),
         Threshold(0.3),

@@ -83,6 +83,19 @@ class EntropyLeftmost(EntropyBounded):
 
 
 @dataclass(frozen=True)
+class EntropyPrefix:
+    """EB-Sampler's bound (Σ_{j<s} H_j ≤ γ) over the masked positions in position order, not entropy
+    order: a run from the leftmost masked position, so every revealed token has its left filled, as a
+    causal model's would (the state SBD's `suffix_share` rows train). γ = 0: one token a forward."""
+
+    gamma: float
+
+    def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        place = torch.arange(masked.shape[-1], device=masked.device).expand(masked.shape).float()
+        return _reveal(place, masked, False, lambda e: e.cumsum(-1) - e <= self.gamma, stat=entropy(logits))
+
+
+@dataclass(frozen=True)
 class ConfidenceBounded:
     """EB-Sampler with confidence proxy (SBD eq. 18): most confident first, while Σ H − max H ≤ γ."""
 
@@ -121,6 +134,7 @@ class Threshold:
 POLICIES = {
     "entropy": EntropyBounded,
     "entropy-left": EntropyLeftmost,
+    "entropy-prefix": EntropyPrefix,
     "confidence": ConfidenceBounded,
     "factor": Factor,
     "threshold": Threshold,
