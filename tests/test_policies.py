@@ -65,12 +65,14 @@ def test_entropy_leftmost_reveals_the_leftmost_position_when_none_is_confident()
 
 
 def test_entropy_prefix_reveals_a_run_from_the_leftmost_masked_position():
-    logits = _logits((1, 2, 0))  # entropies ln2, ln4, 0: exclusive sums in position order 0, ln2, 3 ln2
-    masked = torch.ones(1, 3, dtype=torch.bool)
-    assert EntropyPrefix(0.0)(logits, masked).tolist() == [[True, False, False]]
-    assert EntropyPrefix(0.7)(logits, masked).tolist() == [[True, True, False]]
-    assert EntropyBounded(0.7)(logits, masked).tolist() == [[True, True, True]]  # in entropy order: 0, 0, ln2
-    assert EntropyPrefix(0.0)(logits, torch.tensor([[False, True, True]])).tolist() == [[False, True, False]]
+    logits = _logits((0, 1, 2, 0))  # entropies 0, ln2, ln4, 0: sums in position order 0, ln2, 3 ln2, 3 ln2
+    masked = torch.ones(1, 4, dtype=torch.bool)
+    assert EntropyPrefix(0.0)(logits, masked).tolist() == [[True, False, False, False]]
+    assert EntropyPrefix(0.7)(logits, masked).tolist() == [[True, True, False, False]]
+    assert EntropyPrefix(2.1)(logits, masked).tolist() == [[True, True, True, True]]
+    assert EntropyBounded(0.0)(logits, masked).tolist() == [[True, True, False, True]]  # entropy order: 0, 0, ln2
+    first_filled = torch.tensor([[False, True, True, True]])
+    assert EntropyPrefix(0.0)(logits, first_filled).tolist() == [[False, True, False, False]]  # at least one
 
 
 @pytest.mark.parametrize(("gamma", "expected"), [(0.0, 2), (0.69, 2), (0.70, 3)])
@@ -138,7 +140,9 @@ def _reference(policy, logits, masked):
         c = [float(confidence[r, i]) for i in order]
         n = 0
         for s in range(len(order)):
-            if isinstance(policy, EntropyBounded | EntropyPrefix):
+            if isinstance(policy, EntropyPrefix):
+                ok = sum(h[: s + 1]) <= policy.gamma
+            elif isinstance(policy, EntropyBounded):
                 ok = sum(h[:s]) <= policy.gamma
             elif isinstance(policy, ConfidenceBounded):
                 ok = sum(h[: s + 1]) - max(h[: s + 1]) <= policy.gamma

@@ -84,15 +84,16 @@ class EntropyLeftmost(EntropyBounded):
 
 @dataclass(frozen=True)
 class EntropyPrefix:
-    """EB-Sampler's bound (Σ_{j<s} H_j ≤ γ) over the masked positions in position order, not entropy
-    order: a run from the leftmost masked position, so every revealed token has its left filled, as a
-    causal model's would (the state SBD's `suffix_share` rows train). γ = 0: one token a forward."""
+    """A run from the leftmost masked position while Σ_{j≤s} H_j ≤ γ (at least one), so every revealed
+    token has its left filled, as a causal model's would (the state SBD's `suffix_share` rows train).
+    The bound counts the last token's own entropy, unlike EB's Σ_{j<s}: in entropy order that last one
+    is the surest left, in position order it could be the least sure."""
 
     gamma: float
 
     def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         place = torch.arange(masked.shape[-1], device=masked.device).expand(masked.shape).float()
-        return _reveal(place, masked, False, lambda e: e.cumsum(-1) - e <= self.gamma, stat=entropy(logits))
+        return _reveal(place, masked, False, lambda e: e.cumsum(-1) <= self.gamma, stat=entropy(logits))
 
 
 @dataclass(frozen=True)
