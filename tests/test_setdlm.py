@@ -14,6 +14,8 @@ from fastforward.api import build_decoder, infill
 from fastforward.cli import main
 from fastforward.decoding.decoders import ARDecoder, Prompt
 from fastforward.decoding.decoders.setdlm import SetDiffusionDecoder
+from fastforward.decoding.runtime import Session
+from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, visibility
 from fastforward.model.tiny import tiny_model
@@ -172,6 +174,37 @@ def test_window_one_threshold_inf_is_one_token_per_forward_left_to_right(tiny, p
     gens = SetDiffusionDecoder(1, math.inf).generate(tiny, prompts, max_new_tokens=9)
     for g in gens:
         assert g.stats.tokens_per_step == {1: len(g.token_ids)}
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_first_token_from_ntp_at_threshold_inf_is_greedy_ar(tiny, prompts, cache_is_prefill, window):
+    """Only the next-token prediction is accepted: AR, one token a forward, batched. With runs
+    accepted too (threshold 0), what the cache holds is a causal prefill of the output so far."""
+    decoder = SetDiffusionDecoder(window, math.inf, first_token_from_ntp=True)
+    ar = ARDecoder().generate(tiny, prompts, max_new_tokens=11)
+    gens = decoder.generate(tiny, prompts, max_new_tokens=11)
+    assert [g.token_ids for g in gens] == [g.token_ids for g in ar]
+    assert all(g.stats.tokens_per_step == {1: len(g.token_ids)} for g in gens)
+    for prompt in prompts:
+        with torch.inference_mode():
+            session = Session(tiny, [prompt], max_new_tokens=11)
+            SetDiffusionDecoder(window, 0.0, first_token_from_ntp=True).decode(session)
+        cached = session.cache.get_seq_length()
+        assert cached > len(prompt)
+        cache_is_prefill(session.cache, (prompt + session.outputs[0])[:cached])
+
+
+def test_first_token_from_ntp_accepts_a_run_and_samples_as_ar(tiny, prompts):
+    greedy = SetDiffusionDecoder(5, 0.0, first_token_from_ntp=True).generate(tiny, prompts, max_new_tokens=13)
+    assert all(g.stats.nfe < len(g.token_ids) for g in greedy)  # threshold 0: the whole run at once
+    single = [SetDiffusionDecoder(5, 0.0, first_token_from_ntp=True).generate(tiny, [p], 13)[0] for p in prompts]
+    assert [g.token_ids for g in greedy] == [g.token_ids for g in single]
+    sampler = Sampler(temperature=1.0, top_p=0.75)
+    rows = [Prompt(p, seed=s) for s, p in enumerate(prompts)]
+    sampled = SetDiffusionDecoder(3, math.inf, sampler=sampler, first_token_from_ntp=True).generate(tiny, rows, 12)
+    assert [g.token_ids for g in sampled] == [g.token_ids for g in ARDecoder(sampler).generate(tiny, rows, 12)]
+    with pytest.raises(FastForwardError, match="first_token_from_ntp"):
+        SetDiffusionDecoder(first_token_from_ntp=True).generate(tiny, [Prompt(prompts[0], suffix=[5, 6], gap=3)], 3)
 
 
 @pytest.mark.parametrize("window, threshold", [(5, 0.7), (5, 0.0)])

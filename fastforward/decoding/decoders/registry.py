@@ -192,6 +192,13 @@ GAMMA = Knob(
     check=lambda v: v >= 0,
     rule=">= 0",
 )
+FIRST_TOKEN_FROM_NTP = Knob(
+    "first_token_from_ntp",
+    bool,
+    False,
+    "take the first masked position's token from the next-token prediction (sbd: each block's first; "
+    "setdlm: every step's, then the run of confident positions after it)",
+)
 TEMPERATURE = Knob("temperature", float, 0.0, "sampling temperature (0 = greedy)", check=lambda v: v >= 0, rule=">= 0")
 TOP_P = Knob("top_p", float, 1.0, "nucleus sampling mass", check=lambda v: 0 < v <= 1, rule="in (0, 1]")
 SEED = Knob("seed", int, 0, "seed of sampling and of random draft initialisation")

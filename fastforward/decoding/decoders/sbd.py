@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.decoders.registry import BLOCK_SIZE, GAMMA, POLICY, SAMPLING, Knob, register
+from fastforward.decoding.decoders.registry import BLOCK_SIZE, FIRST_TOKEN_FROM_NTP, GAMMA, POLICY, SAMPLING, register
 from fastforward.decoding.policies import EntropyBounded, make_policy
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
@@ -110,11 +110,6 @@ class SBDDecoder(Decoder):
         read_from = commit - 1 if self.first_token_from_ntp else commit
         rule = visibility.sbd_decode(commit, size, session.device)
         return session.forward(tokens, positions, rule, read=range(read_from, commit + size))
-
-
-FIRST_TOKEN_FROM_NTP = Knob(
-    "first_token_from_ntp", bool, False, "take each block's first token from the next-token prediction (sbd)"
-)
 
 
 @register(

@@ -19,6 +19,13 @@ and are not kept.
 `window 1, threshold inf` decodes left to right, one token per forward. The mask token's own
 logit is never chosen.
 
+**First token from NTP** (`first_token_from_ntp`, ours): the first masked position takes the clean
+stream's next-token prediction, read at the last accepted token in the same forward (after the
+prefill, the prefill's), and only the run of candidates right after it at or above `threshold` is
+accepted with it. The accepted tokens then always extend a left-to-right prefix, so the cache is a
+causal prefill's and that prediction is AR's: with `threshold inf` the output is greedy AR's (or AR
+sampling's, with the same draws).
+
 **Infilling** (a `Prompt` with a suffix `gap` positions after the prefix): the window slides over
 the gap only. `suffix_cache="promote"` (the default) brings each suffix token into the cache, as a
 carried token, in the forward whose window first reaches its position, so masks see the suffix no
@@ -34,7 +41,7 @@ import math
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.decoders.registry import SAMPLING, Knob, register
+from fastforward.decoding.decoders.registry import FIRST_TOKEN_FROM_NTP, SAMPLING, Knob, register
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
@@ -50,7 +57,12 @@ class SetDiffusionDecoder(Decoder):
     infills = True
 
     def __init__(
-        self, window: int = 4, threshold: float = 0.9, suffix_cache: str = "promote", sampler: Sampler | None = None
+        self,
+        window: int = 4,
+        threshold: float = 0.9,
+        suffix_cache: str = "promote",
+        sampler: Sampler | None = None,
+        first_token_from_ntp: bool = False,
     ):
         if window < 1:
             raise FastForwardError(f"window must be >= 1, got {window}")
@@ -60,6 +72,7 @@ class SetDiffusionDecoder(Decoder):
             raise FastForwardError(f"unknown suffix cache {suffix_cache!r}; choose one of {', '.join(SUFFIX_CACHE)}")
         self.window, self.threshold, self.suffix_cache = window, threshold, suffix_cache
         self.sampler = sampler or Sampler()
+        self.first_token_from_ntp = first_token_from_ntp
 
     def open_session(self, model, prompts, max_new_tokens) -> Session:
         upfront = self.suffix_cache == "upfront"
@@ -67,6 +80,11 @@ class SetDiffusionDecoder(Decoder):
 
     def decode(self, session: Session) -> None:
         mask_id = session.model.require_mask_token(self.name)
+        ntp = self.first_token_from_ntp
+        if ntp and any(session.suffixes):
+            raise FastForwardError(
+                "first_token_from_ntp decodes a prefix left to right; infill without it (the suffix is not a prefix)"
+            )
         carried: list[list[tuple[int, int]]] = [[] for _ in range(session.batch)]  # (position, token) to cache
         promoted = [0 if session.suffixes[row] and not session.suffix_upfront else -1 for row in range(session.batch)]
         while not session.finished:
@@ -76,14 +94,23 @@ class SetDiffusionDecoder(Decoder):
                 if running[row] and promoted[row] >= 0:
                     promoted[row] = self._promote(session, row, promoted[row], carried[row])
             tokens, positions, rule, width = self._layout(session, carried, candidates, mask_id)
-            read = range(width, tokens.shape[1])
+            read = range(0 if ntp else width, tokens.shape[1])
             logits = session.forward(tokens, positions, rule, read, rows=torch.tensor(running))
+            if ntp:  # the next-token prediction at each row's last accepted token, then the masks'
+                last = torch.tensor([len(c) - 1 for c in carried], device=session.device)
+                at_last = logits[torch.arange(session.batch, device=session.device), last.clamp_min(0)]
+                first = torch.where((last >= 0)[:, None], at_last, session.next_logits)
+                logits = logits[:, width:]
             logits[..., mask_id] = -math.inf
             confidence, choice = torch.softmax(logits, dim=-1).max(dim=-1)
             if session.sampler.temperature > 0:  # (greedy keeps the softmax's own choice, as it always did)
                 choice = session.sample(logits, positions[:, width:])
+            if ntp:
+                choice[:, 0] = session.sample(first, positions[:, width])
+                confidence[:, 0] = math.inf
             choices, confidences = torch.stack([choice.double(), confidence.double()]).tolist()
-            accepted = [self._accept(c, choices[r], confidences[r]) for r, c in enumerate(candidates)]
+            accept = self._accept_run if ntp else self._accept
+            accepted = [accept(c, choices[r], confidences[r]) for r, c in enumerate(candidates)]
             self._commit(session, accepted)
             session.advance(keep=[len(c) for c in carried])
             # what the next forward caches: nothing for a finished row, nothing past a revealed stop token
@@ -114,6 +141,17 @@ class SetDiffusionDecoder(Decoder):
         conf = confidences[: len(candidates)]
         best = max(range(len(candidates)), key=lambda i: (conf[i], -i))
         return [(p, int(choices[i])) for i, p in enumerate(candidates) if i == best or conf[i] >= self.threshold]
+
+    def _accept_run(
+        self, candidates: list[int], choices: list[float], confidences: list[float]
+    ) -> list[tuple[int, int]]:
+        """The first candidate and the run of consecutive candidates after it at or above the threshold."""
+        run: list[tuple[int, int]] = []
+        for i, p in enumerate(candidates):
+            if run and (p != run[-1][0] + 1 or confidences[i] < self.threshold):
+                break
+            run.append((p, int(choices[i])))
+        return run
 
     @staticmethod
     def _layout(
@@ -177,10 +215,13 @@ class SetDiffusionDecoder(Decoder):
             "setdlm infilling: the suffix enters the cache up front or as the window reaches it",
             choices=SUFFIX_CACHE,
         ),
+        FIRST_TOKEN_FROM_NTP,
         *SAMPLING,
     ),
     summary="Set Diffusion: a sliding window of masks, confident ones accepted anywhere in it, exact KV cache",
     needs_mask=True,
 )
-def _build(window: int, threshold: float, suffix_cache: str, sampler: Sampler) -> SetDiffusionDecoder:
-    return SetDiffusionDecoder(window, threshold, suffix_cache, sampler)
+def _build(
+    window: int, threshold: float, suffix_cache: str, first_token_from_ntp: bool, sampler: Sampler
+) -> SetDiffusionDecoder:
+    return SetDiffusionDecoder(window, threshold, suffix_cache, sampler, first_token_from_ntp)
