@@ -16,7 +16,8 @@ MultiBD (`mbd`) at the demo's τ, and MultiBD at thresholds picked on a validati
 the train split that no stage trained on: the highest-TPF grid point whose validation accuracy is at
 least SingleBD's there); for the SetDLM models, AR and `setdlm` over window × threshold on
 arithmetic, and on `arithmetic-number-infill` (a number of the problem hidden, given away only by the
-suffix) AR from the prefix against `setdlm` with the suffix up front and promoted.
+suffix) AR from the prefix against `setdlm` with the suffix up front and promoted. `setdlm ntp-first`
+rows take each step's first token from the next-token prediction (`first_token_from_ntp`).
 
     python benchmarks/lossy_rows.py --out runs/lossy --threads 2    # trains what --out lacks (~70 min)
 
@@ -147,9 +148,10 @@ def main() -> None:
     p.add_argument("--accepts", default="0.8,0.9,0.95,0.98", help="MultiBD accept thresholds tried there")
     p.add_argument("--windows", default="2,4")
     p.add_argument("--thresholds", default="0.9,0.99")
+    p.add_argument("--ntp-thresholds", default="0.99,0.995", help="setdlm with its first token from NTP")
     p.add_argument("--n-validation", type=int, default=100)
     args = p.parse_args()
-    for key in ("gammas", "left_gammas", "prefix_gammas", "adds", "accepts", "thresholds"):
+    for key in ("gammas", "left_gammas", "prefix_gammas", "adds", "accepts", "thresholds", "ntp_thresholds"):
         setattr(args, key, [float(x) for x in getattr(args, key).split(",")])
     args.windows = [int(x) for x in args.windows.split(",")]
 
@@ -187,9 +189,12 @@ def main() -> None:
     infill_cases = infill.examples("test", n=args.n, seed=config.seed)
     for name, directory in (("setdlm", SHIPPED / "setdlm"), ("setdlm_infill", out / "setdlm_infill")):
         grid = {
-            f"setdlm w={w} p={t:g}": build_decoder("setdlm", window=w, threshold=t)
+            f"setdlm{' ntp-first' if ntp else ''} w={w} p={t:g}": build_decoder(
+                "setdlm", window=w, threshold=t, first_token_from_ntp=ntp
+            )
+            for ntp, thresholds in ((False, args.thresholds), (True, args.ntp_thresholds))
             for w in args.windows
-            for t in args.thresholds
+            for t in thresholds
         }
         measure(name, directory, grid)
         fill = {f"setdlm w=4 p=0.9 suffix {s}": build_decoder("setdlm", suffix_cache=s) for s in ("upfront", "promote")}

@@ -11,7 +11,8 @@ decoding of itself in the same run (interleaved problem by problem, `evaluate.co
   `sbd-verified` (lossless), and SingleBD
   (`sbd`, threshold policy, small blocks) beside training-free MultiBD (`mbd`) at the same threshold;
 * MultiTF model (the SBD model post-trained for MultiBD): `mbd` at that threshold;
-* SetDLM model: `setdlm` (sliding window).
+* SetDLM model: `setdlm` (sliding window), and with each step's first token from the next-token
+  prediction (`first_token_from_ntp`, ours: a run of confident masks after AR's token).
 
 Each row: accuracy, NFE per problem, TPF, TPS and wall speedup against its own model's AR.
 """
@@ -48,6 +49,8 @@ class Settings:
     accept_threshold: float = 0.9
     windows: tuple[int, ...] = (2, 4)
     threshold: float = 0.9
+    ntp_first_window: int = 4  # `setdlm` with each step's first token from the next-token prediction
+    ntp_first_threshold: float = 0.995
 
 
 def _gamma(g: float) -> str:
@@ -79,7 +82,12 @@ def decoders(s: Settings) -> dict[str, dict[str, Any]]:
             multi: build_decoder("mbd", block_size=s.small_block, **mbd),
         },
         "multitf": {multi: build_decoder("mbd", block_size=s.small_block, **mbd)},
-        "setdlm": {_window(s, w): build_decoder("setdlm", window=w, threshold=s.threshold) for w in s.windows},
+        "setdlm": {
+            **{_window(s, w): build_decoder("setdlm", window=w, threshold=s.threshold) for w in s.windows},
+            f"setdlm ntp-first w={s.ntp_first_window} p={s.ntp_first_threshold:g}": build_decoder(
+                "setdlm", window=s.ntp_first_window, threshold=s.ntp_first_threshold, first_token_from_ntp=True
+            ),
+        },
     }
 
 
