@@ -4,7 +4,7 @@
   after it use that line's result, so the middle is well defined and graded by exact match.
 * `arithmetic-number-infill`: one number of the problem statement hidden. The prefix says nothing
   about it; the suffix (the rest of the problem and the worked solution, which computes with that
-  number) gives it away, so only a decoder that reads the suffix can beat a guess.
+  number) gives it away, so only a decoder that reads the suffix can do better than a guess.
 * `pycode-infill`: one non-blank line of a standard-library file, given the lines before and
   `suffix_lines` lines after.
 
@@ -69,7 +69,8 @@ class ArithmeticInfillTask(_InfillGrading, ArithmeticTask):
 class ArithmeticNumberInfillTask(_InfillGrading, ArithmeticTask):
     """A number of the problem statement, between the text before it and the rest of the problem
     with its worked solution. Only numbers the solution writes out are hidden, so the suffix always
-    determines the middle; the prefix never does (numbers are drawn independently)."""
+    determines the middle; the prefix at most narrows it (numbers are drawn at random, some only so
+    that a division comes out whole: AR from the prefix gets about one in ten)."""
 
     name = "arithmetic-number-infill"
     max_new_tokens = 8
