@@ -93,7 +93,7 @@ class SetDiffusionDecoder(Decoder):
             for row in range(session.batch):
                 if running[row] and promoted[row] >= 0:
                     promoted[row] = self._promote(session, row, promoted[row], carried[row])
-            tokens, positions, rule, width = self._layout(session, carried, candidates, mask_id)
+            tokens, positions, rule, width = carried_and_masks(session, carried, candidates, mask_id)
             read = range(0 if ntp else width, tokens.shape[1])
             logits = session.forward(tokens, positions, rule, read, rows=torch.tensor(running))
             if ntp:  # the next-token prediction at each row's last accepted token, then the masks'
@@ -111,7 +111,7 @@ class SetDiffusionDecoder(Decoder):
             choices, confidences = torch.stack([choice.double(), confidence.double()]).tolist()
             accept = self._accept_run if ntp else self._accept
             accepted = [accept(c, choices[r], confidences[r]) for r, c in enumerate(candidates)]
-            self._commit(session, accepted)
+            commit_writes(session, accepted)
             session.advance(keep=[len(c) for c in carried])
             # what the next forward caches: nothing for a finished row, nothing past a revealed stop token
             carried = [
@@ -153,40 +153,50 @@ class SetDiffusionDecoder(Decoder):
             run.append((p, int(choices[i])))
         return run
 
-    @staticmethod
-    def _layout(
-        session: Session, carried: list[list[tuple[int, int]]], candidates: list[list[int]], mask_id: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """Tokens, positions and per-row rule of `[carried (padded) ; candidate masks (padded)]`."""
-        width = max(len(c) for c in carried)
-        reads = max(1, max(len(c) for c in candidates))
-        pad_id = session.model.pad_token_id
-        ids, pos, clean_rank, mask_rank = [], [], [], []
-        big = width + 1  # rank of a padded carried slot: after every real one, seen by no mask
-        for row, (carry, cands) in enumerate(zip(carried, candidates, strict=True)):
-            origin = session.origins[row]
-            ids.append([t for _, t in carry] + [pad_id] * (width - len(carry)) + [mask_id] * reads)
-            filler = origin + (carry[-1][0] if carry else session.frontiers[row])
-            pos.append([origin + p for p, _ in carry] + [filler] * (width - len(carry)))
-            pos[-1] += [origin + p for p in cands] + [filler] * (reads - len(cands))
-            clean_rank.append(list(range(len(carry))) + [big + i for i in range(width - len(carry))])
-            mask_rank.append([len(carry)] * reads)
-        device = session.device
-        rule = visibility.reveal_order(torch.tensor(clean_rank), torch.tensor(mask_rank))
-        for row, carry in enumerate(carried):  # a padded carried slot sees only itself
-            for slot in range(len(carry), width):
-                rule[row, slot, :] = False
-                rule[row, slot, slot] = True
-        return torch.tensor(ids, device=device), torch.tensor(pos, device=device), rule.to(device), width
 
-    @staticmethod
-    def _commit(session: Session, writes: list[list[tuple[int, int]]]) -> None:
-        high = max(len(w) for w in writes)
-        if not high:
-            return
-        tokens = [[t for _, t in w] + [0] * (high - len(w)) for w in writes]
-        at = [[p for p, _ in w] + [-1] * (high - len(w)) for w in writes]
-        session.commit(torch.tensor(tokens), torch.tensor(at))
+def carried_and_masks(
+    session: Session,
+    carried: list[list[tuple[int, int]]],
+    candidates: list[list[int]],
+    mask_id: int,
+    masks_see_masks: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Tokens, positions and per-row rule of `[carried (padded) ; candidate masks (padded)]`: the
+    carried tokens causal in position order over the cache, each mask seeing the cache, the row's
+    carried tokens and itself (with `masks_see_masks`, every real mask of its row too: SBD's block).
+    Returns them with the carried width."""
+    width = max(len(c) for c in carried)
+    reads = max(1, max(len(c) for c in candidates))
+    pad_id = session.model.pad_token_id
+    ids, pos, clean_rank, mask_rank = [], [], [], []
+    big = width + 1  # rank of a padded carried slot: after every real one, seen by no mask
+    for row, (carry, cands) in enumerate(zip(carried, candidates, strict=True)):
+        origin = session.origins[row]
+        ids.append([t for _, t in carry] + [pad_id] * (width - len(carry)) + [mask_id] * reads)
+        filler = origin + (carry[-1][0] if carry else session.frontiers[row])
+        pos.append([origin + p for p, _ in carry] + [filler] * (width - len(carry)))
+        pos[-1] += [origin + p for p in cands] + [filler] * (reads - len(cands))
+        clean_rank.append(list(range(len(carry))) + [big + i for i in range(width - len(carry))])
+        mask_rank.append([len(carry)] * reads)
+    device = session.device
+    rule = visibility.reveal_order(torch.tensor(clean_rank), torch.tensor(mask_rank))
+    for row, (carry, cands) in enumerate(zip(carried, candidates, strict=True)):
+        for slot in range(len(carry), width):  # a padded carried slot sees only itself
+            rule[row, slot, :] = False
+            rule[row, slot, slot] = True
+        if masks_see_masks:
+            rule[row, width : width + len(cands), width : width + len(cands)] = True
+    return torch.tensor(ids, device=device), torch.tensor(pos, device=device), rule.to(device), width
+
+
+def commit_writes(session: Session, writes: list[list[tuple[int, int]]]) -> None:
+    """Each row's (position, token) writes onto the session's canvas."""
+    high = max(len(w) for w in writes)
+    if not high:
+        return
+    tokens = [[t for _, t in w] + [0] * (high - len(w)) for w in writes]
+    at = [[p for p, _ in w] + [-1] * (high - len(w)) for w in writes]
+    session.commit(torch.tensor(tokens), torch.tensor(at))
 
 
 @register(
