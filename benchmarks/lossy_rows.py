@@ -11,13 +11,14 @@ problems:
     setdlm_infill  SetDLM with a quarter of the rows infilling rows (`--infill-share 0.25`)
 
 Rows: for the SBD models, AR, `sbd` over γ with the paper's entropy policy, `entropy-left` and
-`entropy-prefix` (block 16), and SingleBD (`sbd`, threshold τ, small blocks); for the MultiTF models, SingleBD and
-MultiBD (`mbd`) at the demo's τ, and MultiBD at thresholds picked on a validation split (problems of
-the train split that no stage trained on: the highest-TPF grid point whose validation accuracy is at
-least SingleBD's there); for the SetDLM models, AR and `setdlm` over window × threshold on
-arithmetic, and on `arithmetic-number-infill` (a number of the problem hidden, given away only by the
-suffix) AR from the prefix against `setdlm` with the suffix up front and promoted. `setdlm ntp-first`
-rows take each step's first token from the next-token prediction (`first_token_from_ntp`).
+`entropy-prefix` (block 16), `sbd-slide` over γ (a fresh block after the text each forward), and
+SingleBD (`sbd`, threshold τ, small blocks); for the MultiTF models, SingleBD and MultiBD (`mbd`) at
+the demo's τ, and MultiBD at thresholds picked on a validation split (problems of the train split
+that no stage trained on: the highest-TPF grid point whose validation accuracy is at least
+SingleBD's there); for the SetDLM models, AR and `setdlm` over window × threshold on arithmetic, and
+on `arithmetic-number-infill` (a number of the problem hidden, given away only by the suffix) AR
+from the prefix against `setdlm` with the suffix up front and promoted. `setdlm ntp-first` rows take
+each step's first token from the next-token prediction (`first_token_from_ntp`).
 
     python benchmarks/lossy_rows.py --out runs/lossy --threads 2    # trains what --out lacks (~70 min)
 
@@ -69,6 +70,8 @@ def sbd_decoders(args: argparse.Namespace) -> dict:
     for policy, gammas in policies:
         for g in gammas:
             found[f"sbd {policy} γ={g:g}"] = build_decoder("sbd", block_size=16, policy=policy, gamma=g)
+    for g in args.slide_gammas:
+        found[f"sbd-slide γ={g:g}"] = build_decoder("sbd-slide", block_size=16, gamma=g)
     found[single_label(args)] = single(args, args.tau)
     return found
 
@@ -111,7 +114,7 @@ def checks(rows: list[dict], args: argparse.Namespace) -> list[dict]:
         ar = row_of(rows, model, AR)
         fits = [
             r for r in rows
-            if r["model"] == model and r["decoder"].startswith("sbd ") and r["tpf"] >= 2.5
+            if r["model"] == model and r["decoder"].startswith("sbd") and r["tpf"] >= 2.5
             and r["accuracy"] >= ar["accuracy"] - 3
         ]  # fmt: skip
         found.append({"target": f"{model}: plain SBD within 3 points of its AR at TPF >= 2.5", "met": bool(fits)})
@@ -142,6 +145,7 @@ def main() -> None:
     p.add_argument("--gammas", default="0.1,0.35,0.6", help="γ of the entropy policy")
     p.add_argument("--left-gammas", default="0,0.01,0.03,0.1", help="γ of the entropy-left policy")
     p.add_argument("--prefix-gammas", default="0.1,0.35,0.6,1", help="γ of the entropy-prefix policy")
+    p.add_argument("--slide-gammas", default="0.1,0.35,1", help="γ of sbd-slide")
     p.add_argument("--tau", type=float, default=0.9, help="SingleBD's and the demo MultiBD's threshold")
     p.add_argument("--small-block", type=int, default=6)
     p.add_argument("--adds", default="0.1,0.5", help="MultiBD add thresholds tried on the validation split")
@@ -151,7 +155,16 @@ def main() -> None:
     p.add_argument("--ntp-thresholds", default="0.99,0.995", help="setdlm with its first token from NTP")
     p.add_argument("--n-validation", type=int, default=100)
     args = p.parse_args()
-    for key in ("gammas", "left_gammas", "prefix_gammas", "adds", "accepts", "thresholds", "ntp_thresholds"):
+    for key in (
+        "gammas",
+        "left_gammas",
+        "prefix_gammas",
+        "slide_gammas",
+        "adds",
+        "accepts",
+        "thresholds",
+        "ntp_thresholds",
+    ):
         setattr(args, key, [float(x) for x in getattr(args, key).split(",")])
     args.windows = [int(x) for x in args.windows.split(",")]
 
