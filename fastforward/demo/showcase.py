@@ -6,9 +6,9 @@ decoding of itself in the same run (interleaved problem by problem, `evaluate.co
 
 * NTP model: AR; Jacobi Forcing model (the NTP model after one round): AR, Jacobi and
   multi-block Jacobi (both lossless);
-* SBD model: AR (its NTP mode), SBD over γ, SBD with `entropy-prefix` (our reveal rule: a run from
-  the leftmost masked position; far more accurate than the paper's at the same TPF on this model),
-  `sbd-verified` (lossless), and SingleBD
+* SBD model: AR (its NTP mode), SBD over γ, sliding SBD (`sbd-slide`, ours: each forward a fresh
+  block whose first token is the next-token head's; far more accurate than plain SBD at the same TPF
+  on this model), `sbd-verified` (lossless), and SingleBD
   (`sbd`, threshold policy, small blocks) beside training-free MultiBD (`mbd`) at the same threshold;
 * MultiTF model (the SBD model post-trained for MultiBD): `mbd` at that threshold;
 * SetDLM model: `setdlm` (sliding window), and with each step's first token from the next-token
@@ -41,7 +41,7 @@ class Settings:
     gamma_low: float = 0.1
     gamma_high: float = 0.6
     gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0)
-    prefix_gamma: float = 0.35  # `entropy-prefix`: reveals a run from the leftmost masked position
+    slide_gamma: float = 0.35  # `sbd-slide`: AR's token, then a run of sure masked predictions
     block_size: int = 16
     small_block: int = 6
     buffer_size: int = 3
@@ -74,9 +74,7 @@ def decoders(s: Settings) -> dict[str, dict[str, Any]]:
         },
         "sbd": {
             **{_gamma(g): build_decoder("sbd", block_size=s.block_size, gamma=g) for g in s.gammas},
-            f"sbd entropy-prefix γ={s.prefix_gamma:g}": build_decoder(
-                "sbd", block_size=s.block_size, policy="entropy-prefix", gamma=s.prefix_gamma
-            ),
+            f"sbd-slide γ={s.slide_gamma:g}": build_decoder("sbd-slide", block_size=s.block_size, gamma=s.slide_gamma),
             "sbd-verified γ=∞": build_decoder("sbd-verified", block_size=s.block_size, gamma=math.inf),
             single: build_decoder("sbd", block_size=s.small_block, policy="threshold", gamma=s.accept_threshold),
             multi: build_decoder("mbd", block_size=s.small_block, **mbd),
