@@ -20,7 +20,7 @@ on `arithmetic-number-infill` (a number of the problem hidden, given away only b
 from the prefix against `setdlm` with the suffix up front and promoted. `setdlm ntp-first` rows take
 each step's first token from the next-token prediction (`first_token_from_ntp`).
 
-    python benchmarks/lossy_rows.py --out runs/lossy --threads 2    # trains what --out lacks (~70 min)
+    python benchmarks/lossy_rows.py --out runs/lossy --threads 2    # trains what --out lacks (about 80 min)
 
 Writes benchmarks/results/lossy_rows.json (or --results DIR). The checks are issue 39's targets.
 """
