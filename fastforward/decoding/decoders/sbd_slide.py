@@ -11,8 +11,8 @@ its block starts right after them. γ = 0 is greedy AR, one token a forward; row
 apart freely. With a sampler at temperature > 0 the first token is sampled from z_t with AR's draw
 and the run's from their masked distributions.
 
-Plain `sbd` reveals the block's positions from ẑ alone and keeps the block until it is full;
-measured on the demo's SBD model this is far more accurate at the same TPF (docs/results.md).
+Plain `sbd` reveals the block's positions from ẑ alone and keeps the block until it is full; on
+the demo's SBD model sliding is far more accurate at the same TPF (docs/results.md, "The lossy rows").
 """
 
 from __future__ import annotations
@@ -63,9 +63,8 @@ class SlidingSBDDecoder(Decoder):
             if session.sampler.temperature > 0:
                 choice[:, 1:] = session.sample(masks, positions[:, width + 1 :])
             choices, runs = choice.tolist(), sure.tolist()
-            accepted = [
-                self._accept(session, row, blocks[row], choices[row], runs[row]) for row in range(session.batch)
-            ]
+            stops = set(session.model.stop_token_ids)
+            accepted = [self._accept(b, c, r, stops) for b, c, r in zip(blocks, choices, runs, strict=True)]
             commit_writes(session, accepted)
             session.advance(keep=[len(c) for c in carried])
             carried = [[] if session.finished_rows[r] else run for r, run in enumerate(accepted)]
@@ -75,12 +74,12 @@ class SlidingSBDDecoder(Decoder):
         return list(range(start, min(start + self.block_size, session.limits[row])))
 
     @staticmethod
-    def _accept(session: Session, row: int, block: list[int], choices: list[int], run: int) -> list[tuple[int, int]]:
+    def _accept(block: list[int], choices: list[int], run: int, stops: set[int]) -> list[tuple[int, int]]:
         """The first position's token and the sure run after it, cut after a stop token."""
         accepted = []
         for p, token in zip(block[: 1 + run], choices, strict=False):
             accepted.append((p, token))
-            if token in session.model.stop_token_ids:
+            if token in stops:
                 break
         return accepted
 
