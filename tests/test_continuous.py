@@ -7,6 +7,7 @@ import torch
 
 from fastforward.decoding.decoders import ARDecoder, JacobiDecoder, Prompt, Session
 from fastforward.decoding.decoders.lookup import PromptLookupDecoder
+from fastforward.decoding.decoders.sbd_slide import SlidingSBDDecoder
 from fastforward.decoding.sampling import Sampler
 from fastforward.model import Layout
 
@@ -16,14 +17,16 @@ ARRIVALS = [(0, 0, 12), (0, 1, 5), (2, 2, 17), (3, 3, 9), (3, 0, 7), (9, 1, 14),
 
 def _check_cache(tiny, session) -> None:
     """Every running row's valid cache entries are a causal prefill of its prompt and committed tokens
-    (all but the last, which the next step feeds), and the cache's buffers are laid out as fresh ones
-    are: compiled steps guard on their strides (a view past dropped entries ran eagerly)."""
+    (all but the last, which the next step feeds; for `sbd-slide`, all but the run it carries), and
+    the cache's buffers are laid out as fresh ones are: compiled steps guard on their strides (a view
+    past dropped entries ran eagerly)."""
     for layer in session.cache.layers:
         assert layer.key_buffer.is_contiguous() and layer.value_buffer.is_contiguous()
     for row in range(session.batch):
         if session.finished_rows[row]:
             continue
-        ids = session.prefixes[row] + session.outputs[row][:-1]
+        carried = session.row_state.get("carried", [None] * session.batch)[row]
+        ids = session.prefixes[row] + session.outputs[row][: -len(carried) if carried else -1]
         fresh = tiny.new_cache()
         n = len(ids)
         with torch.inference_mode():
@@ -81,8 +84,14 @@ def run_staggered(model, decoder, prompts, arrivals, check=None, fused=False):
 
 @pytest.mark.parametrize(
     "decoder",
-    [ARDecoder(), JacobiDecoder(4), JacobiDecoder(3, init="random"), PromptLookupDecoder(4, 2, 1, jacobi_drafts=2)],
-    ids=["ar", "jacobi", "jacobi-random", "lookup"],
+    [
+        ARDecoder(),
+        JacobiDecoder(4),
+        JacobiDecoder(3, init="random"),
+        PromptLookupDecoder(4, 2, 1, jacobi_drafts=2),
+        SlidingSBDDecoder(4, 3.0),  # runs of 2-3 tokens a forward on this model
+    ],
+    ids=["ar", "jacobi", "jacobi-random", "lookup", "sbd-slide"],
 )
 @pytest.mark.parametrize("slack", [64, 0], ids=["holes-kept", "repacked"])
 @pytest.mark.parametrize("fused", [False, True], ids=["leave", "drop-on-join"])

@@ -8,7 +8,7 @@ at the first position is z_t's (AR's choice: the cache is always a causal prefil
 far), and after it the run of masked predictions ẑ_{t+1}, ẑ_{t+2}, ... whose summed entropy stays
 within γ (none when the first is already unsure). Those tokens ride along in the next forward and
 its block starts right after them. γ = 0 is greedy AR, one token a forward; rows of a batch move
-apart freely. With a sampler at temperature > 0 the first token is sampled from z_t with AR's draw
+apart freely, and rows join and leave between steps (`continuous`: the server batches it so). With a sampler at temperature > 0 the first token is sampled from z_t with AR's draw
 and the run's from their masked distributions.
 
 Plain `sbd` reveals the block's positions from ẑ alone and keeps the block until it is full; on
@@ -45,29 +45,37 @@ class SlidingSBDDecoder(Decoder):
         self.block_size, self.gamma = block_size, gamma
         self.sampler = sampler or Sampler()
 
-    def decode(self, session: Session) -> None:
+    continuous = True
+
+    def begin(self, session: Session, rows: range) -> None:
+        """New rows carry nothing yet: their first token is the prefill's next-token prediction."""
+        carried = session.per_row("carried")
+        for row in rows:
+            carried[row] = []
+
+    def step(self, session: Session) -> None:
         mask_id = session.model.require_mask_token(self.name)
-        carried: list[list[tuple[int, int]]] = [[] for _ in range(session.batch)]
-        while not session.finished:
-            running = [not done for done in session.finished_rows]
-            blocks = [self._block(session, row) if running[row] else [] for row in range(session.batch)]
-            tokens, positions, rule, width = carried_and_masks(session, carried, blocks, mask_id, masks_see_masks=True)
-            logits = session.forward(tokens, positions, rule, range(tokens.shape[1]), rows=torch.tensor(running))
-            last = torch.tensor([len(c) - 1 for c in carried], device=session.device)
-            at_last = logits[torch.arange(session.batch, device=session.device), last.clamp_min(0)]
-            first = torch.where((last >= 0)[:, None], at_last, session.next_logits)
-            masks = logits[:, width + 1 :]  # the masks after the first position
-            sure = (entropy(masks).cumsum(-1) <= self.gamma).cumprod(-1).sum(-1)
-            masks[..., mask_id] = -math.inf
-            choice = torch.cat([session.sample(first[:, None], positions[:, width : width + 1]), masks.argmax(-1)], 1)
-            if session.sampler.temperature > 0:
-                choice[:, 1:] = session.sample(masks, positions[:, width + 1 :])
-            choices, runs = choice.tolist(), sure.tolist()
-            stops = set(session.model.stop_token_ids)
-            accepted = [self._accept(b, c, r, stops) for b, c, r in zip(blocks, choices, runs, strict=True)]
-            commit_writes(session, accepted)
-            session.advance(keep=[len(c) for c in carried])
-            carried = [[] if session.finished_rows[r] else run for r, run in enumerate(accepted)]
+        carried: list[list[tuple[int, int]]] = session.per_row("carried")
+        running = [not done for done in session.finished_rows]
+        blocks = [self._block(session, row) if running[row] else [] for row in range(session.batch)]
+        tokens, positions, rule, width = carried_and_masks(session, carried, blocks, mask_id, masks_see_masks=True)
+        logits = session.forward(tokens, positions, rule, range(tokens.shape[1]), rows=torch.tensor(running))
+        last = torch.tensor([len(c) - 1 for c in carried], device=session.device)
+        at_last = logits[torch.arange(session.batch, device=session.device), last.clamp_min(0)]
+        first = torch.where((last >= 0)[:, None], at_last, session.next_logits)
+        masks = logits[:, width + 1 :]  # the masks after the first position
+        sure = (entropy(masks).cumsum(-1) <= self.gamma).cumprod(-1).sum(-1)
+        masks[..., mask_id] = -math.inf
+        choice = torch.cat([session.sample(first[:, None], positions[:, width : width + 1]), masks.argmax(-1)], 1)
+        if session.sampler.temperature > 0:
+            choice[:, 1:] = session.sample(masks, positions[:, width + 1 :])
+        stops = set(session.model.stop_token_ids)
+        runs = zip(blocks, choice.tolist(), sure.tolist(), strict=True)
+        accepted = [self._accept(block, choices, run, stops) for block, choices, run in runs]
+        commit_writes(session, accepted)
+        session.advance(keep=[len(c) for c in carried])
+        for row, run in enumerate(accepted):  # what the next forward carries into the cache
+            carried[row] = [] if session.finished_rows[row] else run
 
     def _block(self, session: Session, row: int) -> list[int]:
         start = session.frontiers[row]
