@@ -8,8 +8,9 @@ at the first position is z_t's (AR's choice: the cache is always a causal prefil
 far), and after it the run of masked predictions ẑ_{t+1}, ẑ_{t+2}, ... whose summed entropy stays
 within γ (none when the first is already unsure). Those tokens ride along in the next forward and
 its block starts right after them. γ = 0 is greedy AR, one token a forward; rows of a batch move
-apart freely, and rows join and leave between steps (`continuous`: the server batches it so). With a sampler at temperature > 0 the first token is sampled from z_t with AR's draw
-and the run's from their masked distributions.
+apart freely, and rows join and leave between steps (`continuous`: the server batches it so). With
+a sampler at temperature > 0 the first token is sampled from z_t with AR's draw and the run's from
+their masked distributions.
 
 Plain `sbd` reveals the block's positions from ẑ alone and keeps the block until it is full; on
 the demo's SBD model sliding is far more accurate at the same TPF (docs/results.md, "The lossy rows").
