@@ -114,6 +114,31 @@ def result_row(result: EvalResult, **labels) -> dict:
     }
 
 
+# Columns of `format_table` over `result_row`s (and their labels), by the row key they show.
+RESULT_COLUMNS = {
+    "part": ("part", "part", str),
+    "model": ("model", "model", str),
+    "decoder": ("decoder", "decoder", str),
+    "accuracy": ("accuracy %", "accuracy", lambda x: f"{x:.1f}"),
+    "exact": ("exact %", "accuracy", lambda x: f"{x:.1f}"),
+    "rouge_l": ("ROUGE-L", "rouge_l", lambda x: f"{x:.1f}"),
+    "tpf": ("TPF", "tpf", lambda x: f"{x:.2f}"),
+    "nfe_mean": ("NFE/ex", "nfe_mean", lambda x: f"{x:.1f}"),
+    "tps": ("TPS", "tps", lambda x: f"{x:.0f}"),
+    "speedup": ("wall vs AR", "speedup", lambda x: f"{x:.2f}x"),
+}
+
+
+def result_columns(*names: str) -> list[tuple]:
+    """The `format_table` columns of `RESULT_COLUMNS` named, in order."""
+    return [RESULT_COLUMNS[name] for name in names]
+
+
+def task_shape(config) -> dict:
+    """The arithmetic task's knobs in a `DemoConfig`, for `get_task` of a task built on it."""
+    return {k: getattr(config, k) for k in ("min_ops", "max_ops", "max_number", "max_factor")}
+
+
 def curve_aup(rows: list[dict], prefix: str, y_max: float, model: str | None = None) -> float | None:
     """AUP of one sweep: the rows (of `model`, when given) whose decoder label starts with `prefix`,
     on a shared y_max; None when there are none."""

@@ -31,7 +31,7 @@ import argparse
 import time
 from pathlib import Path
 
-from common import log, machine_info, print_targets, result_row, train_zoo, zoo_arguments
+from common import log, machine_info, print_targets, result_columns, result_row, task_shape, train_zoo, zoo_arguments
 
 from fastforward.api import build_decoder
 from fastforward.demo.pipeline import DemoConfig
@@ -197,7 +197,7 @@ def main() -> None:
         }
         measure(name, directory, chosen)
 
-    shape = {k: getattr(config, k) for k in ("min_ops", "max_ops", "max_number", "max_factor")}
+    shape = task_shape(config)
     infill = get_task("arithmetic-number-infill", **shape)
     infill_cases = infill.examples("test", n=args.n, seed=config.seed)
     for name, directory in (("setdlm", SHIPPED / "setdlm"), ("setdlm_infill", out / "setdlm_infill")):
@@ -215,17 +215,10 @@ def main() -> None:
     seconds["evaluate"] = round(time.perf_counter() - t0, 1)
     seconds["total"] = round(time.perf_counter() - started, 1)
 
-    columns = [
-        ("part", "part", str),
-        ("model", "model", str),
-        ("decoder", "decoder", str),
-        ("accuracy %", "accuracy", lambda x: f"{x:.1f}"),
-        ("TPF", "tpf", lambda x: f"{x:.2f}"),
-        ("wall vs AR", "speedup", lambda x: f"{x:.2f}x"),
-    ]
+    columns = result_columns("part", "model", "decoder", "accuracy", "tpf", "speedup")
     print(format_table(rows, columns))
     print("\nMultiBD thresholds on the validation split:")
-    print(format_table(tuned_rows, [("model", "model", str), *columns[2:]]))
+    print(format_table(tuned_rows, result_columns("model", "decoder", "accuracy", "tpf", "speedup")))
     found = checks(rows, args)
     print_targets(found)
     report = {

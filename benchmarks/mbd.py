@@ -32,7 +32,16 @@ import statistics
 import time
 from pathlib import Path
 
-from common import base_stages, curve_aup, machine_info, print_targets, result_row, train_zoo, zoo_arguments
+from common import (
+    base_stages,
+    curve_aup,
+    machine_info,
+    print_targets,
+    result_columns,
+    result_row,
+    train_zoo,
+    zoo_arguments,
+)
 
 from fastforward.api import build_decoder
 from fastforward.demo.pipeline import DemoConfig
@@ -166,15 +175,7 @@ def main() -> None:
         "blocks_max": max(blocks),
     }
     summary = summarize(rows, args)
-    columns = [
-        ("model", "model", str),
-        ("decoder", "decoder", str),
-        ("accuracy %", "accuracy", lambda x: f"{x:.1f}"),
-        ("TPF", "tpf", lambda x: f"{x:.2f}"),
-        ("NFE/ex", "nfe_mean", lambda x: f"{x:.1f}"),
-        ("TPS", "tps", lambda x: f"{x:.0f}"),
-        ("wall vs AR", "speedup", lambda x: f"{x:.2f}x"),
-    ]
+    columns = result_columns("model", "decoder", "accuracy", "tpf", "nfe_mean", "tps", "speedup")
     print(format_table(rows, columns))
     print(f"\nAR answers (sbd model): {answer} at block size {args.block_size}")
     print("\nAUP (one scale, y_max = best accuracy of all rows):")

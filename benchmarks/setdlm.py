@@ -29,7 +29,17 @@ import argparse
 import time
 from pathlib import Path
 
-from common import base_stages, curve_aup, machine_info, print_targets, result_row, train_zoo, zoo_arguments
+from common import (
+    base_stages,
+    curve_aup,
+    machine_info,
+    print_targets,
+    result_columns,
+    result_row,
+    task_shape,
+    train_zoo,
+    zoo_arguments,
+)
 
 from fastforward.api import build_decoder
 from fastforward.demo.pipeline import DemoConfig
@@ -101,7 +111,7 @@ def main() -> None:
     aups = {name: curve_aup(rows, prefix, y_max, name) for name, prefix in curves.items()}
 
     # 2. infilling: setdlm (both suffix modes) vs AR and sbd from the prefix alone
-    shape = {k: getattr(config, k) for k in ("min_ops", "max_ops", "max_number", "max_factor")}
+    shape = task_shape(config)
     infill_task = get_task("arithmetic-infill", **shape)
     infill_examples = infill_task.examples("test", n=args.n, seed=config.seed)
     sbd_from_prefix = {"sbd γ=0.1 (prefix only)": build_decoder("sbd", block_size=config.block_size, gamma=0.1)}
@@ -117,16 +127,7 @@ def main() -> None:
     seconds["evaluate"] = round(time.perf_counter() - t0, 1)
     seconds["total"] = round(time.perf_counter() - started, 1)
 
-    columns = [
-        ("part", "part", str),
-        ("model", "model", str),
-        ("decoder", "decoder", str),
-        ("exact %", "accuracy", lambda x: f"{x:.1f}"),
-        ("ROUGE-L", "rouge_l", lambda x: f"{x:.1f}"),
-        ("TPF", "tpf", lambda x: f"{x:.2f}"),
-        ("TPS", "tps", lambda x: f"{x:.0f}"),
-        ("wall vs AR", "speedup", lambda x: f"{x:.2f}x"),
-    ]
+    columns = result_columns("part", "model", "decoder", "exact", "rouge_l", "tpf", "tps", "speedup")
     print(format_table(rows, columns))
     print(f"\nAUP on arithmetic (y_max {y_max}): {aups}")
     infill = [r for r in rows if r["part"] == "infill"]
