@@ -24,7 +24,7 @@ import torch
 
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import BLOCK_SIZE, GAMMA, SAMPLING, register
-from fastforward.decoding.decoders.setdlm import carried_and_masks, commit_writes
+from fastforward.decoding.decoders.setdlm import carried_and_masks, commit_writes, next_token_logits
 from fastforward.decoding.policies import entropy
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
@@ -61,9 +61,7 @@ class SlidingSBDDecoder(Decoder):
         blocks = [self._block(session, row) if running[row] else [] for row in range(session.batch)]
         tokens, positions, rule, width = carried_and_masks(session, carried, blocks, mask_id, masks_see_masks=True)
         logits = session.forward(tokens, positions, rule, range(tokens.shape[1]), rows=torch.tensor(running))
-        last = torch.tensor([len(c) - 1 for c in carried], device=session.device)
-        at_last = logits[torch.arange(session.batch, device=session.device), last.clamp_min(0)]
-        first = torch.where((last >= 0)[:, None], at_last, session.next_logits)
+        first = next_token_logits(session, logits, carried)
         masks = logits[:, width + 1 :]  # the masks after the first position
         sure = (entropy(masks).cumsum(-1) <= self.gamma).cumprod(-1).sum(-1)
         masks[..., mask_id] = -math.inf

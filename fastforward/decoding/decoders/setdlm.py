@@ -97,9 +97,7 @@ class SetDiffusionDecoder(Decoder):
             read = range(0 if ntp else width, tokens.shape[1])
             logits = session.forward(tokens, positions, rule, read, rows=torch.tensor(running))
             if ntp:  # the next-token prediction at each row's last accepted token, then the masks'
-                last = torch.tensor([len(c) - 1 for c in carried], device=session.device)
-                at_last = logits[torch.arange(session.batch, device=session.device), last.clamp_min(0)]
-                first = torch.where((last >= 0)[:, None], at_last, session.next_logits)
+                first = next_token_logits(session, logits, carried)
                 logits = logits[:, width:]
             logits[..., mask_id] = -math.inf
             confidence, choice = torch.softmax(logits, dim=-1).max(dim=-1)
@@ -187,6 +185,14 @@ def carried_and_masks(
         if masks_see_masks:
             rule[row, width : width + len(cands), width : width + len(cands)] = True
     return torch.tensor(ids, device=device), torch.tensor(pos, device=device), rule.to(device), width
+
+
+def next_token_logits(session: Session, logits: torch.Tensor, carried: list[list[tuple[int, int]]]) -> torch.Tensor:
+    """[B, V] each row's next-token prediction: from `logits` (read from slot 0 of a
+    `carried_and_masks` layout) at its last carried token, or the prefill's when it carries none."""
+    last = torch.tensor([len(c) - 1 for c in carried], device=session.device)
+    at_last = logits[torch.arange(session.batch, device=session.device), last.clamp_min(0)]
+    return torch.where((last >= 0)[:, None], at_last, session.next_logits)
 
 
 def commit_writes(session: Session, writes: list[list[tuple[int, int]]]) -> None:
