@@ -55,6 +55,7 @@ class SetDiffusionDecoder(Decoder):
 
     name = "setdlm"
     infills = True
+    continuous = True  # per-row windows: rows join and leave between steps (the server batches it so)
 
     def __init__(
         self,
@@ -78,44 +79,49 @@ class SetDiffusionDecoder(Decoder):
         upfront = self.suffix_cache == "upfront"
         return Session(model, prompts, max_new_tokens, suffix_upfront=upfront, sampler=self.sampler)
 
-    def decode(self, session: Session) -> None:
-        mask_id = session.model.require_mask_token(self.name)
-        ntp = self.first_token_from_ntp
-        if ntp and any(session.suffixes):
+    def begin(self, session: Session, rows: range) -> None:
+        """New rows carry nothing yet; an infilling row's suffix waits to be promoted (or is cached)."""
+        if self.first_token_from_ntp and any(session.suffixes[row] for row in rows):
             raise FastForwardError(
                 "first_token_from_ntp decodes a prefix left to right; infill without it (the suffix is not a prefix)"
             )
-        carried: list[list[tuple[int, int]]] = [[] for _ in range(session.batch)]  # (position, token) to cache
-        promoted = [0 if session.suffixes[row] and not session.suffix_upfront else -1 for row in range(session.batch)]
-        while not session.finished:
-            running = [not done for done in session.finished_rows]
-            candidates = [self._candidates(session, row) if running[row] else [] for row in range(session.batch)]
-            for row in range(session.batch):
-                if running[row] and promoted[row] >= 0:
-                    promoted[row] = self._promote(session, row, promoted[row], carried[row])
-            tokens, positions, rule, width = carried_and_masks(session, carried, candidates, mask_id)
-            read = range(0 if ntp else width, tokens.shape[1])
-            logits = session.forward(tokens, positions, rule, read, rows=torch.tensor(running))
-            if ntp:  # the next-token prediction at each row's last accepted token, then the masks'
-                first = next_token_logits(session, logits, carried)
-                logits = logits[:, width:]
-            logits[..., mask_id] = -math.inf
-            confidence, choice = torch.softmax(logits, dim=-1).max(dim=-1)
-            if session.sampler.temperature > 0:  # (greedy keeps the softmax's own choice, as it always did)
-                choice = session.sample(logits, positions[:, width:])
-            if ntp:
-                choice[:, 0] = session.sample(first, positions[:, width])
-                confidence[:, 0] = math.inf
-            choices, confidences = torch.stack([choice.double(), confidence.double()]).tolist()
-            accept = self._accept_run if ntp else self._accept
-            accepted = [accept(c, choices[r], confidences[r]) for r, c in enumerate(candidates)]
-            commit_writes(session, accepted)
-            session.advance(keep=[len(c) for c in carried])
-            # what the next forward caches: nothing for a finished row, nothing past a revealed stop token
-            carried = [
-                [] if session.finished_rows[r] else sorted((p, t) for p, t in row if p <= session.first_stops[r])
-                for r, row in enumerate(accepted)
-            ]
+        carried, promoted = session.per_row("carried"), session.per_row("promoted")
+        for row in rows:
+            carried[row] = []  # (position, token) the next forward brings into the cache
+            promoted[row] = 0 if session.suffixes[row] and not session.suffix_upfront else -1
+
+    def step(self, session: Session) -> None:
+        mask_id = session.model.require_mask_token(self.name)
+        ntp = self.first_token_from_ntp
+        carried: list[list[tuple[int, int]]] = session.per_row("carried")
+        promoted: list[int] = session.per_row("promoted")
+        running = [not done for done in session.finished_rows]
+        candidates = [self._candidates(session, row) if running[row] else [] for row in range(session.batch)]
+        for row in range(session.batch):
+            if running[row] and promoted[row] >= 0:
+                promoted[row] = self._promote(session, row, promoted[row], carried[row])
+        tokens, positions, rule, width = carried_and_masks(session, carried, candidates, mask_id)
+        read = range(0 if ntp else width, tokens.shape[1])
+        logits = session.forward(tokens, positions, rule, read, rows=torch.tensor(running))
+        if ntp:  # the next-token prediction at each row's last accepted token, then the masks'
+            first = next_token_logits(session, logits, carried)
+            logits = logits[:, width:]
+        logits[..., mask_id] = -math.inf
+        confidence, choice = torch.softmax(logits, dim=-1).max(dim=-1)
+        if session.sampler.temperature > 0:  # (greedy keeps the softmax's own choice, as it always did)
+            choice = session.sample(logits, positions[:, width:])
+        if ntp:
+            choice[:, 0] = session.sample(first, positions[:, width])
+            confidence[:, 0] = math.inf
+        choices, confidences = torch.stack([choice.double(), confidence.double()]).tolist()
+        accept = self._accept_run if ntp else self._accept
+        accepted = [accept(c, choices[r], confidences[r]) for r, c in enumerate(candidates)]
+        commit_writes(session, accepted)
+        session.advance(keep=[len(c) for c in carried])
+        # what the next forward caches: nothing for a finished row, nothing past a revealed stop token
+        for r, row in enumerate(accepted):
+            stop = session.first_stops[r]
+            carried[r] = [] if session.finished_rows[r] else sorted((p, t) for p, t in row if p <= stop)
 
     def _promote(self, session: Session, row: int, done: int, carried: list[tuple[int, int]]) -> int:
         """Carry the suffix tokens the window now reaches (they follow the gap); returns how many are in."""
