@@ -5,6 +5,7 @@ prefill of each running row's tokens after any sequence of joins and leaves."""
 import pytest
 import torch
 
+from fastforward.api import build_decoder
 from fastforward.decoding.decoders import ARDecoder, JacobiDecoder, Prompt, Session
 from fastforward.decoding.decoders.lookup import PromptLookupDecoder
 from fastforward.decoding.decoders.sbd_slide import SlidingSBDDecoder
@@ -41,10 +42,10 @@ def _check_cache(tiny, session) -> None:
             torch.testing.assert_close(values, a.values[0], rtol=1e-4, atol=1e-4)
 
 
-def run_staggered(model, decoder, prompts, arrivals, check=None, fused=False):
+def run_staggered(model, decoder, prompts, arrivals, check=None, fused=False, samplers=None):
     """Decode requests arriving at the given steps in one session; returns each request's tokens.
     fused: finished rows stay until the next arrivals, which drop them as they join (`join(drop=...)`),
-    all the arrivals of a step in one join with their own budgets."""
+    all the arrivals of a step in one join with their own budgets. samplers: each request's own."""
     pending = sorted(enumerate(arrivals), key=lambda item: item[1][0])
     owners: list[int] = []  # session row → request
     outputs: dict[int, list[int]] = {}
@@ -57,7 +58,10 @@ def run_staggered(model, decoder, prompts, arrivals, check=None, fused=False):
             for row in done:
                 outputs[owners[row]] = session.result(row).token_ids
             if arrived:
-                rows = [Prompt(prompts[index], seed=request) for request, (_, index, _) in arrived]
+                rows = [
+                    Prompt(prompts[index], seed=request, sampler=samplers[request] if samplers else None)
+                    for request, (_, index, _) in arrived
+                ]
                 budgets = [budget for _, (_, _, budget) in arrived]
                 if session is None:
                     session, new = decoder.open_session(model, rows, budgets), range(len(rows))
@@ -119,6 +123,42 @@ def test_sampled_rows_are_reproducible_whatever_joins(tiny, prompts):
         for request, (_, index, budget) in enumerate(ARRIVALS)
     ]
     assert got == alone
+
+
+# each request's own temperature and top-p, greedy among them: one batch, every row as alone
+OWN_SAMPLERS = [Sampler(0.8), Sampler(), Sampler(1.3, 0.9), Sampler(0.8, 0.5), Sampler(), Sampler(1.0), Sampler(2.0)]
+
+
+@pytest.mark.parametrize(
+    "decoder",
+    [
+        ARDecoder(),
+        JacobiDecoder(4),
+        PromptLookupDecoder(4, 2, 1),
+        SlidingSBDDecoder(4, 3.0),
+        SetDiffusionDecoder(3, 0.5),
+    ],
+    ids=["ar", "jacobi", "lookup", "sbd-slide", "setdlm"],
+)
+def test_rows_with_their_own_samplers_sample_as_alone(tiny, prompts, decoder):
+    got = run_staggered(tiny, decoder, prompts, ARRIVALS, samplers=OWN_SAMPLERS)
+    alone = [
+        decoder.generate(tiny, [Prompt(prompts[index], seed=request, sampler=OWN_SAMPLERS[request])], budget)[0]
+        for request, (_, index, budget) in enumerate(ARRIVALS)
+    ]
+    assert got == [generation.token_ids for generation in alone]
+    mixed = run_staggered(tiny, decoder, prompts, ARRIVALS)  # the session's sampler (greedy) for every row
+    assert mixed != got  # the rows' own samplers were used
+
+
+@pytest.mark.parametrize("name", ["sbd", "sbd-verified", "jacobi-mr", "mbd"])
+def test_static_batches_sample_each_row_with_its_own_sampler(tiny, prompts, name):
+    decoder = build_decoder(name, block_size=4)
+    rows = [Prompt(p, seed=i, sampler=OWN_SAMPLERS[i]) for i, p in enumerate(prompts)]
+    together = decoder.generate(tiny, rows, 9)
+    assert [g.token_ids for g in together] == [decoder.generate(tiny, [row], 9)[0].token_ids for row in rows]
+    greedy = decoder.generate(tiny, [Prompt(p, seed=i) for i, p in enumerate(prompts)], 9)
+    assert [g.token_ids for g in greedy] != [g.token_ids for g in together]  # the rows' own samplers were used
 
 
 def test_leave_drops_padding_no_row_needs(tiny, prompts):

@@ -75,19 +75,15 @@ def test_stop_strings_cut_the_text_exactly(tokenizer, chunk):
         assert "".join(deltas) == expected and stopped == (expected != text), stop
 
 
-def test_sampled_requests_with_their_own_seeds_share_a_batch_and_sample_as_alone(tiny):
-    """Requests that differ only in seed (or not even that) are one batch; each row samples with its
-    request's seed, as `generate --seed` does for that prompt alone, and streams its text."""
-    server = Server(tiny, "tiny", "jacobi", {"block_size": 3}, max_batch_size=8)
-    asks = [("def add(a, b):", 1), ("Tom has 3 apples", 2), ("def add(a, b):", 3), ("def add(a, b):", 1)]
+def serve_together(tiny, server, bodies: list[CompletionRequest], budget: int) -> list[str]:
+    """Submit the requests at once (the worker wakes to all of them: one batch); their texts."""
 
     async def serve() -> list[str]:
         engine = Engine(tiny, max_batch_size=8, metrics=server.metrics)
         jobs = []
-        with engine._lock:  # the worker wakes to all of them at once: one batch
-            for prompt, seed in asks:
-                body = CompletionRequest(model="tiny", prompt=prompt, temperature=1.0, top_p=0.9, seed=seed)
-                jobs.append(server.job(body, tiny.encode_prompt(prompt, chat_template=False), 14))
+        with engine._lock:
+            for body in bodies:
+                jobs.append(server.job(body, tiny.encode_prompt(body.prompt, chat_template=False), budget))
                 engine.submit(jobs[-1])
         texts = []
         for job in jobs:
@@ -99,12 +95,41 @@ def test_sampled_requests_with_their_own_seeds_share_a_batch_and_sample_as_alone
         await asyncio.to_thread(engine.stop)
         return texts
 
-    texts = asyncio.run(serve())
-    steps = {
+    return asyncio.run(serve())
+
+
+def steps_ran_rows_together(server, rows: int) -> bool:
+    """Whether some step ran `rows` rows (the engine's step-size histogram)."""
+    buckets = {
         s.labels["le"]: s.value for s in server.metrics.step_rows.collect()[0].samples if s.name.endswith("bucket")
     }
-    assert steps["3.0"] < steps["4.0"]  # a step ran all four requests together
+    return buckets[f"{rows - 1}.0"] < buckets[f"{rows}.0"]
+
+
+def test_sampled_requests_with_their_own_seeds_share_a_batch_and_sample_as_alone(tiny):
+    """Requests that differ only in seed (or not even that) are one batch; each row samples with its
+    request's seed, as `generate --seed` does for that prompt alone, and streams its text."""
+    server = Server(tiny, "tiny", "jacobi", {"block_size": 3}, max_batch_size=8)
+    asks = [("def add(a, b):", 1), ("Tom has 3 apples", 2), ("def add(a, b):", 3), ("def add(a, b):", 1)]
+    bodies = [CompletionRequest(model="tiny", prompt=p, temperature=1.0, top_p=0.9, seed=seed) for p, seed in asks]
+    texts = serve_together(tiny, server, bodies, 14)
+    assert steps_ran_rows_together(server, 4)
     for (prompt, seed), text in zip(asks, texts, strict=True):
         decoder = build_decoder("jacobi", block_size=3, temperature=1.0, top_p=0.9, seed=seed)
         assert text == decoder.generate(tiny, [tiny.encode_prompt(prompt, chat_template=False)], 14)[0].text
     assert texts[0] == texts[3] != texts[2]
+
+
+@pytest.mark.parametrize("decoder", ["jacobi", "setdlm"])
+def test_requests_with_different_temperatures_share_a_batch_and_sample_as_alone(tiny, decoder):
+    """Temperature and top-p are each row's own (greedy rows included): one batch, each as alone."""
+    server = Server(tiny, "tiny", decoder, {}, max_batch_size=8)
+    asks = [(0.0, 1.0), (1.0, 0.9), (0.7, 1.0), (1.5, 0.5)]
+    bodies = [CompletionRequest(model="tiny", prompt="def add(a, b):", temperature=t, top_p=p, seed=5) for t, p in asks]
+    texts = serve_together(tiny, server, bodies, 14)
+    assert steps_ran_rows_together(server, 4)
+    ids = tiny.encode_prompt("def add(a, b):", chat_template=False)
+    for (temperature, top_p), text in zip(asks, texts, strict=True):
+        alone = build_decoder(decoder, temperature=temperature, top_p=top_p, seed=5).generate(tiny, [ids], 14)
+        assert text == alone[0].text
+    assert len(set(texts)) > 1

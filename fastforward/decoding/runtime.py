@@ -116,14 +116,17 @@ class Prompt:
 
     Without a suffix the row generates up to max_new_tokens after the prefix. With one, the row
     fills exactly the `gap` positions between them (its canvas), and the suffix is in the cache
-    from the start, at its true positions. seed: the row's own sampling seed (None: the decoder's),
+    from the start, at its true positions. seed: the row's own sampling seed (None: its sampler's),
     so rows of one batch can be sampled apart (a request's seed, or many samples of one prompt).
+    sampler: the row's own temperature and top-p (None: the session's), so requests that differ in
+    them share a batch.
     """
 
     prefix: Sequence[int]
     suffix: Sequence[int] = ()
     gap: int = 0
     seed: int | None = None
+    sampler: Sampler | None = None
 
     def __post_init__(self) -> None:
         if not self.prefix:
@@ -184,9 +187,11 @@ class Session:
         # put it in the cache; if not, the decoder brings it in (`Prompt` says where it goes).
         self.suffixes = [list(p.suffix) for p in rows]
         self.suffix_upfront = suffix_upfront
-        self.sampler = sampler or Sampler()  # how `sample` chooses tokens
+        self.sampler = sampler or Sampler()  # how `sample` chooses tokens for rows without their own
+        self.samplers = [p.sampler or self.sampler for p in rows]
         self.seeds = [p.seed for p in rows]
         self._sampling_keys: torch.Tensor | None = None
+        self._sampling_groups: list[tuple[Sampler, torch.Tensor | None]] | None = None
         self.origin = torch.tensor(self.origins, device=device)
         self.stop_ids = torch.tensor(model.stop_token_ids or [-1], device=device)
         self._stops = set(model.stop_token_ids)
@@ -355,19 +360,50 @@ class Session:
         kept = torch.arange(high, device=self.device)[None] < torch.tensor(counts, device=self.device)[:, None]
         self.key_valid = torch.cat([self.key_valid[:, :base], kept & self.key_valid[:, base : base + high]], dim=1)
 
+    @property
+    def sampling(self) -> bool:
+        """Whether any row samples (temperature > 0): else every `sample` is greedy."""
+        return any(sampler.temperature > 0 for sampler in self.samplers)
+
+    def sampled_rows(self) -> torch.Tensor:
+        """[B] bool: the rows that sample (temperature > 0)."""
+        return torch.tensor([sampler.temperature > 0 for sampler in self.samplers], device=self.device)
+
     def sample(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Tokens [B, ...] for logits [B, ..., V], the tokens to sit at RoPE `positions` [B, ...]:
-        greedy, or sampled by the session's sampler with the row's draw for each position (a
-        token's position keys its draw, `fastforward.decoding.sampling`; greedy ignores it)."""
-        if self.sampler.temperature == 0:
+        each row greedy, or sampled by its sampler with the row's draw for each position (a
+        token's position keys its draw, `fastforward.decoding.sampling`; greedy ignores it).
+        Rows of different samplers are sampled group by group, each row as it would be alone."""
+        groups = self._sampling_groups
+        if groups is None:
+            groups = self._sampling_groups = self._group_samplers()
+        if not groups:
             return greedy(logits)
-        if self._sampling_keys is None:  # a row's own seed, else the sampler's, hashed with its tokens
+        if self._sampling_keys is None:  # a row's own seed, else its sampler's, hashed with its tokens
             keys = [
-                row_key(self.sampler.seed if own is None else own, prefix, suffix)
-                for own, prefix, suffix in zip(self.seeds, self.prefixes, self.suffixes, strict=True)
+                row_key(sampler.seed if own is None else own, prefix, suffix)
+                for own, sampler, prefix, suffix in zip(
+                    self.seeds, self.samplers, self.prefixes, self.suffixes, strict=True
+                )
             ]
             self._sampling_keys = torch.tensor(keys, device=self.device)
-        return self.sampler.inverse_cdf(logits, uniforms(self._sampling_keys, positions))
+        draws = uniforms(self._sampling_keys, positions)
+        if len(groups) == 1 and groups[0][1] is None:  # every row alike
+            return groups[0][0].inverse_cdf(logits, draws)
+        tokens = greedy(logits)
+        for sampler, rows in groups:
+            tokens[rows] = sampler.inverse_cdf(logits[rows], draws[rows])
+        return tokens
+
+    def _group_samplers(self) -> list[tuple[Sampler, torch.Tensor | None]]:
+        """The samplers at temperature > 0 with the rows they sample (None: every row)."""
+        rows_of: dict[tuple[float, float], list[int]] = {}
+        for row, sampler in enumerate(self.samplers):
+            if sampler.temperature > 0:
+                rows_of.setdefault((sampler.temperature, sampler.top_p), []).append(row)
+        if len(rows_of) == 1 and len(next(iter(rows_of.values()))) == self.batch:
+            return [(self.samplers[0], None)]
+        return [(self.samplers[rows[0]], torch.tensor(rows, device=self.device)) for rows in rows_of.values()]
 
     # ---- the canvas ---------------------------------------------------------------------------
     def commit(self, tokens: torch.Tensor, at: torch.Tensor, mask: torch.Tensor | None = None) -> None:
@@ -571,7 +607,7 @@ class Session:
         self.max_new_tokens = max(self.limits, default=0)
         self.origin = self.origin[index]
         self.next_logits = self.next_logits[index]
-        self._sampling_keys = None
+        self._sampling_keys = self._sampling_groups = None
         self._mirrors.clear()
 
     SQUEEZE_SLACK = 64  # entries a cache may hold beyond twice its longest row before it is repacked
@@ -608,7 +644,7 @@ class Session:
 
     # The host lists indexed by row, which `join` extends and `leave` filters.
     _ROW_LISTS = (
-        "limits", "context_bound", "prefixes", "origins", "suffixes", "seeds", "canvas", "frontiers",
+        "limits", "context_bound", "prefixes", "origins", "suffixes", "samplers", "seeds", "canvas", "frontiers",
         "first_stops", "finished_rows", "forwards", "queries", "steps", "started", "prefill_times",
     )  # fmt: skip
 

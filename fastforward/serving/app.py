@@ -26,12 +26,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from fastforward.api import build_decoder
+from fastforward.decoding.decoders import registry
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.serving.engine import Engine, Event, Job, QueueFull
 from fastforward.serving.metrics import Metrics
 
 SAMPLING = ("temperature", "top_p")  # request fields that are decoder knobs (a request's `seed` is its row's)
+SAMPLING_KNOBS = {knob.name for knob in registry.SAMPLING}  # per row: not part of a batch's setting
 # The tokens of one forward over a batch's rows, by default on a CPU, where a forward's cost grows with
 # them: `jacobi` at block 16 and 32 rows ran 544 a forward, most of them drafts it rejected. Bounded at
 # 128, the shipped Jacobi Forcing model served 1.1-1.2x the tokens/s with 32 clients over HTTP and
@@ -132,7 +134,10 @@ class Server:
         except FastForwardError as exc:
             raise ApiError(400, str(exc), param="decoder") from exc
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        setting = json.dumps({"decoder": name, **knobs}, sort_keys=True, default=str)
+        # Requests whose decoders differ only in temperature, top-p or seed share a batch: each row
+        # samples with its own (`Job.row`).
+        shared = {k: v for k, v in knobs.items() if k not in SAMPLING_KNOBS}
+        setting = json.dumps({"decoder": name, **shared}, sort_keys=True, default=str)
         return Job(prompt, decoder, setting, budget, stop, asyncio.get_running_loop(), seed=body.seed)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:

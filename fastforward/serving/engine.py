@@ -1,23 +1,24 @@
 """The serving engine: one worker thread schedules requests continuously, step by step.
 
 A request becomes a `Job` (token ids, a built decoder, its budget, stop strings, its sampling seed).
-Jobs whose decoders have equal settings form a **group**: one `Session` whose rows are its jobs.
-Between two steps of a group, waiting jobs of its setting join it (`Session.join`, prefilled on
-their own) and finished or cancelled rows leave it (`Session.leave`), so rows with different
-budgets and prompt lengths share forwards and nobody waits for a batch to drain. Groups of
-different settings take turns, one step each. Admission is bounded by `max_batch_size` rows and
-`max_batch_tokens` tokens in flight (prompt plus budget of every running row); a queue of more than
-`max_queue` waiting jobs refuses new ones (`QueueFull`: HTTP 503 with Retry-After).
+Jobs whose decoders have equal settings (temperature, top-p and seed aside) form a **group**: one
+`Session` whose rows are its jobs. Between two steps of a group, waiting jobs of its setting join it
+(`Session.join`, prefilled on their own) and finished or cancelled rows leave it (`Session.leave`),
+so rows with different budgets, prompt lengths and sampling knobs share forwards and nobody waits for
+a batch to drain. Groups of different settings take turns, one step each. Admission is bounded by
+`max_batch_size` rows and `max_batch_tokens` tokens in flight (prompt plus budget of every running
+row); a queue of more than `max_queue` waiting jobs refuses new ones (`QueueFull`: HTTP 503 with
+Retry-After).
 
-Decoders that cannot decode step by step (`Decoder.continuous` false: the block diffusion decoders,
+Decoders that cannot decode step by step (`Decoder.continuous` false: `sbd`, `sbd-verified`,
 and the `rows_apart` ones, `mbd` and `jacobi-mr`) run in static batches: waiting jobs with the same
 setting and budget decode to their end in one turn.
 
-Each row samples with its own request's seed (`Prompt.seed`), so a request gets the tokens it would
-get alone whatever shares its batch. After every step the session's rows turn their newly committed
-tokens into text deltas (`TextStream`: incremental, so a long stream costs no more per step than a
-short one), cut the text before a stop string (and cancel that row), cancel the rows whose clients
-left, and hand the deltas to the jobs' event queues, which the HTTP layer reads
+Each row samples with its own request's temperature, top-p and seed (`Job.row`), so a request gets
+the tokens it would get alone whatever shares its batch. After every step the session's rows turn
+their newly committed tokens into text deltas (`TextStream`: incremental, so a long stream costs no
+more per step than a short one), cut the text before a stop string (and cancel that row), cancel the
+rows whose clients left, and hand the deltas to the jobs' event queues, which the HTTP layer reads
 (`fastforward.serving.app`). A failure inside decoding fails only the jobs of that group.
 """
 
@@ -58,7 +59,7 @@ class Event:
 class Job:
     prompt: list[int]
     decoder: Decoder
-    setting: str  # decoders with equal settings can share a batch
+    setting: str  # decoders with equal settings (sampling knobs aside: each row has its own) share a batch
     max_tokens: int
     stop: list[str]
     loop: asyncio.AbstractEventLoop
@@ -68,6 +69,11 @@ class Job:
     cancelled: bool = False
     created: float = field(default_factory=time.perf_counter)
     done: bool = False
+
+    def row(self) -> Prompt:
+        """The job as a session row: its prompt, its seed, and its decoder's temperature and top-p
+        (a group's rows share a decoder setting but not these)."""
+        return Prompt(self.prompt, seed=self.seed, sampler=self.decoder.sampler)
 
     def send(self, event: Event) -> None:
         """Thread-safe: deliver an event to the HTTP side."""
@@ -266,7 +272,7 @@ class Engine:
         """Start jobs in their setting's group: a new session, or rows joining the running one (in one
         join, each with its own budget; the rows retired since the last join leave in the same copy)."""
         group = self._groups.get(setting)
-        prompts = [Prompt(job.prompt, seed=job.seed) for job in jobs]
+        prompts = [job.row() for job in jobs]
         budgets = [job.max_tokens for job in jobs]
         if group is None:
             decoder = jobs[0].decoder
@@ -337,7 +343,7 @@ class Engine:
     def _decode_static(self, batch: list[Job]) -> None:
         """A decoder that cannot decode step by step: the batch decodes to its end in one turn."""
         decoder = batch[0].decoder
-        rows = [Prompt(job.prompt, seed=job.seed) for job in batch]
+        rows = [job.row() for job in batch]
         session = decoder.open_session(self.model, rows, batch[0].max_tokens)
         group = _Group(decoder, session, [_Row(job, TextStream(self.model.decode, job.stop)) for job in batch])
         session.on_step = lambda s: self._stream(group)

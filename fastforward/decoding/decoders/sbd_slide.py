@@ -66,7 +66,7 @@ class SlidingSBDDecoder(Decoder):
         sure = (entropy(masks).cumsum(-1) <= self.gamma).cumprod(-1).sum(-1)
         masks[..., mask_id] = -math.inf
         choice = torch.cat([session.sample(first[:, None], positions[:, width : width + 1]), masks.argmax(-1)], 1)
-        if session.sampler.temperature > 0:
+        if session.sampling:  # (greedy rows: the argmax again)
             choice[:, 1:] = session.sample(masks, positions[:, width + 1 :])
         stops = set(session.model.stop_token_ids)
         runs = zip(blocks, choice.tolist(), sure.tolist(), strict=True)

@@ -108,8 +108,8 @@ class SetDiffusionDecoder(Decoder):
             logits = logits[:, width:]
         logits[..., mask_id] = -math.inf
         confidence, choice = torch.softmax(logits, dim=-1).max(dim=-1)
-        if session.sampler.temperature > 0:  # (greedy keeps the softmax's own choice, as it always did)
-            choice = session.sample(logits, positions[:, width:])
+        if session.sampling:  # (greedy rows keep the softmax's own choice, as they always did)
+            choice = torch.where(session.sampled_rows()[:, None], session.sample(logits, positions[:, width:]), choice)
         if ntp:
             choice[:, 0] = session.sample(first, positions[:, width])
             confidence[:, 0] = math.inf
