@@ -4,10 +4,12 @@ Each block starts as k mask tokens. A forward reads the whole block (it sees the
 bidirectionally); a reveal policy picks which masked positions to fill. When the block is full it
 is not written to the cache at once: it rides along, causally, in front of the next block's first
 forward (the paper's time(2k) term) and only those entries are kept, so the cache always holds
-exactly what a causal prefill of the same tokens would. With a sampler at temperature > 0 each
-revealed position's token is sampled from its predicted distribution (with the position's own draw,
-`fastforward.decoding.sampling`); the policy still decides which positions on the model's
-distributions, so temperature 0 is greedy SBD, unchanged.
+exactly what a causal prefill of the same tokens would. Each row keeps its own block (its canvas
+positions), so rows of a batch move through their blocks apart, spend no forward waiting for the
+others' blocks, and join and leave between steps (`continuous`: the server batches it so). With a
+sampler at temperature > 0 each revealed position's token is sampled from its predicted
+distribution (with the position's own draw, `fastforward.decoding.sampling`); the policy still
+decides which positions on the model's distributions, so temperature 0 is greedy SBD, unchanged.
 """
 
 from __future__ import annotations
@@ -16,25 +18,11 @@ import torch
 
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import BLOCK_SIZE, FIRST_TOKEN_FROM_NTP, GAMMA, POLICY, SAMPLING, register
+from fastforward.decoding.decoders.setdlm import carried_and_masks, commit_writes, next_token_logits
 from fastforward.decoding.policies import EntropyBounded, make_policy
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
-from fastforward.model import visibility
-
-
-def after_stop(block: torch.Tensor, masked: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
-    """Positions after each row's first revealed stop token: the output is cut there, so no
-    forward is worth spending on them."""
-    is_stop = (block[..., None] == stop_ids).any(-1) & ~masked
-    return is_stop.cumsum(-1) > is_stop
-
-
-def still_masked(session: Session, masked: torch.Tensor) -> bool:
-    """Whether a running row of the batch still has masked positions in its block."""
-    if not any(session.finished_rows):
-        return bool(masked.any())
-    return bool((masked & ~session.done[:, None]).any())
 
 
 class SBDDecoder(Decoder):
@@ -56,60 +44,71 @@ class SBDDecoder(Decoder):
         self.sampler = sampler or Sampler()
         self.first_token_from_ntp = first_token_from_ntp
 
-    def decode(self, session: Session) -> None:
+    continuous = True  # per-row blocks: rows join and leave between steps (the server batches it so)
+
+    def begin(self, session: Session, rows: range) -> None:
+        """New rows open their first block; with `first_token_from_ntp` its first token is the
+        prefill's next-token prediction, known before the block's first forward. Per row: `block`,
+        the canvas positions of its open block, and `carried`, the full block before it while the
+        next forward brings it into the cache."""
+        carried, blocks = session.per_row("carried"), session.per_row("block")
+        for row in rows:
+            carried[row], blocks[row] = [], self._block(session, row)
+        if self.first_token_from_ntp:
+            first = session.sample(session.next_logits, session.next_pos).tolist()
+            commit_writes(session, [[(blocks[r][0], first[r])] if r in rows else [] for r in range(session.batch)])
+
+    def step(self, session: Session) -> None:
+        """One forward of every running row's `[finished block (kept, causal) ; its block (read)]`, then
+        the policy reveals some of each block's masked positions. A row whose block is full carries it
+        into the next forward and opens the next block."""
         mask_id = session.model.require_mask_token(self.name)
-        pending: torch.Tensor | None = None  # the finished block, not yet in the cache
-        while not session.finished:
-            base = session.frontier[:, None]  # the block's first canvas position (alike for running rows)
-            size = min(self.block_size, session.max_new_tokens - session.produced)
-            end = session.produced + size
-            slots = base + torch.arange(size, device=session.device)
-            positions = session.origin[:, None] + slots
-            block = torch.full((session.batch, size), mask_id, dtype=torch.long, device=session.device)
-            masked = torch.ones_like(block, dtype=torch.bool)
-            if self.first_token_from_ntp and pending is None:
-                block[:, 0] = session.sample(session.next_logits, positions[:, 0])
-                masked[:, 0] = False
-                session.commit(block[:, :1], slots[:, :1])
-            while still_masked(session, masked):
-                logits = self._forward(session, block, pending, positions)
-                first = None
-                if pending is not None and self.first_token_from_ntp:
-                    # the NTP prediction after the pending block
-                    block[:, 0] = session.sample(logits[:, 0], positions[:, 0])
-                    first = torch.zeros_like(masked)
-                    first[:, 0] = masked[:, 0]
-                    masked &= ~first
-                    logits = logits[:, 1:]
-                reveal = self.policy(logits, masked)
-                block = torch.where(reveal, session.sample(logits, positions), block)
-                if first is not None:
-                    reveal |= first
-                session.commit(block, slots, reveal)
-                masked &= ~reveal
-                if any(stop < end for stop in session.first_stops):  # a stop token was revealed here
-                    masked &= ~after_stop(block, masked, session.stop_ids)
-                session.advance(keep=0 if pending is None else pending.shape[1])
-                pending = None
-            pending = block
+        carried: list[list[tuple[int, int]]] = session.per_row("carried")
+        blocks: list[list[int]] = session.per_row("block")
+        running = [not done for done in session.finished_rows]
+        for row in range(session.batch):  # a full block rides along in this forward; the next one opens
+            if running[row] and not any(self._masked(session, row, blocks[row], 0)):
+                carried[row] = [(p, session.canvas[row][p]) for p in blocks[row]]
+                blocks[row] = self._block(session, row)
+        live = [blocks[row] if running[row] else [] for row in range(session.batch)]
+        tokens, positions, rule, width = carried_and_masks(session, carried, live, mask_id, masks_see_masks=True)
+        for row, block in enumerate(live):  # the revealed tokens of each block, in place of masks
+            for slot, p in enumerate(block):
+                if session.canvas[row][p] is not None:
+                    tokens[row, width + slot] = session.canvas[row][p]
+        ntp, device, size = self.first_token_from_ntp, session.device, tokens.shape[1] - width
+        read = range(0 if ntp else width, tokens.shape[1])
+        logits = session.forward(tokens, positions, rule, read, rows=torch.tensor(running))
+        masked = [self._masked(session, row, block, size) for row, block in enumerate(live)]
+        masked = torch.tensor(masked, device=device)
+        at = positions[:, width:]
+        if ntp:  # a block not begun yet takes its first token from the NTP head at the last carried token
+            first = next_token_logits(session, logits, carried)
+            logits = logits[:, width:]
+            fresh = masked[:, 0] & torch.tensor([bool(c) for c in carried], device=device)
+            masked[:, 0] &= ~fresh
+        reveal = self.policy(logits, masked)
+        chosen = session.sample(logits, at)
+        if ntp:
+            chosen[:, 0] = torch.where(fresh, session.sample(first, at[:, 0]), chosen[:, 0])
+            reveal[:, 0] |= fresh
+        writes, shown = chosen.tolist(), reveal.tolist()
+        commit_writes(
+            session, [[(p, writes[r][i]) for i, p in enumerate(block) if shown[r][i]] for r, block in enumerate(live)]
+        )
+        session.advance(keep=[len(c) for c in carried])
+        carried[:] = [[] for _ in carried]  # in the cache now
 
-    def _forward(
-        self, session: Session, block: torch.Tensor, pending: torch.Tensor | None, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """One forward of `[pending (kept, causal) ; block (read)]`; logits for the block's positions.
+    def _block(self, session: Session, row: int) -> list[int]:
+        start = session.frontiers[row]
+        return list(range(start, min(start + self.block_size, session.limits[row])))
 
-        With the first-token option the last pending token is read too (its next-token prediction).
-        """
-        size = block.shape[1]
-        if pending is None:
-            rule = visibility.sbd_decode(0, size, session.device)
-            return session.forward(block, positions, rule, read=range(size))
-        commit = pending.shape[1]
-        tokens = torch.cat([pending, block], dim=1)
-        positions = positions[:, :1] + torch.arange(-commit, size, device=session.device)
-        read_from = commit - 1 if self.first_token_from_ntp else commit
-        rule = visibility.sbd_decode(commit, size, session.device)
-        return session.forward(tokens, positions, rule, read=range(read_from, commit + size))
+    @staticmethod
+    def _masked(session: Session, row: int, block: list[int], size: int) -> list[bool]:
+        """The block's positions still to reveal, padded to `size`: none after a revealed stop token
+        (the output is cut there, so no forward is worth spending on them)."""
+        canvas, stop = session.canvas[row], session.first_stops[row]
+        return [canvas[p] is None and p < stop for p in block] + [False] * (size - len(block))
 
 
 @register(

@@ -35,12 +35,25 @@ import torch
 
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import BLOCK_SIZE, GAMMA, POLICY, SAMPLING, register
-from fastforward.decoding.decoders.sbd import after_stop, still_masked
 from fastforward.decoding.policies import EntropyBounded, greedy_prefix, make_policy
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
 from fastforward.model import visibility
+
+
+def after_stop(block: torch.Tensor, masked: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
+    """Positions after each row's first revealed stop token: the output is cut there, so no
+    forward is worth spending on them."""
+    is_stop = (block[..., None] == stop_ids).any(-1) & ~masked
+    return is_stop.cumsum(-1) > is_stop
+
+
+def still_masked(session: Session, masked: torch.Tensor) -> bool:
+    """Whether a running row of the batch still has masked positions in its block."""
+    if not any(session.finished_rows):
+        return bool(masked.any())
+    return bool((masked & ~session.done[:, None]).any())
 
 
 class VerifiedSBDDecoder(Decoder):
