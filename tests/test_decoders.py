@@ -172,13 +172,11 @@ class _OracleDrafts(VerifiedSBDDecoder):
         super().__init__(block_size)
         self.truth = truth
 
-    def _reveal(self, session, logits, block, masked):
-        start = len(session.outputs[0]) - 1  # block[:, 0] is the last token output
-        block = block.clone()
-        for j in range(block.shape[1]):
-            if masked[0, j] and start + j < len(self.truth):
-                block[0, j] = self.truth[start + j]
-        return block, torch.zeros_like(masked)
+    def _reveal(self, session, logits, candidates, own):
+        start, draft = session.per_row("start")[0], session.per_row("draft")[0]  # draft[0]: the last token output
+        for j, candidate in enumerate(candidates[0][: len(draft)]):
+            if candidate and start + j < len(self.truth):
+                draft[j] = self.truth[start + j]
 
 
 @pytest.mark.parametrize("block", [3, 8])

@@ -91,11 +91,13 @@ class _GreedyDrafts(VerifiedSBDDecoder):
 
     def __init__(self, truth: list[int], block_size: int):
         super().__init__(block_size, sampler=SAMPLER)
-        self.truth = torch.tensor(truth)
+        self.truth = truth
 
-    def _reveal(self, session, logits, block, masked):
-        at = torch.tensor(session.frontiers)[:, None] - 1 + torch.arange(block.shape[1])
-        return torch.where(masked, self.truth[at.clamp_max(len(self.truth) - 1)], block), torch.zeros_like(masked)
+    def _reveal(self, session, logits, candidates, own):
+        for start, draft, masked in zip(session.per_row("start"), session.per_row("draft"), candidates, strict=True):
+            for j, candidate in enumerate(masked[: len(draft or ())]):
+                if candidate:
+                    draft[j] = self.truth[min(start + j, len(self.truth) - 1)]
 
 
 class _GreedyAcceptance(Session):

@@ -255,6 +255,42 @@ def test_admission_bounds_and_a_full_queue(tiny):
     assert steps["1.0"] == steps["+Inf"] > 0  # prompt + budget > 20 tokens each: one row at a time under 40
 
 
+@pytest.mark.parametrize(
+    "decoder, knobs, continuous",
+    [("sbd-verified", {"block_size": 3}, False), ("mbd", {"block_size": 3}, True), ("jacobi-mr", {}, True)],
+    ids=["static-batches", "mbd", "jacobi-mr"],
+)
+def test_static_batches_give_each_request_its_output_alone(tiny, decoder, knobs, continuous):
+    """The static path: every decoder under `--static-batches`, and the `rows_apart` decoders (which
+    cannot join a running batch) always: requests with equal settings and budgets decode together."""
+    import asyncio
+
+    from fastforward.serving.app import CompletionRequest
+    from fastforward.serving.engine import Engine
+
+    server = Server(tiny, "tiny", decoder, knobs, max_batch_size=8)
+
+    async def serve() -> list[str]:
+        engine = Engine(tiny, max_batch_size=8, metrics=server.metrics, continuous=continuous)
+        jobs = []
+        with engine._lock:  # the worker wakes to all of them at once
+            for prompt in PROMPTS[:3]:
+                body = CompletionRequest(model="tiny", prompt=prompt)
+                jobs.append(server.job(body, tiny.encode_prompt(prompt, chat_template=False), 10))
+                engine.submit(jobs[-1])
+        texts = []
+        for job in jobs:
+            text = ""
+            while (event := await job.events.get()).finish_reason is None:
+                text += event.delta
+            assert event.error is None, event.error
+            texts.append(text)
+        await asyncio.to_thread(engine.stop)
+        return texts
+
+    assert asyncio.run(serve()) == [alone(tiny, p, decoder, n=10, **knobs) for p in PROMPTS[:3]]
+
+
 def test_a_full_queue_is_a_503_with_retry_after(served, monkeypatch):
     from fastforward.serving.engine import QueueFull
 

@@ -10,9 +10,9 @@ a batch to drain. Groups of different settings take turns, one step each. Admiss
 row); a queue of more than `max_queue` waiting jobs refuses new ones (`QueueFull`: HTTP 503 with
 Retry-After).
 
-Decoders that cannot decode step by step (`Decoder.continuous` false: `sbd-verified`,
-and the `rows_apart` ones, `mbd` and `jacobi-mr`) run in static batches: waiting jobs with the same
-setting and budget decode to their end in one turn.
+Decoders that cannot decode step by step (`Decoder.continuous` false: the `rows_apart` ones, `mbd`
+and `jacobi-mr`) run in static batches: waiting jobs with the same setting and budget decode to
+their end in one turn (one row at a time).
 
 Each row samples with its own request's temperature, top-p and seed (`Job.row`), so a request gets
 the tokens it would get alone whatever shares its batch. After every step the session's rows turn

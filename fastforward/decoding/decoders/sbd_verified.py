@@ -28,38 +28,29 @@ verification. Every verification commits at least one token, so TPF never falls 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
-
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import BLOCK_SIZE, GAMMA, POLICY, SAMPLING, register
+from fastforward.decoding.decoders.setdlm import carried_and_masks, commit_writes
 from fastforward.decoding.policies import EntropyBounded, greedy_prefix, make_policy
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
-from fastforward.model import visibility
-
-
-def after_stop(block: torch.Tensor, masked: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
-    """Positions after each row's first revealed stop token: the output is cut there, so no
-    forward is worth spending on them."""
-    is_stop = (block[..., None] == stop_ids).any(-1) & ~masked
-    return is_stop.cumsum(-1) > is_stop
-
-
-def still_masked(session: Session, masked: torch.Tensor) -> bool:
-    """Whether a running row of the batch still has masked positions in its block."""
-    if not any(session.finished_rows):
-        return bool(masked.any())
-    return bool((masked & ~session.done[:, None]).any())
 
 
 class VerifiedSBDDecoder(Decoder):
-    """Blocks of `block_size` (an exact first token, then masks revealed by `policy`), verified."""
+    """Blocks of `block_size` (an exact first token, then masks revealed by `policy`), verified.
+
+    Per row (`session.per_row`): `draft`, its block's tokens (None: masked; slot 0 is the last
+    committed token, exact), and `start`, the canvas position of slot 0. A row whose draft still has
+    masked positions drafts in a step (`[draft]`, bidirectional, nothing kept); a row whose draft is
+    full verifies (`[draft (causal) ; next block's masks]`). Rows of one forward may do either, so
+    they never wait for each other, and join and leave between steps (`continuous`).
+    """
 
     name = "sbd-verified"
+    continuous = True
 
     def __init__(self, block_size: int = 16, policy=None, sampler: Sampler | None = None):
         if block_size <= 0:
@@ -68,91 +59,99 @@ class VerifiedSBDDecoder(Decoder):
         self.policy = policy or EntropyBounded(0.35)
         self.sampler = sampler or Sampler()
 
-    def decode(self, session: Session) -> None:
+    def begin(self, session: Session, rows: range) -> None:
+        """New rows commit the prefill's next token (exact) and open their first block at it."""
+        first = session.sample(session.next_logits, session.next_pos).tolist()
+        commit_writes(session, [[(session.frontiers[r], first[r])] if r in rows else [] for r in range(session.batch)])
+        drafts, starts = session.per_row("draft"), session.per_row("start")
+        for row in rows:
+            starts[row] = session.frontiers[row] - 1
+            drafts[row] = [first[row]] + [None] * (self._size(session, row, 0) - 1)
+
+    def step(self, session: Session) -> None:
         mask_id = session.model.require_mask_token(self.name)
-        first = session.sample(session.next_logits, session.next_pos)
-        session.append(first[:, None])
-        block, masked = self._open(session, first[:, None], self._size(session, 0), mask_id)
-        while not session.finished:
-            start = session.next_pos - 1  # block[:, 0], the last committed token, sits here
-            size = block.shape[1]
-            positions = start[:, None] + torch.arange(size, device=session.device)
-            rule = visibility.sbd_decode(0, size, session.device)
-            while still_masked(session, masked):
-                drafting = masked.any(-1) & ~session.done
-                logits = session.forward(block, positions, rule, read=range(size), rows=drafting)
-                session.advance(keep=0)  # drafts only: nothing is committed yet
-                block, masked = self._reveal(session, logits, block, masked)
-                block, masked = self._fill_if_broke(session, block, masked, partial(session.sample, logits, positions))
-            block, masked = self._verify(session, block, start, mask_id)
-
-    def _size(self, session: Session, drafted: int) -> int:
-        """Size of the next block: whole, unless the furthest running row has fewer tokens left.
-
-        Rows drift apart (each keeps its own share of a draft), so finished rows must not count."""
-        return min(self.block_size, max(1, session.max_new_tokens - session.produced - drafted + 1))
-
-    def _open(
-        self, session: Session, tokens: torch.Tensor, size: int, mask_id: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A block starting at each row's exact next token `tokens[:, 0]`, its other positions masked."""
-        block = torch.full((session.batch, size), mask_id, dtype=torch.long, device=session.device)
-        block[:, 0] = tokens[:, 0]
-        masked = torch.ones_like(block, dtype=torch.bool)
-        masked[:, 0] = False
-        return block, masked & ~after_stop(block, masked, session.stop_ids)
+        drafts: list[list[int | None]] = session.per_row("draft")
+        starts: list[int] = session.per_row("start")
+        stops = set(session.model.stop_token_ids)
+        running = [not done for done in session.finished_rows]
+        masked = [_masked(drafts[r], stops) if running[r] else [] for r in range(session.batch)]
+        verifying = [running[r] and not any(masked[r]) for r in range(session.batch)]
+        carried, region = [], []  # per row: the draft to verify, and the positions read as a block
+        for row, (start, draft) in enumerate(zip(starts, drafts, strict=True)):
+            if verifying[row]:
+                carried.append([(start + i, mask_id if t is None else t) for i, t in enumerate(draft)])
+                end = start + len(draft)
+                region.append(list(range(end, end + self._size(session, row, len(draft) - 1))))
+            else:
+                carried.append([])
+                region.append(list(range(start, start + len(draft))) if running[row] else [])
+        tokens, positions, rule, width = carried_and_masks(session, carried, region, mask_id, masks_see_masks=True)
+        for row, draft in enumerate(drafts):  # a drafting row's known tokens, in place of masks
+            if running[row] and not verifying[row]:
+                for slot, token in enumerate(draft):
+                    if token is not None:
+                        tokens[row, width + slot] = token
+        logits = session.forward(tokens, positions, rule, range(tokens.shape[1]))
+        own = session.sample(logits[:, width:], positions[:, width:]).tolist()  # each block slot's token
+        guesses = [[] for _ in drafts]  # guesses[r][i]: the token after draft slot i (exact up to a mismatch)
+        if width:
+            guesses = session.sample(logits[:, :width], positions[:, :width] + 1).tolist()
+        writes, keep = [[] for _ in drafts], [0] * session.batch
+        fallback: list[list[int]] = [own[row] for row in range(session.batch)]  # what a broke row drafts
+        size = tokens.shape[1] - width
+        reveal_from = [[False] * size for _ in drafts]  # the masks this forward's block logits may reveal
+        for row in range(session.batch):
+            if not running[row]:
+                continue
+            if not verifying[row]:
+                reveal_from[row][: len(masked[row])] = masked[row]
+                continue
+            start, draft, guess = starts[row], drafts[row], guesses[row][: len(drafts[row])]
+            accepted = greedy_prefix(draft[1:], guess)
+            writes[row] = [(start + 1 + i, guess[i]) for i in range(accepted + 1)]  # the drafts held, the next token
+            keep[row] = accepted + 1  # in the cache: the exact first token and the drafts held
+            following = len(region[row])
+            predicted = guess + own[row][1:following]  # predicted[j]: the best guess at canvas start + j + 1
+            fallback[row] = predicted[accepted : accepted + following]
+            starts[row], drafts[row] = start + accepted + 1, [fallback[row][0]] + [None] * (following - 1)
+            if accepted == len(draft) - 1:  # the whole draft held: this forward's masks saw the right context
+                reveal_from[row][:following] = _masked(drafts[row], stops)
+        commit_writes(session, writes)
+        session.advance(keep=keep)
+        self._reveal(session, logits[:, width:], reveal_from, own)
+        for row in range(session.batch):
+            if not session.finished_rows[row] and session.lengths[row] - session.forwards[row] < 1:
+                # as many forwards as tokens: the rest of the draft at once, from the best guesses at hand
+                for slot, still in enumerate(_masked(drafts[row], stops)):
+                    if still:
+                        drafts[row][slot] = fallback[row][slot]
 
     def _reveal(
-        self, session: Session, logits: torch.Tensor, block: torch.Tensor, masked: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fill the positions the policy picks with their tokens (greedy, or sampled with each
-        position's draw); nothing after a stop token. block[:, 0] sits at the last committed token."""
-        reveal = self.policy(logits, masked)
-        at = session.next_pos[:, None] - 1 + torch.arange(block.shape[1], device=session.device)
-        block = torch.where(reveal, session.sample(logits, at), block)
-        masked = masked & ~reveal
-        return block, masked & ~after_stop(block, masked, session.stop_ids)
+        self, session: Session, logits: torch.Tensor, candidates: list[list[bool]], own: list[list[int]]
+    ) -> None:
+        """Fill the draft positions the policy picks among `candidates` (a row's masked block slots
+        whose logits this forward read in context) with their tokens `own` (greedy, or sampled with each
+        position's draw)."""
+        reveal = self.policy(logits, torch.tensor(candidates, device=session.device)).tolist()
+        for draft, shown, tokens in zip(session.per_row("draft"), reveal, own, strict=True):
+            for slot, chosen in enumerate(shown[: len(draft or ())]):
+                if chosen:
+                    draft[slot] = tokens[slot]
 
-    def _fill_if_broke(
-        self, session: Session, block: torch.Tensor, masked: torch.Tensor, predicted: Callable[[], torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows that have spent as many forwards as they committed tokens draft the rest of their
-        block from `predicted()` (the best tokens at hand) at once, so their next forward verifies."""
-        credit = [n - f for n, f in zip(session.lengths, session.forwards, strict=True)]
-        if min(credit) >= 1:
-            return block, masked
-        broke = torch.tensor([c < 1 for c in credit], device=session.device)[:, None] & masked
-        block = torch.where(broke, predicted(), block)
-        masked = masked & ~broke
-        return block, masked & ~after_stop(block, masked, session.stop_ids)
+    def _size(self, session: Session, row: int, drafted: int) -> int:
+        """Size of a row's next block: whole, unless the row has fewer tokens left (`drafted` of them
+        in a draft being verified), and at least its exact first token."""
+        return min(self.block_size, max(1, session.limits[row] - session.frontiers[row] - drafted + 1))
 
-    def _verify(
-        self, session: Session, draft: torch.Tensor, start: torch.Tensor, mask_id: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of `[draft (causal, kept) ; next block (masks)]`: commit the verified prefix of
-        the draft and the exact token after it, and open the next block at that token."""
-        size = draft.shape[1]
-        following = self._size(session, size - 1)
-        total = size + following
-        tokens = torch.cat([draft, draft.new_full((session.batch, following), mask_id)], dim=1)
-        positions = start[:, None] + torch.arange(total, device=session.device)
-        rule = visibility.sbd_decode(size, following, session.device)
-        logits = session.forward(tokens, positions, rule, read=range(total))
-        guess = session.sample(logits[:, :size], positions[:, :size] + 1)  # guess[:, i]: the token after draft[:, i]
-        accepted = greedy_prefix(draft[:, 1:], guess[:, : size - 1])
-        session.append(guess, accepted + 1)  # the confirmed drafts and the exact token after them
-        session.advance(keep=accepted + 1)  # the exact first token and its confirmed drafts
-        # predicted[:, i]: the best guess at position start + i + 1 (after the draft, then masks)
-        masks = session.sample(logits[:, size + 1 :], positions[:, size + 1 :])
-        predicted = torch.cat([guess, masks], dim=1)
-        following_slots = accepted[:, None] + torch.arange(following, device=session.device)
-        carried = predicted.gather(1, following_slots)
-        block, masked = self._open(session, carried, following, mask_id)
-        # Where the whole draft was accepted, the masks of this forward saw the right context.
-        whole = (accepted == size - 1)[:, None]
-        revealed, still = self._reveal(session, logits[:, size:], block, masked & whole)
-        block, masked = torch.where(whole, revealed, block), torch.where(whole, still, masked)
-        return self._fill_if_broke(session, block, masked, lambda: carried)
+
+def _masked(draft: list[int | None], stops: set[int]) -> list[bool]:
+    """A draft's positions still to reveal: none after a revealed stop token (the output is cut there,
+    so no forward is worth spending on them)."""
+    out, stopped = [], False
+    for token in draft:
+        out.append(token is None and not stopped)
+        stopped = stopped or (token is not None and token in stops)
+    return out
 
 
 @register(
