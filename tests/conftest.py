@@ -105,3 +105,37 @@ def cached_step():
         return model.run(Layout(torch.tensor([tokens]), positions, None, read, keep=len(tokens)), cache)
 
     return step
+
+
+@pytest.fixture
+def serve_at_once(tiny):
+    """serve(server, bodies, budget, **engine_options): submit the requests together (the worker wakes
+    to all of them at once) to an engine of `server`'s metrics; their texts. `inside(engine)` runs
+    while they are being submitted (say, a submit that must be refused)."""
+    import asyncio
+
+    from fastforward.serving.engine import Engine
+
+    def serve(server, bodies, budget: int, inside=None, **options) -> list[str]:
+        async def run() -> list[str]:
+            engine = Engine(tiny, metrics=server.metrics, **({"max_batch_size": 8} | options))
+            jobs = []
+            with engine._lock:
+                for body in bodies:
+                    jobs.append(server.job(body, tiny.encode_prompt(body.prompt, chat_template=False), budget))
+                    engine.submit(jobs[-1])
+                if inside is not None:
+                    inside(engine)
+            texts = []
+            for job in jobs:
+                text = ""
+                while (event := await job.events.get()).finish_reason is None:
+                    text += event.delta
+                assert event.error is None, event.error
+                texts.append(text)
+            await asyncio.to_thread(engine.stop)
+            return texts
+
+        return asyncio.run(run())
+
+    return serve

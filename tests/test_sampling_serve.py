@@ -2,7 +2,6 @@
 its tokens alone; the incremental detokenizer's deltas add up to exactly the decoded text (multi-byte
 characters split across tokens included) and stop strings cut it exactly."""
 
-import asyncio
 import random
 
 import pytest
@@ -10,7 +9,7 @@ import pytest
 from fastforward.api import build_decoder
 from fastforward.model.tiny import EOS, fit_tokenizer
 from fastforward.serving.app import CompletionRequest, Server
-from fastforward.serving.engine import Engine, TextStream
+from fastforward.serving.engine import TextStream
 
 TEXTS = [
     "Un café crème, naïve Grüße. 日本語のテキスト 🙂🚀 and 👩‍💻 mixed with ASCII.",
@@ -75,29 +74,6 @@ def test_stop_strings_cut_the_text_exactly(tokenizer, chunk):
         assert "".join(deltas) == expected and stopped == (expected != text), stop
 
 
-def serve_together(tiny, server, bodies: list[CompletionRequest], budget: int) -> list[str]:
-    """Submit the requests at once (the worker wakes to all of them: one batch); their texts."""
-
-    async def serve() -> list[str]:
-        engine = Engine(tiny, max_batch_size=8, metrics=server.metrics)
-        jobs = []
-        with engine._lock:
-            for body in bodies:
-                jobs.append(server.job(body, tiny.encode_prompt(body.prompt, chat_template=False), budget))
-                engine.submit(jobs[-1])
-        texts = []
-        for job in jobs:
-            text = ""
-            while (event := await job.events.get()).finish_reason is None:
-                text += event.delta
-            assert event.error is None, event.error
-            texts.append(text)
-        await asyncio.to_thread(engine.stop)
-        return texts
-
-    return asyncio.run(serve())
-
-
 def steps_ran_rows_together(server, rows: int) -> bool:
     """Whether some step ran `rows` rows (the engine's step-size histogram)."""
     buckets = {
@@ -106,13 +82,13 @@ def steps_ran_rows_together(server, rows: int) -> bool:
     return buckets[f"{rows - 1}.0"] < buckets[f"{rows}.0"]
 
 
-def test_sampled_requests_with_their_own_seeds_share_a_batch_and_sample_as_alone(tiny):
+def test_sampled_requests_with_their_own_seeds_share_a_batch_and_sample_as_alone(tiny, serve_at_once):
     """Requests that differ only in seed (or not even that) are one batch; each row samples with its
     request's seed, as `generate --seed` does for that prompt alone, and streams its text."""
     server = Server(tiny, "tiny", "jacobi", {"block_size": 3}, max_batch_size=8)
     asks = [("def add(a, b):", 1), ("Tom has 3 apples", 2), ("def add(a, b):", 3), ("def add(a, b):", 1)]
     bodies = [CompletionRequest(model="tiny", prompt=p, temperature=1.0, top_p=0.9, seed=seed) for p, seed in asks]
-    texts = serve_together(tiny, server, bodies, 14)
+    texts = serve_at_once(server, bodies, 14)
     assert steps_ran_rows_together(server, 4)
     for (prompt, seed), text in zip(asks, texts, strict=True):
         decoder = build_decoder("jacobi", block_size=3, temperature=1.0, top_p=0.9, seed=seed)
@@ -121,12 +97,12 @@ def test_sampled_requests_with_their_own_seeds_share_a_batch_and_sample_as_alone
 
 
 @pytest.mark.parametrize("decoder", ["jacobi", "setdlm"])
-def test_requests_with_different_temperatures_share_a_batch_and_sample_as_alone(tiny, decoder):
+def test_requests_with_different_temperatures_share_a_batch_and_sample_as_alone(tiny, decoder, serve_at_once):
     """Temperature and top-p are each row's own (greedy rows included): one batch, each as alone."""
     server = Server(tiny, "tiny", decoder, {}, max_batch_size=8)
     asks = [(0.0, 1.0), (1.0, 0.9), (0.7, 1.0), (1.5, 0.5)]
     bodies = [CompletionRequest(model="tiny", prompt="def add(a, b):", temperature=t, top_p=p, seed=5) for t, p in asks]
-    texts = serve_together(tiny, server, bodies, 14)
+    texts = serve_at_once(server, bodies, 14)
     assert steps_ran_rows_together(server, 4)
     ids = tiny.encode_prompt("def add(a, b):", chat_template=False)
     for (temperature, top_p), text in zip(asks, texts, strict=True):

@@ -219,36 +219,20 @@ def test_staggered_requests_with_mixed_budgets_join_running_batches(tiny, served
     assert after["+Inf"] - after["1.0"] > before["+Inf"] - before["1.0"]  # some steps ran several rows
 
 
-def test_admission_bounds_and_a_full_queue(tiny):
+def test_admission_bounds_and_a_full_queue(tiny, serve_at_once):
     """--max-batch-tokens keeps rows out until tokens in flight allow them (outputs unchanged); a full
     queue refuses with QueueFull, which the HTTP layer answers 503 with Retry-After."""
-    import asyncio
-
     from fastforward.serving.app import CompletionRequest
-    from fastforward.serving.engine import Engine, QueueFull
+    from fastforward.serving.engine import QueueFull
 
     server = Server(tiny, "tiny", "jacobi", {"block_size": 3}, max_batch_size=8)
 
-    async def serve() -> list[str]:
-        engine = Engine(tiny, max_batch_size=8, metrics=server.metrics, max_batch_tokens=40, max_queue=3)
-        jobs = []
-        with engine._lock:  # the worker wakes to all of them at once
-            for prompt in PROMPTS[:3]:
-                body = CompletionRequest(model="tiny", prompt=prompt)
-                jobs.append(server.job(body, tiny.encode_prompt(prompt, chat_template=False), 20))
-                engine.submit(jobs[-1])
-            with pytest.raises(QueueFull):
-                engine.submit(server.job(CompletionRequest(model="tiny", prompt="0"), [5], 4))
-        texts = []
-        for job in jobs:
-            text = ""
-            while (event := await job.events.get()).finish_reason is None:
-                text += event.delta
-            texts.append(text)
-        await asyncio.to_thread(engine.stop)
-        return texts
+    def refused(engine) -> None:
+        with pytest.raises(QueueFull):
+            engine.submit(server.job(CompletionRequest(model="tiny", prompt="0"), [5], 4))
 
-    texts = asyncio.run(serve())
+    bodies = [CompletionRequest(model="tiny", prompt=prompt) for prompt in PROMPTS[:3]]
+    texts = serve_at_once(server, bodies, 20, inside=refused, max_batch_tokens=40, max_queue=3)
     assert texts == [alone(tiny, p, "jacobi", n=20, block_size=3) for p in PROMPTS[:3]]
     samples = server.metrics.step_rows.collect()[0].samples
     steps = {s.labels["le"]: s.value for s in samples if s.name.endswith("bucket")}
@@ -260,35 +244,15 @@ def test_admission_bounds_and_a_full_queue(tiny):
     [("sbd-verified", {"block_size": 3}, False), ("mbd", {"block_size": 3}, True), ("jacobi-mr", {}, True)],
     ids=["static-batches", "mbd", "jacobi-mr"],
 )
-def test_static_batches_give_each_request_its_output_alone(tiny, decoder, knobs, continuous):
+def test_static_batches_give_each_request_its_output_alone(tiny, decoder, knobs, continuous, serve_at_once):
     """The static path: every decoder under `--static-batches`, and the `rows_apart` decoders (which
     cannot join a running batch) always: requests with equal settings and budgets decode together."""
-    import asyncio
-
     from fastforward.serving.app import CompletionRequest
-    from fastforward.serving.engine import Engine
 
     server = Server(tiny, "tiny", decoder, knobs, max_batch_size=8)
-
-    async def serve() -> list[str]:
-        engine = Engine(tiny, max_batch_size=8, metrics=server.metrics, continuous=continuous)
-        jobs = []
-        with engine._lock:  # the worker wakes to all of them at once
-            for prompt in PROMPTS[:3]:
-                body = CompletionRequest(model="tiny", prompt=prompt)
-                jobs.append(server.job(body, tiny.encode_prompt(prompt, chat_template=False), 10))
-                engine.submit(jobs[-1])
-        texts = []
-        for job in jobs:
-            text = ""
-            while (event := await job.events.get()).finish_reason is None:
-                text += event.delta
-            assert event.error is None, event.error
-            texts.append(text)
-        await asyncio.to_thread(engine.stop)
-        return texts
-
-    assert asyncio.run(serve()) == [alone(tiny, p, decoder, n=10, **knobs) for p in PROMPTS[:3]]
+    bodies = [CompletionRequest(model="tiny", prompt=prompt) for prompt in PROMPTS[:3]]
+    texts = serve_at_once(server, bodies, 10, continuous=continuous)
+    assert texts == [alone(tiny, p, decoder, n=10, **knobs) for p in PROMPTS[:3]]
 
 
 def test_a_full_queue_is_a_503_with_retry_after(served, monkeypatch):
