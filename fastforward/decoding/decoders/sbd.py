@@ -71,11 +71,8 @@ class SBDDecoder(Decoder):
                 carried[row] = [(p, session.canvas[row][p]) for p in blocks[row]]
                 blocks[row] = self._block(session, row)
         live = [blocks[row] if running[row] else [] for row in range(session.batch)]
-        tokens, positions, rule, width = carried_and_masks(session, carried, live, mask_id, masks_see_masks=True)
-        for row, block in enumerate(live):  # the revealed tokens of each block, in place of masks
-            for slot, p in enumerate(block):
-                if session.canvas[row][p] is not None:
-                    tokens[row, width + slot] = session.canvas[row][p]
+        revealed = [[session.canvas[row][p] for p in block] for row, block in enumerate(live)]
+        tokens, positions, rule, width = carried_and_masks(session, carried, live, mask_id, True, revealed)
         ntp, device, size = self.first_token_from_ntp, session.device, tokens.shape[1] - width
         read = range(0 if ntp else width, tokens.shape[1])
         logits = session.forward(tokens, positions, rule, read, rows=torch.tensor(running))

@@ -76,21 +76,19 @@ class VerifiedSBDDecoder(Decoder):
         running = [not done for done in session.finished_rows]
         masked = [_masked(drafts[r], stops) if running[r] else [] for r in range(session.batch)]
         verifying = [running[r] and not any(masked[r]) for r in range(session.batch)]
-        carried, region = [], []  # per row: the draft to verify, and the positions read as a block
+        # per row: the draft to verify, the positions read as a block, and the tokens known there
+        carried, region, known = [], [], []
         for row, (start, draft) in enumerate(zip(starts, drafts, strict=True)):
             if verifying[row]:
                 carried.append([(start + i, mask_id if t is None else t) for i, t in enumerate(draft)])
                 end = start + len(draft)
                 region.append(list(range(end, end + self._size(session, row, len(draft) - 1))))
+                known.append([None] * len(region[-1]))
             else:
                 carried.append([])
                 region.append(list(range(start, start + len(draft))) if running[row] else [])
-        tokens, positions, rule, width = carried_and_masks(session, carried, region, mask_id, masks_see_masks=True)
-        for row, draft in enumerate(drafts):  # a drafting row's known tokens, in place of masks
-            if running[row] and not verifying[row]:
-                for slot, token in enumerate(draft):
-                    if token is not None:
-                        tokens[row, width + slot] = token
+                known.append(draft if running[row] else [])
+        tokens, positions, rule, width = carried_and_masks(session, carried, region, mask_id, True, known)
         logits = session.forward(tokens, positions, rule, range(tokens.shape[1]))
         own = session.sample(logits[:, width:], positions[:, width:]).tolist()  # each block slot's token
         guesses = [[] for _ in drafts]  # guesses[r][i]: the token after draft slot i (exact up to a mismatch)

@@ -164,10 +164,13 @@ def carried_and_masks(
     candidates: list[list[int]],
     mask_id: int,
     masks_see_masks: bool = False,
+    known: list[list[int | None]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Tokens, positions and per-row rule of `[carried (padded) ; candidate masks (padded)]`: the
-    carried tokens causal in position order over the cache, each mask seeing the cache, the row's
-    carried tokens and itself (with `masks_see_masks`, every real mask of its row too: SBD's block).
+    """Tokens, positions and rule of `[carried (padded) ; candidate masks (padded)]`: the carried
+    tokens causal in position order over the cache, each mask seeing the cache, the row's carried
+    tokens and itself (with `masks_see_masks`, every real mask of its row too: SBD's block). known:
+    per row, tokens already chosen at its candidate positions (None: a mask), which go in their place.
+    The rule is per row [B, T, T], or SBD's shared [T, T] when `masks_see_masks` and no row is padded.
     Returns them with the carried width."""
     width = max(len(c) for c in carried)
     reads = max(1, max(len(c) for c in candidates))
@@ -176,13 +179,17 @@ def carried_and_masks(
     big = width + 1  # rank of a padded carried slot: after every real one, seen by no mask
     for row, (carry, cands) in enumerate(zip(carried, candidates, strict=True)):
         origin = session.origins[row]
-        ids.append([t for _, t in carry] + [pad_id] * (width - len(carry)) + [mask_id] * reads)
+        block = [mask_id if t is None else t for t in known[row]] if known is not None else [mask_id] * len(cands)
+        ids.append([t for _, t in carry] + [pad_id] * (width - len(carry)) + block + [mask_id] * (reads - len(cands)))
         filler = origin + (carry[-1][0] if carry else session.frontiers[row])
         pos.append([origin + p for p, _ in carry] + [filler] * (width - len(carry)))
         pos[-1] += [origin + p for p in cands] + [filler] * (reads - len(cands))
         clean_rank.append(list(range(len(carry))) + [big + i for i in range(width - len(carry))])
         mask_rank.append([len(carry)] * reads)
     device = session.device
+    tokens, positions = torch.tensor(ids, device=device), torch.tensor(pos, device=device)
+    if masks_see_masks and all(len(c) == width for c in carried) and all(len(c) == reads for c in candidates):
+        return tokens, positions, visibility.sbd_decode(width, reads, device), width
     rule = visibility.reveal_order(torch.tensor(clean_rank), torch.tensor(mask_rank))
     for row, (carry, cands) in enumerate(zip(carried, candidates, strict=True)):
         for slot in range(len(carry), width):  # a padded carried slot sees only itself
@@ -190,7 +197,7 @@ def carried_and_masks(
             rule[row, slot, slot] = True
         if masks_see_masks:
             rule[row, width : width + len(cands), width : width + len(cands)] = True
-    return torch.tensor(ids, device=device), torch.tensor(pos, device=device), rule.to(device), width
+    return tokens, positions, rule.to(device), width
 
 
 def next_token_logits(session: Session, logits: torch.Tensor, carried: list[list[tuple[int, int]]]) -> torch.Tensor:
