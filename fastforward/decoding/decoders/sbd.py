@@ -33,6 +33,7 @@ class SBDDecoder(Decoder):
     """
 
     name = "sbd"
+    continuous = True  # per-row blocks: rows join and leave between steps (the server batches it so)
 
     def __init__(
         self, block_size: int = 16, policy=None, sampler: Sampler | None = None, first_token_from_ntp: bool = False
@@ -43,8 +44,6 @@ class SBDDecoder(Decoder):
         self.policy = policy or EntropyBounded(0.35)
         self.sampler = sampler or Sampler()
         self.first_token_from_ntp = first_token_from_ntp
-
-    continuous = True  # per-row blocks: rows join and leave between steps (the server batches it so)
 
     def begin(self, session: Session, rows: range) -> None:
         """New rows open their first block; with `first_token_from_ntp` its first token is the
