@@ -243,7 +243,9 @@ def test_a_row_left_alone_keeps_only_its_valid_entries_and_no_mask(tiny, prompts
 
 
 @pytest.mark.parametrize(
-    "decoder", [JacobiDecoder(8), PromptLookupDecoder(8, 2, 1, jacobi_drafts=2)], ids=["jacobi", "lookup"]
+    "decoder",
+    [JacobiDecoder(8), PromptLookupDecoder(8, 2, 1, jacobi_drafts=2), VerifiedSBDDecoder(8, EntropyBounded(1.0))],
+    ids=["jacobi", "lookup", "sbd-verified"],
 )
 def test_a_bound_on_a_forwards_tokens_keeps_the_outputs(tiny, prompts, decoder):
     """`Session.step_tokens` (the server's `--max-step-tokens`): a decoder drafts fewer tokens a row

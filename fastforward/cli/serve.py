@@ -42,8 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-step-tokens",
         type=positive_int,
         default=None,
-        help="bound the tokens of one forward over its rows: jacobi and lookup draft less while many requests share it "
-        "(default: 128 on a CPU, no bound on a GPU)",
+        help="bound the tokens of one forward over its rows: jacobi, lookup and sbd-verified draft less while many "
+        "requests share it (default: 128 on a CPU, no bound on a GPU)",
     )
     p.add_argument(
         "--static-batches",

@@ -206,8 +206,8 @@ class Session:
         self.steps: list[dict[int, int]] = [{} for _ in rows]  # per row: steps that committed k tokens, by k
         self.row_state: dict[str, list] = {}  # a decoder's per-row lists (`per_row`), kept in step by join/leave
         # A bound on the tokens one forward runs over all its rows, for decoders that can draft less when
-        # many rows share a forward (jacobi, lookup: `row_tokens`); None: none. The server sets it
-        # (`serve --max-step-tokens`).
+        # many rows share a forward (jacobi, lookup, sbd-verified: `row_tokens`); None: none. The server
+        # sets it (`serve --max-step-tokens`).
         self.step_tokens: int | None = None
         self._reads: dict[tuple[int, int], torch.Tensor] = {}
         self._step: _Step | None = None

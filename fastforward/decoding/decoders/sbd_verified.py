@@ -138,8 +138,12 @@ class VerifiedSBDDecoder(Decoder):
 
     def _size(self, session: Session, row: int, drafted: int) -> int:
         """Size of a row's next block: whole, unless the row has fewer tokens left (`drafted` of them
-        in a draft being verified), and at least its exact first token."""
-        return min(self.block_size, max(1, session.limits[row] - session.frontiers[row] - drafted + 1))
+        in a draft being verified), and at least its exact first token. Under the server's bound on
+        a forward's tokens (`Session.row_tokens`) blocks shrink while many rows share a forward: a
+        verifying row runs its draft and the next block, two blocks' worth (the output is the same)."""
+        row_tokens = session.row_tokens()
+        block = self.block_size if row_tokens is None else max(1, min(self.block_size, row_tokens // 2))
+        return min(block, max(1, session.limits[row] - session.frontiers[row] - drafted + 1))
 
 
 def _masked(draft: list[int | None], stops: set[int]) -> list[bool]:
