@@ -69,6 +69,10 @@ class VerifiedSBDDecoder(Decoder):
             drafts[row] = [first[row]] + [None] * (self._size(session, row, 0) - 1)
 
     def step(self, session: Session) -> None:
+        """One forward. A drafting row reads its block and the policy reveals some of it; a verifying
+        row runs its draft causally, commits the drafts its next-token predictions confirm and the
+        exact token after them, and opens its next block there (revealed from this forward's masks
+        when the whole draft held); a row out of credit then fills its draft at once."""
         mask_id = session.model.require_mask_token(self.name)
         drafts: list[list[int | None]] = session.per_row("draft")
         starts: list[int] = session.per_row("start")
