@@ -107,6 +107,24 @@ def cached_step():
     return step
 
 
+async def _texts(jobs) -> list[str]:
+    """Each engine job's streamed text, to its end (an error event fails the test)."""
+    texts = []
+    for job in jobs:
+        text = ""
+        while (event := await job.events.get()).finish_reason is None:
+            text += event.delta
+        assert event.error is None, event.error
+        texts.append(text)
+    return texts
+
+
+@pytest.fixture
+def job_texts():
+    """`await job_texts(jobs)`: each engine job's streamed text, to its end."""
+    return _texts
+
+
 @pytest.fixture
 def serve_at_once(tiny):
     """serve(server, bodies, budget, **engine_options): submit the requests together (the worker wakes
@@ -126,13 +144,7 @@ def serve_at_once(tiny):
                     engine.submit(jobs[-1])
                 if inside is not None:
                     inside(engine)
-            texts = []
-            for job in jobs:
-                text = ""
-                while (event := await job.events.get()).finish_reason is None:
-                    text += event.delta
-                assert event.error is None, event.error
-                texts.append(text)
+            texts = await _texts(jobs)
             await asyncio.to_thread(engine.stop)
             return texts
 

@@ -255,6 +255,37 @@ def test_static_batches_give_each_request_its_output_alone(tiny, decoder, knobs,
     assert texts == [alone(tiny, p, decoder, n=10, **knobs) for p in PROMPTS[:3]]
 
 
+def test_a_long_static_decode_holds_up_no_continuous_request(tiny, job_texts):
+    """Requests of continuous decoders arriving while a long `mbd` request decodes (rows_apart: a static
+    batch of its own) join and finish between its steps, each with its output alone."""
+    import asyncio
+
+    from fastforward.serving.app import CompletionRequest
+    from fastforward.serving.engine import Engine
+
+    server = Server(tiny, "tiny", "jacobi", {"block_size": 3}, max_batch_size=8)
+
+    async def serve() -> tuple[list[str], bool]:
+        engine = Engine(tiny, max_batch_size=8, metrics=server.metrics)
+        long_body = CompletionRequest(model="tiny", prompt=PROMPTS[0], decoder="mbd", block_size=3)
+        long = server.job(long_body, tiny.encode_prompt(PROMPTS[0], chat_template=False), 300)
+        engine.submit(long)
+        await long.events.get()  # decoding
+        jobs = []
+        for prompt in PROMPTS[1:4]:
+            jobs.append(server.job(CompletionRequest(model="tiny", prompt=prompt), tiny.encode_prompt(prompt), 10))
+            engine.submit(jobs[-1])
+        texts = await job_texts(jobs)
+        still_decoding = not long.done
+        engine.cancel(long)
+        await asyncio.to_thread(engine.stop)
+        return texts, still_decoding
+
+    texts, still_decoding = asyncio.run(serve())
+    assert still_decoding  # the others finished first
+    assert texts == [alone(tiny, p, "jacobi", chat=True, n=10, block_size=3) for p in PROMPTS[1:4]]
+
+
 def test_a_full_queue_is_a_503_with_retry_after(served, monkeypatch):
     from fastforward.serving.engine import QueueFull
 

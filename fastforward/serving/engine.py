@@ -12,7 +12,8 @@ Retry-After).
 
 Decoders that cannot decode step by step (`Decoder.continuous` false: the `rows_apart` ones, `mbd`
 and `jacobi-mr`) run in static batches: waiting jobs with the same setting and budget decode to
-their end in one turn (one row at a time).
+their end in one turn (one row at a time), and between its steps the continuous groups admit their
+waiting jobs and take a step each, so a long static decode holds up nobody.
 
 Each row samples with its own request's temperature, top-p and seed (`Job.row`), so a request gets
 the tokens it would get alone whatever shares its batch. After every step the session's rows turn
@@ -212,11 +213,13 @@ class Engine:
                 self._guarded([r.job for r in group.rows], lambda: self._step(name, group))  # noqa: B023
             self.metrics.batch_size.set(sum(len(g.rows) - len(g.retired) for g in self._groups.values()))
 
-    def _admit(self) -> list[Job] | None:
+    def _admit(self, static_allowed: bool = True) -> list[Job] | None:
         """Move waiting jobs into their groups (opening groups as needed), as far as the limits allow.
-        Returns a static batch to decode now, [] to step the groups, or None to stop."""
+        Returns a static batch to decode now, [] to step the groups, or None to stop. Without
+        `static_allowed` (between the steps of a static batch) jobs of static decoders keep waiting
+        and nothing blocks."""
         with self._lock:
-            while not self._waiting and not self._groups and not self._stopping:
+            while static_allowed and not self._waiting and not self._groups and not self._stopping:
                 self._lock.wait()
             if not self._waiting and not self._groups:
                 return None
@@ -227,7 +230,7 @@ class Engine:
             static: list[Job] = []
             for job in list(self._waiting):
                 if not (self.continuous and job.decoder.continuous) or job.decoder.rows_apart:
-                    if not static and not admitted:  # its turn: alone, or with its kind (below)
+                    if static_allowed and not static and not admitted:  # its turn: alone, or with its kind
                         static = [job]
                         self._waiting.remove(job)
                     continue
@@ -346,10 +349,20 @@ class Engine:
         rows = [job.row() for job in batch]
         session = decoder.open_session(self.model, rows, batch[0].max_tokens)
         group = _Group(decoder, session, [_Row(job, TextStream(self.model.decode, job.stop)) for job in batch])
-        session.on_step = lambda s: self._stream(group)
+        session.on_step = lambda s: self._between_static_steps(group)
         decoder.decode(session)
         for row, generation in zip(group.rows, session.results(), strict=True):
             self._finish(row, generation)
+
+    def _between_static_steps(self, group: _Group) -> None:
+        """After each step of a static batch: stream it, then let the continuous groups take their
+        turns (waiting jobs of theirs join; one step each), so a long static decode (`mbd`,
+        `jacobi-mr`, `--static-batches`) holds up no other request."""
+        self._stream(group)
+        if self.continuous:
+            self._admit(static_allowed=False)
+            for name, other in list(self._groups.items()):
+                self._guarded([r.job for r in other.rows], lambda: self._step(name, other))  # noqa: B023
 
     def _emit(self, session: Session, row: int, job: Job, pushed: tuple[str, bool]) -> None:
         """Send a row's new text (`TextStream.push`); after a stop string, end the job and cancel the row."""
