@@ -356,8 +356,8 @@ class Engine:
 
     def _between_static_steps(self, group: _Group) -> None:
         """After each step of a static batch: stream it, then let the continuous groups take their
-        turns (waiting jobs of theirs join; one step each), so a long static decode (`mbd`,
-        `jacobi-mr`, `--static-batches`) holds up no other request."""
+        turns (waiting jobs of theirs join; one step each), so a long `mbd` or `jacobi-mr` decode
+        holds up no other request. (Under `--static-batches` there are no continuous groups.)"""
         self._stream(group)
         if self.continuous:
             self._admit(static_allowed=False)
