@@ -419,6 +419,14 @@ class Session:
             self._write(row, [(a, t) for t, a, m in zip(values[:k], values[k : 2 * k], chosen, strict=True) if m])
         self._mirrors.clear()
 
+    def commit_next_tokens(self, rows: range) -> list[int]:
+        """Sample the rows `rows` (just prefilled or joined) their first token from the prefill's
+        next-token logits and commit it; returns every row's sample (a pure function of the row, so
+        the other rows' are the same as theirs were)."""
+        first = self.sample(self.next_logits, self.next_pos).tolist()
+        self.append([[t] for t in first], [int(row in rows) for row in range(self.batch)])
+        return first
+
     def append(
         self, tokens: torch.Tensor | Sequence[Sequence[int]], count: torch.Tensor | Sequence[int] | None = None
     ) -> None:

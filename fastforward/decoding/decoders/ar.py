@@ -21,8 +21,7 @@ class ARDecoder(Decoder):
     continuous = True
 
     def begin(self, session: Session, rows: range) -> None:
-        first = session.sample(session.next_logits, session.next_pos).tolist()  # every row: a pure function
-        session.append([[t] for t in first], [int(row in rows) for row in range(session.batch)])
+        first = session.commit_next_tokens(rows)
         last = session.per_row("last")
         for row in rows:
             last[row] = first[row]

@@ -60,8 +60,7 @@ class JacobiDecoder(Decoder):
         return self.block_size if row_tokens is None else max(1, min(self.block_size, row_tokens - 1))
 
     def begin(self, session: Session, rows: range) -> None:
-        first = session.sample(session.next_logits, session.next_pos).tolist()  # every row: a pure function
-        session.append([[t] for t in first], [int(row in rows) for row in range(session.batch)])
+        first = session.commit_next_tokens(rows)
         last, drafts = session.per_row("last"), session.per_row("drafts")
         for row in rows:
             last[row] = first[row]

@@ -113,8 +113,7 @@ class PromptLookupDecoder(Decoder):
     continuous = True
 
     def begin(self, session: Session, rows: range) -> None:
-        first = session.sample(session.next_logits, session.next_pos).tolist()  # every row: a pure function
-        session.append([[t] for t in first], [int(row in rows) for row in range(session.batch)])
+        first = session.commit_next_tokens(rows)
         index, last = session.per_row("index"), session.per_row("last")
         chain, length = session.per_row("chain"), session.per_row("length")
         for row in rows:

@@ -54,8 +54,7 @@ class SBDDecoder(Decoder):
         for row in rows:
             carried[row], blocks[row] = [], self._block(session, row)
         if self.first_token_from_ntp:
-            first = session.sample(session.next_logits, session.next_pos).tolist()
-            commit_writes(session, [[(blocks[r][0], first[r])] if r in rows else [] for r in range(session.batch)])
+            session.commit_next_tokens(rows)
 
     def step(self, session: Session) -> None:
         """One forward of every running row's `[finished block (kept, causal) ; its block (read)]`, then

@@ -61,8 +61,7 @@ class VerifiedSBDDecoder(Decoder):
 
     def begin(self, session: Session, rows: range) -> None:
         """New rows commit the prefill's next token (exact) and open their first block at it."""
-        first = session.sample(session.next_logits, session.next_pos).tolist()
-        commit_writes(session, [[(session.frontiers[r], first[r])] if r in rows else [] for r in range(session.batch)])
+        first = session.commit_next_tokens(rows)
         drafts, starts = session.per_row("draft"), session.per_row("start")
         for row in rows:
             starts[row] = session.frontiers[row] - 1
