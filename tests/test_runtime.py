@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from fastforward.api import build_decoder
+from fastforward.decoding import runtime
 from fastforward.decoding.decoders import ARDecoder
-from fastforward.decoding.runtime import Prompt, Session
+from fastforward.decoding.runtime import Prompt, Session, prefill_chunks
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, visibility
 
@@ -103,6 +104,39 @@ def test_infilling_prefill_equals_a_causal_prefill_of_prefix_and_suffix(tiny, pr
             torch.testing.assert_close(b.values[r : r + 1, :, real], a.values, rtol=1e-4, atol=1e-4)
         # next_logits: what follows the prefix (the suffix comes later in causal order, unseen)
         torch.testing.assert_close(session.next_logits[r], logits[0, p - 1], rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_chunks_group_similar_lengths_within_a_budget():
+    assert prefill_chunks([5], 64) == [[0]]
+    assert prefill_chunks([7, 5, 6], 64) == [[0, 1, 2]]  # one chunk: the rows in their order
+    assert prefill_chunks([6, 400, 8, 300, 20], 2048) == [[0, 2, 4], [3, 1]]  # short and long apart
+    assert prefill_chunks([30] * 5, 64) == [[0, 1], [2, 3], [4]]  # at most 64 padded tokens each
+    assert prefill_chunks([100, 5], 64) == [[1], [0]]  # a prompt over the budget alone
+
+
+@pytest.mark.parametrize("budget", [runtime.PREFILL_TOKENS, 24])
+def test_prompts_of_very_different_lengths_prefill_in_chunks_as_they_would_alone(tiny, prompts, budget, monkeypatch):
+    """Chunks (by the lengths, and by the budget) are separate forwards whose caches are stacked back
+    in row order: each row's logits and valid cache entries are its prompt's alone, and so is its output."""
+    monkeypatch.setattr(runtime, "PREFILL_TOKENS", budget)
+    rows = [prompts[3], prompts[2] * 2, prompts[0], prompts[1] * 2, prompts[3] + prompts[0]]
+    chunks = prefill_chunks([len(r) for r in rows], budget)
+    assert len(chunks) > 1
+    forwards = []
+    run = tiny.run
+    monkeypatch.setattr(tiny, "run", lambda layout, cache: forwards.append(layout.tokens.shape) or run(layout, cache))
+    session = _session(tiny, rows)
+    assert [shape[0] for shape in forwards] == [len(c) for c in chunks]
+    for r, row in enumerate(rows):
+        alone = _session(tiny, [row])
+        torch.testing.assert_close(session.next_logits[r], alone.next_logits[0], rtol=1e-5, atol=1e-5)
+        valid = session.key_valid[r]
+        assert int(valid.sum()) == len(row)
+        for mine, theirs in zip(session.cache.layers, alone.cache.layers, strict=True):
+            torch.testing.assert_close(mine.keys[r][:, valid], theirs.keys[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(mine.values[r][:, valid], theirs.values[0], rtol=1e-5, atol=1e-5)
+    outputs = [g.token_ids for g in ARDecoder().generate(tiny, rows, 12)]
+    assert outputs == [ARDecoder().generate(tiny, [row], 12)[0].token_ids for row in rows]
 
 
 def test_an_infilling_prompt_fills_exactly_its_gap(tiny, prompts):
