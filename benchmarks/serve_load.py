@@ -16,7 +16,9 @@ and records, per request, the time to its first text and to its end:
 
 It prints throughput (generated tokens/s), p50 and p99 time to first token and end-to-end latency,
 TTFT's p99 without the opening burst (the first request of each client, sent together at the start),
-and the share of outputs equal to `generate` alone (lossless decoders), and writes JSON (with every
+the share of outputs equal to `generate` alone (lossless decoders), and the CPU seconds the server and
+the load generator spent over the scenario (both share this machine's cores: a sum near cores x wall
+time means the machine, not the scheduling, bounds the throughput), and writes JSON (with every
 request's TTFT, in request order). Targets
 (issue 34): continuous at 32 clients at least 4x one-at-a-time on the shipped JF model, p99 TTFT at
 most 2x p50, every lossless output equal to `generate`.
@@ -38,6 +40,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 from common import CHAT, RESULTS, load_average, log, machine_info
 
 from fastforward.api import build_decoder
@@ -88,11 +91,13 @@ def main() -> int:
         if name.split()[0] in args.skip:
             continue
         log(f"== {name}")
-        scenarios[name] = summarize(serve(args, requests, clients, rate, static), burst=clients or 0)
+        results, cpu = serve(args, requests, clients, rate, static)
+        scenarios[name] = summarize(results, burst=clients or 0) | cpu
         log(json.dumps({k: v for k, v in scenarios[name].items() if k not in ("texts", "ttft_by_request")}))
     if "in-process" not in args.skip:  # the same engine without HTTP: what the server's layer costs
         log("== continuous, in process")
-        scenarios["continuous, in process"] = summarize(in_process(model, args, knobs, requests), burst=args.clients)
+        results, cpu = in_process(model, args, knobs, requests)
+        scenarios["continuous, in process"] = summarize(results, burst=args.clients) | cpu
     reference = [
         build_decoder(args.decoder, **knobs).generate(model, [r["ids"]], r["budget"])[0].text for r in requests
     ]
@@ -121,9 +126,12 @@ def workload(model, args: argparse.Namespace) -> list[dict]:
     return requests
 
 
-def serve(args: argparse.Namespace, requests: list[dict], clients: int | None, rate: float | None, static: bool):
+def serve(
+    args: argparse.Namespace, requests: list[dict], clients: int | None, rate: float | None, static: bool
+) -> tuple[list[dict], dict]:
     """Start `fastforward serve` in its own process (so the load generator here takes none of its
-    time), send the requests `clients` at a time or at Poisson `rate`, stop the server."""
+    time), send the requests `clients` at a time or at Poisson `rate`, stop the server. Returns the
+    results and the CPU seconds the server and this load generator spent while the requests ran."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -144,15 +152,22 @@ def serve(args: argparse.Namespace, requests: list[dict], clients: int | None, r
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     break
             time.sleep(0.1)
-        return asyncio.run(_send_all(f"http://127.0.0.1:{port}/v1/completions", requests, clients, rate))
+        process, mine = psutil.Process(server.pid), time.process_time()
+        before = process.cpu_times()
+        results = asyncio.run(_send_all(f"http://127.0.0.1:{port}/v1/completions", requests, clients, rate))
+        after = process.cpu_times()
+        server_cpu = after.user + after.system - before.user - before.system
+        cpu = {"server_cpu_s": round(server_cpu, 2), "load_generator_cpu_s": round(time.process_time() - mine, 2)}
+        return results, cpu
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
 
 
-def in_process(model, args: argparse.Namespace, knobs: dict, requests: list[dict]) -> list[dict]:
+def in_process(model, args: argparse.Namespace, knobs: dict, requests: list[dict]) -> tuple[list[dict], dict]:
     """--clients clients of the continuous engine in this process, through `Engine.submit` and the
-    jobs' event queues: the server without its HTTP layer (and with no load generator beside it)."""
+    jobs' event queues: the server without its HTTP layer (and with no load generator beside it).
+    Returns the results and the CPU seconds this process (engine and clients) spent on them."""
     from fastforward.serving.app import CompletionRequest, Server
     from fastforward.serving.engine import Engine, warm_up
 
@@ -160,11 +175,11 @@ def in_process(model, args: argparse.Namespace, knobs: dict, requests: list[dict
         warm_up(model, build_decoder(args.decoder, **knobs))
     server = Server(model, "m", args.decoder, knobs, args.max_batch_size, max_step_tokens=args.max_step_tokens)
 
-    async def run() -> list[dict]:
+    async def run() -> tuple[list[dict], dict]:
         engine = Engine(model, args.max_batch_size, server.metrics, max_step_tokens=server.max_step_tokens)
         results: list[dict] = [{} for _ in requests]
         queue = list(range(len(requests)))
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
 
         async def client() -> None:
             while queue:
@@ -184,9 +199,9 @@ def in_process(model, args: argparse.Namespace, knobs: dict, requests: list[dict
                 results[index] = {"ttft": first or end, "latency": end, "tokens": tokens, "text": text}
 
         await asyncio.gather(*(client() for _ in range(args.clients)))
-        wall = time.perf_counter() - started
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu
         await asyncio.to_thread(engine.stop)
-        return [r | {"wall": wall} for r in results]
+        return [r | {"wall": wall} for r in results], {"server_cpu_s": round(cpu, 2)}
 
     return asyncio.run(run())
 
@@ -273,15 +288,15 @@ def report(args: argparse.Namespace, scenarios: dict[str, dict], load_before: li
     print(f"\n{args.model} with {args.decoder}, {args.requests} requests, budgets {args.budgets[0]}-{args.budgets[1]}")
     print(
         "| scenario | tokens/s | × one at a time | TTFT p50 / p99 s | TTFT p99 after the opening burst s "
-        "| latency p50 / p99 s | = generate |"
+        "| latency p50 / p99 s | = generate | CPU s: server / load generator |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in scenarios.items():
         ratio = f"{r['tokens_per_s'] / base:.2f}" if base else ""
         print(
             f"| {name} | {r['tokens_per_s']} | {ratio} | {r['ttft_p50']} / {r['ttft_p99']} | "
             f"{r['ttft_p99_after_burst']} | {r['latency_p50']} / {r['latency_p99']} | "
-            f"{r['equal_to_generate']}/{r['requests']} |"
+            f"{r['equal_to_generate']}/{r['requests']} | {r['server_cpu_s']} / {r.get('load_generator_cpu_s', '-')} |"
         )
     record = {
         "machine": machine_info(),
