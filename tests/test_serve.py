@@ -239,6 +239,27 @@ def test_admission_bounds_and_a_full_queue(tiny, serve_at_once):
     assert steps["1.0"] == steps["+Inf"] > 0  # prompt + budget > 20 tokens each: one row at a time under 40
 
 
+@pytest.mark.parametrize("budget, joins", [(None, [4]), (16, [2, 1, 1]), (1, [1, 1, 1, 1])])
+def test_a_burst_joins_over_several_turns_within_the_prefill_budget(tiny, serve_at_once, budget, joins, monkeypatch):
+    """--max-prefill-tokens: between two steps, waiting requests join while their prompts fit in it (one
+    at least), in arrival order; the rest join at the next turns. Outputs are unchanged."""
+    from fastforward.serving.app import CompletionRequest
+    from fastforward.serving.engine import Engine
+
+    seen = []
+    join = Engine._join
+    monkeypatch.setattr(
+        Engine, "_join", lambda self, setting, jobs: seen.append(len(jobs)) or join(self, setting, jobs)
+    )
+    prompts = PROMPTS[:4]
+    assert [len(tiny.encode_prompt(p, chat_template=False)) for p in prompts] == [9, 6, 20, 1]
+    server = Server(tiny, "tiny", "jacobi", {"block_size": 3}, max_batch_size=8)
+    bodies = [CompletionRequest(model="tiny", prompt=prompt) for prompt in prompts]
+    texts = serve_at_once(server, bodies, 12, **({"max_prefill_tokens": budget} if budget else {}))
+    assert seen == joins
+    assert texts == [alone(tiny, p, "jacobi", n=12, block_size=3) for p in prompts]
+
+
 @pytest.mark.parametrize(
     "decoder, knobs, continuous",
     [("sbd-verified", {"block_size": 3}, False), ("mbd", {"block_size": 3}, True), ("jacobi-mr", {}, True)],

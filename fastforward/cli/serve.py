@@ -16,6 +16,7 @@ from fastforward.cli import (
     precision,
 )
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
+from fastforward.decoding.runtime import PREFILL_TOKENS
 from fastforward.errors import FastForwardError
 from fastforward.model import Model, check_device, load_model
 from fastforward.serving.engine import warm_up
@@ -44,6 +45,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="bound the tokens of one forward over its rows: jacobi, lookup and sbd-verified draft less while many "
         "requests share it (default: 128 on a CPU, no bound on a GPU)",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=positive_int,
+        default=PREFILL_TOKENS,
+        help="prompt tokens that may join the running batch between two steps (at least one request): a burst of "
+        "long prompts prefills over several steps, so running requests keep streaming (default: %(default)s)",
     )
     p.add_argument(
         "--static-batches",
@@ -106,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         "max_queue": args.max_queue,
         "continuous": not args.static_batches,
         "max_step_tokens": args.max_step_tokens,
+        "max_prefill_tokens": args.max_prefill_tokens,
     }
     if args.warm_up_only:  # here, for this machine's store: replicas on it read the same
         if not args.compile:

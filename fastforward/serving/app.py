@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from fastforward.api import build_decoder
 from fastforward.decoding.decoders import registry
+from fastforward.decoding.runtime import PREFILL_TOKENS
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.serving.engine import Engine, Event, Job, QueueFull
@@ -95,9 +96,11 @@ class Server:
         max_queue: int = 256,
         continuous: bool = True,
         max_step_tokens: int | None = None,
+        max_prefill_tokens: int = PREFILL_TOKENS,
     ):
         """max_step_tokens: `Session.step_tokens` of every batch; None: `CPU_STEP_TOKENS` on a CPU, no
-        bound on a GPU (whose forwards cost about the same whatever their tokens)."""
+        bound on a GPU (whose forwards cost about the same whatever their tokens). max_prefill_tokens:
+        prompt tokens that may join between two steps (`Engine`)."""
         build_decoder(decoder, **knobs)  # the server's own settings must be valid before it starts
         self.model, self.name = model, name
         self.decoder, self.knobs, self.max_tokens = decoder, knobs, max_tokens
@@ -107,6 +110,7 @@ class Server:
         if max_step_tokens is None and model.device.type == "cpu":
             max_step_tokens = CPU_STEP_TOKENS
         self.continuous, self.max_step_tokens = continuous, max_step_tokens
+        self.max_prefill_tokens = max_prefill_tokens
 
     # ---- requests → jobs --------------------------------------------------------------------------
     def job(self, body: _Request, prompt: list[int], max_tokens: int | None) -> Job:
@@ -237,6 +241,7 @@ class Server:
                 self.max_queue,
                 self.continuous,
                 self.max_step_tokens,
+                self.max_prefill_tokens,
             )
             yield
             await asyncio.to_thread(self.engine.stop)

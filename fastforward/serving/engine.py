@@ -8,7 +8,9 @@ so rows with different budgets, prompt lengths and sampling knobs share forwards
 a batch to drain. Groups of different settings take turns, one step each. Admission is bounded by
 `max_batch_size` rows and `max_batch_tokens` tokens in flight (prompt plus budget of every running
 row); a queue of more than `max_queue` waiting jobs refuses new ones (`QueueFull`: HTTP 503 with
-Retry-After).
+Retry-After). Between two steps at most `max_prefill_tokens` prompt tokens join (one job at least),
+so that a burst of long prompts prefills over several turns: the running rows keep streaming, and
+the first jobs of the burst get their first tokens before the last ones are prefilled.
 
 Decoders that cannot decode step by step (`Decoder.continuous` false: the `rows_apart` ones, `mbd`
 and `jacobi-mr`) run in static batches: waiting jobs with the same setting and budget decode to
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 
 from fastforward.decoding.decoders import Decoder, registry
-from fastforward.decoding.runtime import Generation, Prompt, Session
+from fastforward.decoding.runtime import PREFILL_TOKENS, Generation, Prompt, Session
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.serving.metrics import Metrics
@@ -128,8 +130,10 @@ class Engine:
         max_queue: int = 256,
         continuous: bool = True,
         max_step_tokens: int | None = None,
+        max_prefill_tokens: int = PREFILL_TOKENS,
     ):
         self.model = model
+        self.max_prefill_tokens = max_prefill_tokens
         self.max_step_tokens = max_step_tokens  # `Session.step_tokens` of every group
         self.continuous = continuous  # False: every decoder in static batches (the old scheduling, for comparison)
         self.max_batch_size = max_batch_size
@@ -227,6 +231,7 @@ class Engine:
             # Rows still decoding: retired ones leave in the join that admits their successors.
             live = [r for g in self._groups.values() for i, r in enumerate(g.rows) if i not in g.retired]
             rows, tokens = len(live), sum(len(r.job.prompt) + r.job.max_tokens for r in live)
+            prefill = 0  # prompt tokens admitted in this turn
             static: list[Job] = []
             for job in list(self._waiting):
                 if not (self.continuous and job.decoder.continuous) or job.decoder.rows_apart:
@@ -238,11 +243,12 @@ class Engine:
                 full = rows >= self.max_batch_size or (
                     self.max_batch_tokens is not None and tokens + size > self.max_batch_tokens and rows > 0
                 )
-                if full or static:
+                enough = prefill > 0 and prefill + len(job.prompt) > self.max_prefill_tokens  # the next turn's
+                if full or enough or static:
                     break
                 self._waiting.remove(job)
                 admitted.setdefault(job.setting, []).append(job)
-                rows, tokens = rows + 1, tokens + size
+                rows, tokens, prefill = rows + 1, tokens + size, prefill + len(job.prompt)
             if static and not static[0].decoder.rows_apart:
                 first = static[0]
                 for job in list(self._waiting):
