@@ -250,10 +250,10 @@ class Session:
 
         Prompts of very different lengths, or more prompt tokens than `PREFILL_TOKENS`, prefill in
         several forwards (`prefill_chunks`), whose caches are then stacked: padding a 6-token prompt
-        to a 400-token one costs as much as the long one, and on a CPU a forward of 16 x 330 tokens
-        took 1.7 ms a token against 0.8 for 4 x 330 (SmolLM2-135M int4, 2-core Xeon, one-off timing).
-        A row's entries and logits do not depend on the rows it shares a forward with (`--exact`, or
-        fp32), so chunks change only the time."""
+        to a 400-token one costs as much as the long one, and on a CPU a token costs more in a very
+        large forward (`benchmarks/prefill_chunks.py`). Under `--exact` a row's entries and logits
+        do not depend on the rows it shares a forward with, so chunks change only the time; without
+        it they may round differently, as in any batch."""
         tokens = [[*p.prefix, *(p.suffix if self.suffix_upfront else ())] for p in rows]
         chunks = prefill_chunks([len(t) for t in tokens], PREFILL_TOKENS)
         if len(chunks) == 1:

@@ -243,7 +243,8 @@ class Engine:
                 full = rows >= self.max_batch_size or (
                     self.max_batch_tokens is not None and tokens + size > self.max_batch_tokens and rows > 0
                 )
-                enough = prefill > 0 and prefill + len(job.prompt) > self.max_prefill_tokens  # the next turn's
+                # Past the prefill budget it waits for the next turn (a job alone always fits).
+                enough = prefill > 0 and prefill + len(job.prompt) > self.max_prefill_tokens
                 if full or enough or static:
                     break
                 self._waiting.remove(job)
