@@ -58,7 +58,6 @@ def run_staggered(model, decoder, prompts, arrivals, check=None, fused=False, sa
     fused: finished rows stay until the next arrivals, which drop them as they join (`join(drop=...)`),
     all the arrivals of a step in one join with their own budgets. samplers: each request's own."""
     pending = sorted(enumerate(arrivals), key=lambda item: item[1][0])
-    owners: list[int] = []  # session row → request
     outputs: dict[int, list[int]] = {}
     session, step = None, 0
     with torch.inference_mode():
@@ -67,7 +66,7 @@ def run_staggered(model, decoder, prompts, arrivals, check=None, fused=False, sa
             pending = [(i, a) for i, a in pending if a[0] > step]
             done = [] if session is None else [row for row in range(session.batch) if session.finished_rows[row]]
             for row in done:
-                outputs[owners[row]] = session.result(row).token_ids
+                outputs[session.per_row("owner")[row]] = session.result(row).token_ids
             if arrived:
                 rows = [
                     Prompt(prompts[index], seed=request, sampler=samplers[request] if samplers else None)
@@ -75,24 +74,24 @@ def run_staggered(model, decoder, prompts, arrivals, check=None, fused=False, sa
                 ]
                 budgets = [budget for _, (_, _, budget) in arrived]
                 if session is None:
-                    session, new = decoder.open_session(model, rows, budgets), range(len(rows))
+                    session, new = decoder.open_session(model, rows, budgets), list(range(len(rows)))
                 elif fused:
-                    new = session.join(rows, budgets, drop=done)
-                    owners, done = [owner for row, owner in enumerate(owners) if row not in done], []
+                    new, done = session.join(rows, budgets, drop=done), []
                 else:
                     new = session.join(rows, budgets)
                 decoder.begin(session, new)
-                owners += [request for request, _ in arrived]
+                owners = session.per_row("owner")  # session row → request: joins and leaves keep it in step
+                for row, (request, _) in zip(new, arrived, strict=True):
+                    owners[row] = request
             if done:
                 session.leave(done)
-                owners = [owner for row, owner in enumerate(owners) if row not in done]
             if session is not None and not session.finished:
                 decoder.step(session)
                 if check:
                     check(session)
             elif session is not None and not pending:
                 for row in range(session.batch):
-                    outputs[owners[row]] = session.result(row).token_ids
+                    outputs[session.per_row("owner")[row]] = session.result(row).token_ids
                 break
             step += 1
     return [outputs[i] for i in range(len(arrivals))]
@@ -188,6 +187,38 @@ def test_static_batches_sample_each_row_with_its_own_sampler(tiny, prompts, name
     assert [g.token_ids for g in together] == [decoder.generate(tiny, [row], 9)[0].token_ids for row in rows]
     greedy = decoder.generate(tiny, [Prompt(p, seed=i) for i, p in enumerate(prompts)], 9)
     assert [g.token_ids for g in greedy] != [g.token_ids for g in together]  # the rows' own samplers were used
+
+
+@pytest.mark.parametrize("joining", [1, 2], ids=["one-for-one", "fewer-than-dropped"])
+def test_rows_joining_in_dropped_rows_places_write_only_their_own_entries(tiny, prompts, joining):
+    """As many rows (or fewer) join as leave: they take the dropped rows' places (a finished one and a
+    cancelled one), their entries are written over those rows' in the running buffers (the staying
+    row is not copied: same storage), further dropped rows leave, and every row decodes as it would
+    alone; a new row in a cancelled row's place is not cancelled."""
+    decoder = JacobiDecoder(3)
+    with torch.inference_mode():
+        session = decoder.open_session(tiny, [prompts[0], prompts[2], prompts[1]], [4, 30, 30])  # the longest stays
+        decoder.begin(session, range(3))
+        session.cancel(2)
+        while not session.finished_rows[0]:
+            decoder.step(session)
+        done = session.result(0).token_ids
+        buffers = [layer.key_buffer.data_ptr() for layer in session.cache.layers]
+        joined = [prompts[3], prompts[3][:1]][:joining]
+        new = session.join(joined, 20, drop=[0, 2])
+        assert new == ([0] if joining == 1 else [0, 2]) and session.batch == 3 - (2 - joining)
+        if joining == 2:  # in place: nothing stacked, nothing left
+            assert [layer.key_buffer.data_ptr() for layer in session.cache.layers] == buffers
+        decoder.begin(session, new)
+        _check_cache(tiny, session)
+        while not session.finished:
+            decoder.step(session)
+            _check_cache(tiny, session)
+    assert done == decoder.generate(tiny, [prompts[0]], 4)[0].token_ids
+    assert session.result(1).token_ids == decoder.generate(tiny, [prompts[2]], 30)[0].token_ids
+    for row, prompt in zip(new, joined, strict=True):
+        assert session.finish_reason(row) != "cancelled"
+        assert session.result(row).token_ids == decoder.generate(tiny, [prompt], 20)[0].token_ids
 
 
 def test_leave_drops_padding_no_row_needs(tiny, prompts):

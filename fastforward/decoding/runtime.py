@@ -44,7 +44,7 @@ from fastforward.decoding import metrics
 from fastforward.decoding.sampling import Sampler, greedy, row_key, uniforms
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, visibility
-from fastforward.model.cache import drop_leading, gather_entries, repack, stack_rows, truncate
+from fastforward.model.cache import drop_leading, gather_entries, overwrite_rows, repack, stack_rows, truncate
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -605,15 +605,25 @@ class Session:
 
     def join(
         self, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int | Sequence[int], drop: Sequence[int] = ()
-    ) -> range:
+    ) -> list[int]:
         """Add rows between steps (and drop the rows `drop`, whose generations the caller has read with
-        `result`): the new rows are prefilled on their own, as a session of them would be, then their
-        cache entries are stacked under the staying rows' in one copy, the shorter side left-padded with
-        entries no query sees. Returns the new rows' indices; their `next_logits` are set, and the
-        decoder begins them (`Decoder.begin`). max_new_tokens: one budget, or one per prompt."""
+        `result`); returns the new rows' indices. The new rows are prefilled on their own, as a session
+        of them would be. Where as many rows are dropped as join (or more), the new rows take the
+        dropped rows' places and their cache entries are written over those rows' (the other rows' are
+        not copied; any further dropped rows then leave); otherwise the staying rows keep their order
+        and the new rows' entries are stacked under theirs in one copy. Either way the shorter side is
+        left-padded with entries no query sees, and rows other than the dropped ones keep their
+        entries in every per-row list (`per_row`), so callers follow rows by these indices. The new
+        rows' `next_logits` are set, and the decoder begins them (`Decoder.begin`). max_new_tokens:
+        one budget, or one per prompt."""
         if self._step is not None:
             raise RuntimeError("rows join between steps: call session.advance first")
         new = Session(self.model, prompts, max_new_tokens, self.suffix_upfront, self.sampler)
+        drop = sorted(drop)
+        if len(drop) >= new.batch:
+            slots = drop[: new.batch]
+            if overwrite_rows(self.cache, torch.tensor(slots, device=self.device), new.cache):
+                return self._take_places(new, slots, gone=drop[new.batch :])
         stay, index = self._staying(drop)
         mine, theirs = self.cache.get_seq_length(), new.cache.get_seq_length()
         width = max(mine, theirs)
@@ -627,7 +637,7 @@ class Session:
         self.cache = stack_rows(self.model.hf.config, [self.cache, new.cache], [width - mine, width - theirs], rows)
         self._keep_rows(stay, index)
         self.key_valid = torch.cat(validity)
-        added = range(self.batch, self.batch + new.batch)
+        added = list(range(self.batch, self.batch + new.batch))
         for name in self._ROW_LISTS:
             getattr(self, name).extend(getattr(new, name))
         for values in self.row_state.values():
@@ -638,6 +648,41 @@ class Session:
         self.next_logits = torch.cat([self.next_logits, new.next_logits])
         self._squeeze()
         return added
+
+    def _take_places(self, new: Session, slots: list[int], gone: list[int]) -> list[int]:
+        """`join`'s rows of `new` in the rows `slots` (their cache entries written already), then the
+        rows `gone` leave; returns where the new rows are."""
+        at = torch.tensor(slots, device=self.device)
+        width = self.cache.get_seq_length()
+        valid = self.key_valid
+        if valid is None:
+            valid = torch.ones(self.batch, width, dtype=torch.bool, device=self.device)
+        theirs = new.key_valid
+        if theirs is None:
+            theirs = torch.ones(new.batch, new.cache.get_seq_length(), dtype=torch.bool, device=self.device)
+        self.key_valid = valid.index_put((at,), F.pad(theirs, (width - theirs.shape[1], 0), value=False))
+        for name in self._ROW_LISTS:
+            values, others = getattr(self, name), getattr(new, name)
+            for slot, value in zip(slots, others, strict=True):
+                values[slot] = value
+        for values in self.row_state.values():
+            for slot in slots:
+                values[slot] = None
+        self._cancelled -= set(slots)
+        self.origin = self.origin.index_put((at,), new.origin)
+        self.next_logits = self.next_logits.index_put((at,), new.next_logits)
+        self.max_new_tokens = max(self.limits)
+        self._sampling_keys = self._sampling_groups = None
+        self._mirrors.clear()
+        if gone:
+            stay, index = self._staying(gone)
+            self.cache.batch_select_indices(index)
+            if getattr(self.cache, "key_positions", None) is not None:
+                self.cache.key_positions = self.cache.key_positions[index]
+            self._keep_rows(stay, index)
+            slots = [stay.index(slot) for slot in slots]
+        self._squeeze()
+        return slots
 
     def leave(self, rows: Sequence[int]) -> list[Generation]:
         """Remove rows between steps (finished or cancelled), returning their generations. The cache

@@ -225,6 +225,24 @@ def prepare_cache(cache: Cache, entries: int) -> None:
             layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
 
 
+def overwrite_rows(cache: Cache, rows: torch.Tensor, source: Cache) -> bool:
+    """Write every row of `source` over the rows `rows` of `cache`, left-padded to its length with zero
+    entries (which the caller's masks hide), in place: the other rows are not copied. Returns False,
+    and changes nothing, where that cannot be done in place: a layer that is not a `GrowingLayer`, or
+    a source longer than the cache."""
+    length, theirs = cache.get_seq_length(), source.get_seq_length()
+    layers = list(zip(cache.layers, source.layers, strict=True))
+    if theirs > length or not all(isinstance(a, GrowingLayer) and isinstance(b, GrowingLayer) for a, b in layers):
+        return False
+    for mine, new in layers:
+        for buffer, entries in ((mine.key_buffer, new.keys), (mine.value_buffer, new.values)):
+            buffer[rows, :, :length] = F.pad(entries, (0, 0, length - theirs, 0))
+    positions = getattr(cache, "key_positions", None)
+    if positions is not None:
+        positions[rows] = F.pad(source.key_positions, (length - theirs, 0))
+    return True
+
+
 def _runs(rows: Sequence[int]) -> list[slice]:
     """`rows` (ascending) as slices of consecutive rows: views of a cache's tensors, where indexing by
     the rows themselves would gather a copy before the copy into the stacked buffers."""

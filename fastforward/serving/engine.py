@@ -108,14 +108,17 @@ class _Group:
 
     decoder: Decoder
     session: Session
-    rows: list[_Row]
     retired: list[int] = field(default_factory=list)  # finished rows, their jobs ended, still in the session
 
-    def forget_retired(self) -> None:
-        """The retired rows have left the session: drop them here too."""
-        gone = set(self.retired)
-        self.rows = [row for index, row in enumerate(self.rows) if index not in gone]
-        self.retired = []
+    @property
+    def rows(self) -> list[_Row]:
+        """Row r's job: a per-row list of the session, so that joins and leaves keep it in step."""
+        return self.session.per_row("serving")
+
+    def start(self, rows: list[int], jobs: list[Job], decode: Callable[[list[int]], str]) -> None:
+        """The jobs now in session rows `rows` (just joined or opened)."""
+        for index, job in zip(rows, jobs, strict=True):
+            self.rows[index] = _Row(job, TextStream(decode, job.stop))
 
 
 class Engine:
@@ -286,15 +289,15 @@ class Engine:
         budgets = [job.max_tokens for job in jobs]
         if group is None:
             decoder = jobs[0].decoder
-            group = _Group(decoder, decoder.open_session(self.model, prompts, budgets), [])
+            group = _Group(decoder, decoder.open_session(self.model, prompts, budgets))
             group.session.step_tokens = self.max_step_tokens
             group.session.on_step = lambda s, g=group: self._stream(g)
             self._groups[setting] = group
-            rows = range(len(prompts))
+            rows = list(range(len(prompts)))
         else:
             rows = group.session.join(prompts, budgets, drop=group.retired)
-            group.forget_retired()
-        group.rows += [_Row(job, TextStream(self.model.decode, job.stop)) for job in jobs]
+            group.retired = []
+        group.start(rows, jobs, self.model.decode)
         group.decoder.begin(group.session, rows)
         self._stream(group)
         self._retire(setting, group)
@@ -333,7 +336,7 @@ class Engine:
             del self._groups[setting]
         elif group.retired and 4 * len(group.retired) >= session.batch:
             session.leave(group.retired)
-            group.forget_retired()
+            group.retired = []
 
     def _finish(self, row: _Row, generation: Generation) -> None:
         job = row.job
@@ -355,7 +358,8 @@ class Engine:
         decoder = batch[0].decoder
         rows = [job.row() for job in batch]
         session = decoder.open_session(self.model, rows, batch[0].max_tokens)
-        group = _Group(decoder, session, [_Row(job, TextStream(self.model.decode, job.stop)) for job in batch])
+        group = _Group(decoder, session)
+        group.start(list(range(len(batch))), batch, self.model.decode)
         session.on_step = lambda s: self._between_static_steps(group)
         decoder.decode(session)
         for row, generation in zip(group.rows, session.results(), strict=True):
