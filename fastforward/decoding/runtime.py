@@ -675,11 +675,7 @@ class Session:
         self._sampling_keys = self._sampling_groups = None
         self._mirrors.clear()
         if gone:
-            stay, index = self._staying(gone)
-            self.cache.batch_select_indices(index)
-            if getattr(self.cache, "key_positions", None) is not None:
-                self.cache.key_positions = self.cache.key_positions[index]
-            self._keep_rows(stay, index)
+            stay = self._remove(gone)
             slots = [stay.index(slot) for slot in slots]
         self._squeeze()
         return slots
@@ -690,14 +686,19 @@ class Session:
         if self._step is not None:
             raise RuntimeError("rows leave between steps: call session.advance first")
         results = [self.result(row) for row in rows]
+        self._remove(rows)
+        if self.key_valid is not None:
+            self._squeeze()
+        return results
+
+    def _remove(self, rows: Sequence[int]) -> list[int]:
+        """The rows `rows` out of the session, cache included; returns the staying rows' old indices."""
         stay, index = self._staying(rows)
         self.cache.batch_select_indices(index)
         if getattr(self.cache, "key_positions", None) is not None:
             self.cache.key_positions = self.cache.key_positions[index]
         self._keep_rows(stay, index)
-        if self.key_valid is not None:
-            self._squeeze()
-        return results
+        return stay
 
     def _staying(self, gone: Sequence[int]) -> tuple[list[int], torch.Tensor]:
         """The rows not in `gone`, in order, and their indices on the device."""
