@@ -162,6 +162,13 @@ def prefill_chunks(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return [list(range(len(lengths)))] if len(chunks) == 1 else chunks
 
 
+def validity(key_valid: torch.Tensor | None, rows: int, entries: int, device: torch.device) -> torch.Tensor:
+    """A cache's key validity [rows, entries]: `key_valid`, or all real where it is None (untracked)."""
+    if key_valid is not None:
+        return key_valid
+    return torch.ones(rows, entries, dtype=torch.bool, device=device)
+
+
 class Session:
     """A batch being decoded: cache, key validity, canvas, counters. See the module docstring.
 
@@ -265,7 +272,7 @@ class Session:
         pads = [width - w for w in widths]
         cache = stack_rows(self.model.hf.config, [cache for cache, _, _ in parts], pads)
         valid = [
-            F.pad(v if v is not None else torch.ones(len(c), w, dtype=torch.bool, device=self.device), (pad, 0))
+            F.pad(validity(v, len(c), w, self.device), (pad, 0))
             for (_, v, _), c, w, pad in zip(parts, chunks, widths, pads, strict=True)
         ]
         order = torch.tensor([i for c in chunks for i in c], device=self.device).argsort()  # back to row order
@@ -478,12 +485,13 @@ class Session:
             self._write(row, [(a, t) for t, a, m in zip(values[:k], values[k : 2 * k], chosen, strict=True) if m])
         self._mirrors.clear()
 
-    def commit_next_tokens(self, rows: range) -> list[int]:
+    def commit_next_tokens(self, rows: Sequence[int]) -> list[int]:
         """Sample the rows `rows` (just prefilled or joined) their first token from the prefill's
         next-token logits and commit it; returns every row's sample (a pure function of the row, so
         the other rows' are the same as theirs were)."""
         first = self.sample(self.next_logits, self.next_pos).tolist()
-        self.append([[t] for t in first], [int(row in rows) for row in range(self.batch)])
+        starting = set(rows)
+        self.append([[t] for t in first], [int(row in starting) for row in range(self.batch)])
         return first
 
     def append(
@@ -627,16 +635,14 @@ class Session:
         stay, index = self._staying(drop)
         mine, theirs = self.cache.get_seq_length(), new.cache.get_seq_length()
         width = max(mine, theirs)
-        validity = []
+        valids = []
         for session, rows, length in ((self, index, mine), (new, None, theirs)):
-            valid = session.key_valid
-            if valid is None:
-                valid = torch.ones(session.batch, length, dtype=torch.bool, device=self.device)
-            validity.append(F.pad(valid if rows is None else valid[rows], (width - length, 0), value=False))
+            valid = validity(session.key_valid, session.batch, length, self.device)
+            valids.append(F.pad(valid if rows is None else valid[rows], (width - length, 0), value=False))
         rows = [stay if drop else None, None]  # nothing dropped: the running rows as they are
         self.cache = stack_rows(self.model.hf.config, [self.cache, new.cache], [width - mine, width - theirs], rows)
         self._keep_rows(stay, index)
-        self.key_valid = torch.cat(validity)
+        self.key_valid = torch.cat(valids)
         added = list(range(self.batch, self.batch + new.batch))
         for name in self._ROW_LISTS:
             getattr(self, name).extend(getattr(new, name))
@@ -653,14 +659,10 @@ class Session:
         """`join`'s rows of `new` in the rows `slots` (their cache entries written already), then the
         rows `gone` leave; returns where the new rows are."""
         at = torch.tensor(slots, device=self.device)
-        width = self.cache.get_seq_length()
-        valid = self.key_valid
-        if valid is None:
-            valid = torch.ones(self.batch, width, dtype=torch.bool, device=self.device)
-        theirs = new.key_valid
-        if theirs is None:
-            theirs = torch.ones(new.batch, new.cache.get_seq_length(), dtype=torch.bool, device=self.device)
-        self.key_valid = valid.index_put((at,), F.pad(theirs, (width - theirs.shape[1], 0), value=False))
+        width, theirs = self.cache.get_seq_length(), new.cache.get_seq_length()
+        valid = validity(self.key_valid, self.batch, width, self.device)
+        new_valid = F.pad(validity(new.key_valid, new.batch, theirs, self.device), (width - theirs, 0), value=False)
+        self.key_valid = valid.index_put((at,), new_valid)
         for name in self._ROW_LISTS:
             values, others = getattr(self, name), getattr(new, name)
             for slot, value in zip(slots, others, strict=True):
