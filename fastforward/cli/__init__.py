@@ -100,6 +100,7 @@ def add_precision_flags(
         help="row-invariant attention on the CPU: verifying decoders give greedy AR's tokens bit for bit "
         f"(with int8, int4 or bfloat16 weights; default: {'on' if exact else 'off'}; off on a GPU)",
     )
+    add_adapter_flag(p)
     if not attention:
         return
     p.add_argument(
@@ -107,6 +108,16 @@ def add_precision_flags(
         choices=("sdpa", "flex"),  # fastforward.model.flex.CHOICES, without importing torch here
         default="sdpa",
         help="sdpa, or flex (FlexAttention: a new BlockMask each step, slower to decode; see docs/precision.md)",
+    )
+
+
+def add_adapter_flag(p: argparse.ArgumentParser) -> None:
+    """--adapter, for every command that loads a model (`load_model(adapter=...)`)."""
+    p.add_argument(
+        "--adapter",
+        default=None,
+        help="a PEFT (LoRA) adapter directory, merged into --model's weights before quantizing (default: none; "
+        "an adapter directory that names its base also works as --model)",
     )
 
 
@@ -166,6 +177,7 @@ def precision(args: argparse.Namespace) -> dict:
         "compile": args.compile,
         "attention": args.attention,
         "cuda_graphs": args.cuda_graphs,
+        "adapter": args.adapter,
     }
 
 

@@ -108,6 +108,16 @@ def add_optimizer_flags(p: argparse.ArgumentParser, seq_len: int) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
     p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=d.lora_rank,
+        help="train a LoRA adapter of this rank (PEFT) instead of every weight; 0: full fine-tuning",
+    )
+    p.add_argument("--lora-alpha", type=float, default=d.lora_alpha, help="LoRA's alpha (0: twice the rank)")
+    p.add_argument(
+        "--lora-targets", default=d.lora_targets, help="modules given LoRA layers: all-linear or names, comma-separated"
+    )
+    p.add_argument(
         "--bf16",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -130,6 +140,9 @@ def train_config(args: argparse.Namespace, **overrides) -> TrainConfig:
         mixed_precision="bf16" if (torch.cuda.is_available() if args.bf16 is None else args.bf16) else "no",
         save_every=args.save_every,
         keep_checkpoints=args.keep_checkpoints,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_targets=args.lora_targets,
         **overrides,
     )
     config.validate()

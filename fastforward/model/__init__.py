@@ -38,7 +38,7 @@ from fastforward.cpu import row_chunks, smoothing
 from fastforward.cpu.quantize import check_scheme, prefill_kernels, uses_int8
 from fastforward.cpu.quantize import quantize as quantize_linears
 from fastforward.errors import FastForwardError
-from fastforward.model import flex, softcap, step_graphs, windows
+from fastforward.model import adapters, flex, softcap, step_graphs, windows
 from fastforward.model.cache import new_cache, prepare_cache, track_positions, truncate
 from fastforward.model.step_graphs import StepGraphs
 from fastforward.model.store import PACKAGE, Store
@@ -85,6 +85,7 @@ class Model:
         self.tokenizer = tokenizer
         self.name = name
         self.mask_token_id: int | None = getattr(hf.config, MASK_CONFIG_KEY, None)
+        self.adapter: str | None = None  # an adapter merged in by `load_model(adapter=...)`, beside the name
         self.compiled_forward: Callable | None = None  # forwards against a cache, when compiled (`compile_steps`)
         self.step_graphs: StepGraphs | None = None  # fixed-shape steps, CUDA graphs on a GPU (`use_step_graphs`)
         # transformers 5.2x renamed the forwards' `past_key_values` to `cache` (the old name warns, and is
@@ -158,12 +159,7 @@ class Model:
 
     # ---- mask token ---------------------------------------------------------------------------
     def add_mask_token(self) -> int:
-        """Give the model a `<|mask|>` token and record it in the config.
-
-        Added rows are exactly the mean of the old ones (input and, if untied, output embeddings), not
-        transformers' `mean_resizing` draw from the unseeded global RNG: the same model gets the same
-        weights in every process.
-        """
+        """Give the model a `<|mask|>` token (its embedding rows: `grow_embeddings`) and record it in the config."""
         if self.mask_token_id is not None:
             return self.mask_token_id
         if not hasattr(self.hf.get_output_embeddings(), "weight"):  # checked before anything changes
@@ -175,14 +171,8 @@ class Model:
         if existing is None or existing == self.tokenizer.unk_token_id:
             self.tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
             existing = self.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
-        old = self.hf.get_input_embeddings().num_embeddings
-        if existing >= old:
-            self.hf.resize_token_embeddings(len(self.tokenizer), mean_resizing=False)
-            inputs, outputs = self.hf.get_input_embeddings(), self.hf.get_output_embeddings()
-            tied = outputs is None or outputs.weight is inputs.weight
-            with torch.no_grad():
-                for weight in [inputs.weight] if tied else [inputs.weight, outputs.weight]:
-                    weight[old:] = weight[:old].mean(dim=0)
+        if existing >= self.hf.get_input_embeddings().num_embeddings:
+            grow_embeddings(self.hf, len(self.tokenizer))
         self.mask_token_id = int(existing)
         setattr(self.hf.config, MASK_CONFIG_KEY, self.mask_token_id)
         if self.compiled_forward is not None:  # its graphs do not check the embeddings they were traced with
@@ -314,6 +304,19 @@ class Model:
         save_atomically(self.hf, self.tokenizer, Path(directory))
 
 
+def grow_embeddings(hf: PreTrainedModel, size: int) -> None:
+    """Resize the embeddings to `size` rows, each added row exactly the mean of the old ones (input and, if
+    untied, output): not transformers' `mean_resizing` draw from the unseeded global RNG, so the same
+    model gets the same weights in every process, and an adapter trained on top finds them again."""
+    old = hf.get_input_embeddings().num_embeddings
+    hf.resize_token_embeddings(size, mean_resizing=False)
+    inputs, outputs = hf.get_input_embeddings(), hf.get_output_embeddings()
+    tied = outputs is None or outputs.weight is inputs.weight
+    with torch.no_grad():
+        for weight in [inputs.weight] if tied else [inputs.weight, outputs.weight]:
+            weight[old:] = weight[:old].mean(dim=0)
+
+
 def save_atomically(hf: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
     directory = directory.resolve()
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -418,6 +421,8 @@ def resolve_model_path(name_or_path: str) -> Path:
     if name_or_path.startswith("demo-") and (shipped / "config.json").is_file():
         return shipped
     path = Path(name_or_path).expanduser()
+    if adapters.is_adapter(path):
+        return path
     if path.is_dir():
         _check_config(path / "config.json")
         return path
@@ -467,10 +472,12 @@ def _load_hf(
     fuse: bool,
     device: str | None,
     attention: str,
+    merged: list[Path],
 ) -> PreTrainedModel:
-    """The model from `path` in `dtype` on `device`, with the attention `exact` asks for, its linear
-    layers quantized (`quantize`; `fuse`: where fusing measured faster, int8 eager and native int4
-    compiled: docs/notes/2026-11-smoothing-and-fused-projections.md, docs/notes/2026-11-avx2-kernels.md)."""
+    """The model from `path` with the adapters `merged` into its weights, in `dtype` on `device`, with the
+    attention `exact` asks for, its linear layers quantized (`quantize`; `fuse`: where fusing measured
+    faster, int8 eager and native int4 compiled: docs/notes/2026-11-smoothing-and-fused-projections.md,
+    docs/notes/2026-11-avx2-kernels.md)."""
     if path.suffix == ".gguf":
         hf, _ = _load_gguf(path)
     else:
@@ -481,6 +488,11 @@ def _load_hf(
                 hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=implementation)
         except (OSError, ValueError, SafetensorError) as exc:
             raise FastForwardError(f"could not load a causal LM from {path}: {exc}") from exc
+    if merged and len(tokenizer) > hf.get_input_embeddings().num_embeddings:  # trained with a mask token
+        grow_embeddings(hf, len(tokenizer))
+        setattr(hf.config, MASK_CONFIG_KEY, tokenizer.convert_tokens_to_ids(MASK_TOKEN))
+    for adapter in merged:  # before quantizing: the merged weights are what gets quantized
+        hf = adapters.merge(hf, adapter)
     hf.to(dtype=dtype)
     # SDPA or FlexAttention (`attention`), or row-invariant attention for --exact; soft-capped attention
     # (Gemma 2) needs its own
@@ -503,6 +515,7 @@ def load_model(
     compile: bool = False,
     attention: str = "sdpa",
     cuda_graphs: bool | None = None,
+    adapter: str | None = None,
 ) -> Model:
     """Load a preset, a Hugging Face model directory or a GGUF file, ready to run layouts.
 
@@ -513,26 +526,33 @@ def load_model(
     attention: "sdpa" or "flex" (FlexAttention, `fastforward.model.flex`; GPUs train with it).
     cuda_graphs: replay decoding steps as CUDA graphs (`fastforward.model.step_graphs`); None: on a CUDA
     device where the model allows it (SDPA, no sliding windows, no --compile).
+    adapter: a PEFT (LoRA) adapter directory merged into the weights (`fastforward.model.adapters`); a
+    `name_or_path` that is itself an adapter directory loads the base it names with it merged.
     """
     torch_dtype = _resolve_dtype(dtype)
     check_device(device)
     check_scheme(quantize)  # before the load, which takes seconds
     flex.implementation(attention)  # likewise: an unknown choice fails now
-    path = resolve_model_path(name_or_path)
-    tokenizer = _load_tokenizer(path)
+    path, merged = adapters.resolve_chain(resolve_model_path(name_or_path), resolve_model_path)
+    if adapter is not None:
+        merged.append(adapters.check_adapter(Path(adapter).expanduser()))
+    tokenizer = _load_tokenizer(next((a for a in reversed(merged) if adapters.has_tokenizer(a)), path))
     fuse = compile if quantize == "int4" else not compile
     setting = {"dtype": torch_dtype, "scheme": quantize, "exact": exact, "fuse": fuse}
+    if merged:
+        setting["adapters"] = adapters.digest(merged)
     store = None
     if quantize != "none" and device in (None, "cpu") and attention != "flex":
         store = Store(fastforward_home(), "quantized", path, **setting)
     hf = store.load() if store is not None else None
     if hf is None:
-        hf = _load_hf(path, tokenizer, torch_dtype, quantize, exact, fuse, device, attention)
+        hf = _load_hf(path, tokenizer, torch_dtype, quantize, exact, fuse, device, attention, merged)
         if store is not None:
             store.save(hf)  # quantized once: the next load at this setting reads it back
     if exact:
         row_chunks.chunk_rows(hf)  # bfloat16 GEMMs round by row count
     model = Model(hf, tokenizer, name=name_or_path)
+    model.adapter = adapter
     if compile:  # kept per model and setting; the graphs trace fastforward's model code too (the cache)
         code = (PACKAGE / "cpu", PACKAGE / "model")
         setting.update(device=device or "cpu", attention=hf.config._attn_implementation)

@@ -18,7 +18,7 @@ from fastforward.errors import FastForwardError
 from fastforward.model import load_model
 from fastforward.training.launch import launched_processes
 from fastforward.training.objectives import JacobiForcing
-from fastforward.training.trainer import TrainConfig, train
+from fastforward.training.trainer import TrainConfig, finished_run, train
 from fastforward.training.trajectories import Collection, PromptSource, TrajectoryData, collect_from, describe
 
 
@@ -63,7 +63,7 @@ def progressive_rounds(
     out = Path(out)
     for r, spec in enumerate(rounds, start=1):
         run_dir = out / f"round-{r}"
-        if (run_dir / "config.json").exists():
+        if finished_run(run_dir):
             log(f"round {r}: done ({run_dir})")
             start = str(run_dir)
             continue

@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from fastforward.errors import FastForwardError
-from fastforward.model import PRESETS, Model, quiet_progress
+from fastforward.model import MASK_CONFIG_KEY, PRESETS, Model, adapters, quiet_progress
 from fastforward.training.data import derive_seed
 from fastforward.training.launch import launched_processes
 from fastforward.training.objectives import Objective
@@ -101,13 +101,16 @@ class TrainConfig:
     save_every: int = 100  # 0: no intermediate checkpoints
     keep_checkpoints: int = 2
     max_eval_batches: int = 50
+    lora_rank: int = 0  # 0: train every weight; R: a PEFT LoRA adapter of rank R, saved as an adapter directory
+    lora_alpha: float = 0.0  # LoRA's scale numerator; 0: twice the rank
+    lora_targets: str = adapters.DEFAULT_TARGETS  # "all-linear" or comma-separated module names
 
     def validate(self) -> None:
         positive = ("steps", "seq_len", "batch_size", "grad_accum", "keep_checkpoints", "max_eval_batches")
         for name in positive:
             if getattr(self, name) < 1:
                 raise FastForwardError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("warmup", "weight_decay", "max_grad_norm", "eval_every", "save_every"):
+        for name in ("warmup", "weight_decay", "max_grad_norm", "eval_every", "save_every", "lora_rank", "lora_alpha"):
             if getattr(self, name) < 0:
                 raise FastForwardError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -281,6 +284,12 @@ def _differences(previous: dict, current: dict) -> list[str]:
     return [f"{k}: {old.get(k)!r} → {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
+def finished_run(out: Path) -> bool:
+    """Whether `out` holds a finished run: its final model (config.json) or adapter (adapter_config.json),
+    each written last."""
+    return (out / "config.json").exists() or (out / adapters.ADAPTER_CONFIG).exists()
+
+
 def _refuse_foreign(out: Path) -> None:
     """Refuse a file, or a non-empty directory that no run created, before the lock file is put into it."""
     if out.exists() and not out.is_dir():
@@ -302,7 +311,7 @@ def _open_run_dir(out: Path, record: dict, overwrite: bool) -> tuple[Path | None
         return None, False
     if overwrite:
         return None, True
-    if (out / "config.json").exists():
+    if finished_run(out):
         raise FastForwardError(f"{out} holds a finished run; pass --overwrite to train again, or choose another --out")
     if not checkpoints(out):
         return None, True
@@ -416,20 +425,43 @@ def save_checkpoint(accelerator: Accelerator, out: Path, step: int, keep: int, v
     return final
 
 
-def _save_final(accelerator: Accelerator, module: nn.Module, model: Model, out: Path) -> None:
-    """Write the model into `out` itself, config.json last: its presence marks a finished run."""
+def _save_final(accelerator: Accelerator, module: nn.Module, model: Model, out: Path, provenance: dict) -> None:
+    """Write the model into `out` itself, config.json last: its presence marks a finished run. A LoRA run
+    writes a PEFT adapter directory instead (adapter_config.json last), with its provenance beside it."""
     state = accelerator.get_state_dict(module)  # gathers FSDP shards; every process must call it
     if not accelerator.is_main_process:
         return
     tmp = out / ".final"
     shutil.rmtree(tmp, ignore_errors=True)
     weights = {k.removeprefix("hf."): v for k, v in state.items() if k.startswith("hf.")}
+    lora = hasattr(model.hf, "peft_config")
+    extra = {"save_embedding_layers": False} if lora else {}  # else PEFT may ask the Hub about the base
     with quiet_progress():
-        model.hf.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-    model.tokenizer.save_pretrained(tmp)
-    for path in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
+        model.hf.save_pretrained(tmp, state_dict=weights, safe_serialization=True, **extra)
+    if lora:
+        _write_json(tmp / adapters.PROVENANCE, provenance)
+    if not lora or getattr(model.hf.config, MASK_CONFIG_KEY, None) is not None:  # the adapter's added token
+        model.tokenizer.save_pretrained(tmp)
+    last = adapters.ADAPTER_CONFIG if lora else "config.json"
+    for path in sorted(tmp.iterdir(), key=lambda p: p.name == last):
         os.replace(path, out / path.name)
     tmp.rmdir()
+
+
+def _wrap_lora(model: Model, config: TrainConfig) -> None:
+    """Freeze the model and give it PEFT LoRA layers of `config.lora_rank` (before the optimizer sees it)."""
+    if model.adapter is not None:
+        raise FastForwardError(
+            f"cannot train an adapter on a model loaded with --adapter {model.adapter}: give the adapter "
+            "directory as --model instead (its base is then recorded)"
+        )
+    from peft import get_peft_model  # imported by LoRA runs only
+
+    lora = adapters.lora_config(config.lora_rank, config.lora_alpha or None, config.lora_targets)
+    try:
+        model.hf = get_peft_model(model.hf, lora)
+    except ValueError as exc:  # target modules not found
+        raise FastForwardError(f"cannot add LoRA layers to {model.name}: {exc}") from exc
 
 
 # ---- steps --------------------------------------------------------------------------------------
@@ -538,6 +570,8 @@ def train(
             "train with --attention sdpa"
         )
     objective.setup(model)
+    if config.lora_rank:
+        _wrap_lora(model, config)
     record = {
         "train": asdict(config),
         "rows_per_step": config.batch_size * config.grad_accum * accelerator.num_processes,
@@ -547,8 +581,9 @@ def train(
     }
     with _claim_run_dir(accelerator, out, record, overwrite) as checkpoint:
         model.hf.train()
-        decay = [p for p in model.hf.parameters() if p.ndim >= 2]
-        rest = [p for p in model.hf.parameters() if p.ndim < 2]
+        trained = [p for p in model.hf.parameters() if p.requires_grad]  # LoRA: its adapter's weights only
+        decay = [p for p in trained if p.ndim >= 2]
+        rest = [p for p in trained if p.ndim < 2]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}],
             lr=config.lr,
@@ -600,7 +635,10 @@ def train(
             if callback is not None:
                 callback(step, {k: v for e in entries for k, v in e.items() if k != "split"})
         bar.close()
-        _save_final(accelerator, module, model, out)
+        provenance = {"base": record["model"]["name"], "objective": record["objective"], "train": record["train"]}
+        _save_final(accelerator, module, model, out, provenance)
         accelerator.wait_for_everyone()
+        if config.lora_rank:  # the caller goes on with a plain model, as the adapter's loaders give it
+            model.hf = model.hf.merge_and_unload()
         model.hf.eval()
         return history

@@ -1,0 +1,136 @@
+"""LoRA adapters the way the field ships them: a PEFT adapter directory, merged into the weights at load.
+
+A directory is an adapter when it holds PEFT's `adapter_config.json`. fastforward writes one more
+file beside it, `fastforward_adapter.json` (provenance: the base it was trained on, the objective, the
+steps), and the tokenizer when training gave it a token the base lacks (the mask token). An adapter made
+by `peft` itself loads too: its base is then the config's `base_model_name_or_path`, or the model the
+caller names.
+
+The adapter is merged into the base's weights before anything else happens to them (quantization,
+compiling), so a merged model decodes at exactly the cost of the base. Chains work: an adapter's base
+may itself be an adapter directory (a second Jacobi Forcing round trained on top of the first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from transformers import PreTrainedModel
+
+from fastforward.errors import FastForwardError
+
+ADAPTER_CONFIG = "adapter_config.json"
+PROVENANCE = "fastforward_adapter.json"
+WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+DEFAULT_TARGETS = "all-linear"  # PEFT's name for every linear layer but the output projection
+
+
+def is_adapter(path: Path) -> bool:
+    """Whether `path` is a PEFT adapter directory (not a full model)."""
+    return path.is_dir() and (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file()
+
+
+def _read(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise FastForwardError(f"{path} is unreadable or not JSON ({exc}); the adapter is damaged") from exc
+    if not isinstance(value, dict):
+        raise FastForwardError(f"{path} is not a JSON object; the adapter is damaged")
+    return value
+
+
+def weights_file(adapter: Path) -> Path:
+    """The adapter's weights (safetensors preferred), or a one-line error naming what is missing."""
+    for name in WEIGHTS:
+        if (adapter / name).is_file():
+            return adapter / name
+    raise FastForwardError(f"adapter {adapter} has no weights ({' or '.join(WEIGHTS)}); it is incomplete")
+
+
+def base_of(adapter: Path) -> str | None:
+    """The base an adapter names: fastforward's provenance first, then PEFT's `base_model_name_or_path`."""
+    provenance = adapter / PROVENANCE
+    if provenance.is_file() and (base := _read(provenance).get("base")):
+        return str(base)
+    return _read(adapter / ADAPTER_CONFIG).get("base_model_name_or_path") or None
+
+
+def resolve_chain(path: Path, resolve: Callable[[str], Path]) -> tuple[Path, list[Path]]:
+    """(the full model underneath, the adapters to merge into it, first to last) for a model path.
+
+    `resolve` turns the name an adapter gives of its base into a local path (presets included).
+    """
+    chain: list[Path] = []
+    while is_adapter(path):
+        if path.resolve() in (p.resolve() for p in chain):
+            raise FastForwardError(f"adapter {path} is its own base (a loop in {PROVENANCE})")
+        chain.insert(0, path)
+        named = base_of(path)
+        if named is None:
+            raise FastForwardError(f"adapter {path} names no base model; give it with --model BASE --adapter {path}")
+        path = resolve(named)
+    return path, chain
+
+
+def check_adapter(path: Path) -> Path:
+    """`path` if it is an adapter directory with weights, else a one-line error saying what it is not."""
+    if not path.is_dir():
+        raise FastForwardError(f"adapter {path} does not exist or is not a directory")
+    if not (path / ADAPTER_CONFIG).is_file():
+        raise FastForwardError(f"{path} is not a PEFT adapter directory (no {ADAPTER_CONFIG})")
+    weights_file(path)
+    return path
+
+
+def has_tokenizer(adapter: Path) -> bool:
+    """Whether the adapter carries its own tokenizer (written when training added a token to the base's)."""
+    return (adapter / "tokenizer_config.json").is_file()
+
+
+def digest(adapters: list[Path]) -> str:
+    """SHA-256 over every adapter's configuration and weights: part of the quantized store's key."""
+    h = hashlib.sha256()
+    for adapter in adapters:
+        for file in (adapter / ADAPTER_CONFIG, weights_file(adapter)):
+            h.update(file.read_bytes())
+    return h.hexdigest()
+
+
+def merge(hf: PreTrainedModel, adapter: Path) -> PreTrainedModel:
+    """`hf` with the adapter's low-rank updates added into its weights (PEFT's merge_and_unload)."""
+    weights_file(adapter)
+    _read(adapter / ADAPTER_CONFIG)
+    from peft import PeftModel  # imported by adapters only: peft's import costs a second
+
+    try:
+        merged = PeftModel.from_pretrained(hf, str(adapter)).merge_and_unload()
+    except (ValueError, RuntimeError, KeyError) as exc:  # size mismatches, target modules not found
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FastForwardError(
+            f"adapter {adapter} does not fit this base model ({first}); load it on the base it was trained on "
+            f"(see {PROVENANCE} or {ADAPTER_CONFIG})"
+        ) from exc
+    return merged
+
+
+def lora_config(rank: int, alpha: float | None = None, targets: str = DEFAULT_TARGETS, dropout: float = 0.0):
+    """PEFT's LoraConfig for a causal LM: `targets` is "all-linear" or comma-separated module names."""
+    if rank < 1:
+        raise FastForwardError(f"the LoRA rank must be at least 1, got {rank}")
+    from peft import LoraConfig
+
+    modules: str | list[str] = targets if targets == DEFAULT_TARGETS else [t for t in targets.split(",") if t]
+    if not modules:
+        raise FastForwardError("--lora-targets is empty; give module names such as q_proj,v_proj or all-linear")
+    return LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank if alpha is None else alpha,
+        target_modules=modules,
+        lora_dropout=dropout,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )

@@ -1,0 +1,123 @@
+"""LoRA adapters: trained by `train --lora-rank`, saved as PEFT directories, merged at load, errors in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from fastforward.cli import main
+from fastforward.errors import FastForwardError
+from fastforward.model import Layout, load_model, visibility
+from fastforward.model.adapters import ADAPTER_CONFIG, PROVENANCE
+from fastforward.model.tiny import tiny_model
+from fastforward.training.data import PackedData, encode_record
+from fastforward.training.objectives import NTP, SBD
+from fastforward.training.trainer import TrainConfig, train
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "Tom has 3 apples and buys 5 more. 3 + 5 = 8\n"]
+
+
+def logits(model, ids=(5, 17, 42, 9, 3)) -> torch.Tensor:
+    n = len(ids)
+    layout = Layout(torch.tensor([ids]), torch.arange(n)[None], visibility.causal(n)[None], read=torch.arange(n))
+    with torch.inference_mode():
+        return model.run(layout, None)
+
+
+@pytest.fixture
+def base(tmp_path):
+    tiny_model(TEXTS, seed=1, init_std=0.3).save(tmp_path / "base")
+    return tmp_path / "base"
+
+
+def peft_adapter(base, out, target_modules=("q_proj", "v_proj"), seed=0):
+    """An adapter made by peft itself, with non-zero B (a fresh LoRA is the identity)."""
+    torch.manual_seed(seed)
+    model = get_peft_model(load_model(str(base)).hf, LoraConfig(r=4, lora_alpha=8, target_modules=list(target_modules)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    model.save_pretrained(out)
+    return model
+
+
+def test_a_peft_adapter_loads_and_its_logits_equal_the_merged_model(base, tmp_path):
+    wrapped = peft_adapter(base, tmp_path / "adapter")
+    with torch.inference_mode():
+        ids = torch.tensor([[5, 17, 42, 9, 3]])
+        unmerged = wrapped(input_ids=ids).logits.float()
+    merged = load_model(str(base), adapter=str(tmp_path / "adapter"))
+    plain = load_model(str(base))
+    torch.testing.assert_close(logits(merged)[0], unmerged[0], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(logits(plain), logits(merged), atol=1e-3)  # the adapter changed something
+    # peft recorded the base's path, so the adapter directory alone works as --model
+    torch.testing.assert_close(logits(load_model(str(tmp_path / "adapter"))), logits(merged))
+
+
+def test_bad_adapters_get_one_line_errors(base, tmp_path):
+    with pytest.raises(FastForwardError, match="does not exist"):
+        load_model(str(base), adapter=str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FastForwardError, match="not a PEFT adapter directory"):
+        load_model(str(base), adapter=str(tmp_path / "empty"))
+    peft_adapter(base, tmp_path / "adapter")
+    (tmp_path / "adapter" / "adapter_model.safetensors").unlink()
+    with pytest.raises(FastForwardError, match="has no weights"):
+        load_model(str(base), adapter=str(tmp_path / "adapter"))
+    # an adapter for another base: a model with another hidden size
+    tiny_model(TEXTS, hidden_size=32, seed=2).save(tmp_path / "other")
+    peft_adapter(tmp_path / "other", tmp_path / "foreign")
+    with pytest.raises(FastForwardError, match="does not fit this base model") as error:
+        load_model(str(base), adapter=str(tmp_path / "foreign"))
+    assert "\n" not in str(error.value)
+
+
+def test_lora_training_saves_an_adapter_that_reloads_to_the_trained_weights(base, tmp_path):
+    model = load_model(str(base))
+    data = PackedData([encode_record({"text": t}, model.tokenizer) for t in TEXTS * 8], 32, model.pad_token_id)
+    config = TrainConfig(steps=6, seq_len=32, batch_size=2, lr=1e-2, warmup=1, save_every=0, eval_every=0, lora_rank=4)
+    history = train(model, SBD(max_block=4), data, config, tmp_path / "run")
+    run = tmp_path / "run"
+    assert (run / ADAPTER_CONFIG).is_file() and not (run / "config.json").exists()
+    provenance = json.loads((run / PROVENANCE).read_text())
+    assert provenance["objective"]["name"] == "sbd" and provenance["train"]["lora_rank"] == 4
+    assert history[-1]["step"] == 6
+    reloaded = load_model(str(run))  # the adapter names its base
+    assert reloaded.mask_token_id == model.mask_token_id is not None
+    torch.testing.assert_close(logits(reloaded), logits(model), rtol=1e-5, atol=1e-5)
+    untrained = logits(load_model(str(base)))
+    assert not torch.allclose(logits(reloaded)[..., : untrained.shape[-1]], untrained, atol=1e-3)
+    with pytest.raises(FastForwardError, match="finished run"):
+        train(load_model(str(base)), NTP(), data, config, run)
+
+
+def test_lora_changes_only_the_adapter_and_resumes(base, tmp_path):
+    model = load_model(str(base))
+    before = {k: v.clone() for k, v in model.hf.state_dict().items()}
+    data = PackedData([encode_record({"text": t}, model.tokenizer) for t in TEXTS * 8], 32, model.pad_token_id)
+    config = TrainConfig(steps=2, seq_len=32, batch_size=2, lr=1e-2, warmup=1, save_every=1, eval_every=0, lora_rank=2)
+    train(model, NTP(), data, config, tmp_path / "run")
+    trained = model.hf.state_dict()
+    changed = [k for k in before if not torch.equal(before[k], trained[k])]
+    assert changed and all(k.endswith(("proj.weight",)) for k in changed)  # merged low-rank updates only
+
+
+def test_cli_trains_an_adapter_and_generates_with_it(base, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 4))
+    args = ["train", "--objective", "ntp", "--model", str(base), "--data", str(data), "--out", str(tmp_path / "run")]
+    args += ["--steps", "2", "--seq-len", "32", "--batch-size", "2", "--lora-rank", "2", "--lr", "1e-2"]
+    assert main(args) == 0
+    capsys.readouterr()
+    generate = ["generate", "--no-chat-template", "--max-new-tokens", "4", "--decoder", "ar", "--json"]
+    assert main([*generate, "--model", str(tmp_path / "run"), "def"]) == 0
+    via_model = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*generate, "--model", str(base), "--adapter", str(tmp_path / "run"), "def"]) == 0
+    via_flag = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert via_model["token_ids"] == via_flag["token_ids"]
+    assert main(["train", "--model", str(base), "--data", str(data), "--out", str(tmp_path / "r2"), "--lora-rank", "-1"])
+    assert "lora_rank must be >= 0" in capsys.readouterr().err
