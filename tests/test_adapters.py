@@ -95,15 +95,42 @@ def test_lora_training_saves_an_adapter_that_reloads_to_the_trained_weights(base
         train(load_model(str(base)), NTP(), data, config, run)
 
 
-def test_lora_changes_only_the_adapter_and_resumes(base, tmp_path):
-    model = load_model(str(base))
-    before = {k: v.clone() for k, v in model.hf.state_dict().items()}
-    data = PackedData([encode_record({"text": t}, model.tokenizer) for t in TEXTS * 8], 32, model.pad_token_id)
-    config = TrainConfig(steps=2, seq_len=32, batch_size=2, lr=1e-2, warmup=1, save_every=1, eval_every=0, lora_rank=2)
-    train(model, NTP(), data, config, tmp_path / "run")
-    trained = model.hf.state_dict()
-    changed = [k for k in before if not torch.equal(before[k], trained[k])]
-    assert changed and all(k.endswith(("proj.weight",)) for k in changed)  # merged low-rank updates only
+class Stop(Exception):
+    pass
+
+
+def test_lora_changes_only_the_adapted_weights_and_resumes_exactly(base, tmp_path):
+    def run(out, callback=None):
+        model = load_model(str(base))
+        data = PackedData([encode_record({"text": t}, model.tokenizer) for t in TEXTS * 8], 32, model.pad_token_id)
+        config = TrainConfig(steps=4, seq_len=32, batch_size=2, lr=1e-2, warmup=1, save_every=2, lora_rank=2)
+        train(model, NTP(), data, config, out, callback=callback)
+        return model
+
+    def crash(step, record):
+        if step == 3:
+            raise Stop
+
+    before = load_model(str(base)).hf.state_dict()
+    straight = run(tmp_path / "a").hf.state_dict()
+    changed = [k for k in before if not torch.equal(before[k], straight[k])]
+    assert changed and all(k.endswith("proj.weight") for k in changed)  # merged low-rank updates only
+    with pytest.raises(Stop):
+        run(tmp_path / "b", crash)
+    resumed = run(tmp_path / "b").hf.state_dict()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_the_quantized_store_keys_on_the_adapter(base, tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTFORWARD_HOME", str(tmp_path / "home"))
+    peft_adapter(base, tmp_path / "one", seed=1)
+    peft_adapter(base, tmp_path / "two", seed=2)
+    plain = logits(load_model(str(base), quantize="int8"))
+    one = logits(load_model(str(base), quantize="int8", adapter=str(tmp_path / "one")))
+    two = logits(load_model(str(base), quantize="int8", adapter=str(tmp_path / "two")))
+    assert len(list((tmp_path / "home" / "quantized").glob("*.pt"))) == 3
+    assert not torch.equal(plain, one) and not torch.equal(one, two)
+    assert torch.equal(one, logits(load_model(str(base), quantize="int8", adapter=str(tmp_path / "one"))))
 
 
 def test_cli_trains_an_adapter_and_generates_with_it(base, tmp_path, capsys):
