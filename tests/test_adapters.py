@@ -146,5 +146,6 @@ def test_cli_trains_an_adapter_and_generates_with_it(base, tmp_path, capsys):
     assert main([*generate, "--model", str(base), "--adapter", str(tmp_path / "run"), "def"]) == 0
     via_flag = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert via_model["token_ids"] == via_flag["token_ids"]
-    assert main(["train", "--model", str(base), "--data", str(data), "--out", str(tmp_path / "r2"), "--lora-rank", "-1"])
+    bad = ["train", "--model", str(base), "--data", str(data), "--out", str(tmp_path / "r2"), "--lora-rank", "-1"]
+    assert main(bad) == 2
     assert "lora_rank must be >= 0" in capsys.readouterr().err
