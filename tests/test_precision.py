@@ -70,7 +70,7 @@ def test_int4_prefill_multiplies_by_the_kernels_own_weights_in_bfloat16():
 
 def test_lossless_decoders_equal_ar_after_a_bfloat16_prefill(monkeypatch):
     # Whatever this CPU has, int4 layers keep bfloat16 weights and a long prompt's prefill uses them.
-    monkeypatch.setattr(quantization, "_native_bfloat16", lambda: True)
+    monkeypatch.setattr(quantization, "native_bfloat16", lambda: True)
     model = _model("float32", "int4/pytorch")
     prompt = [3 + (i * 7) % 50 for i in range(DENSE_ROWS + 9)]
     ids = torch.tensor([prompt])

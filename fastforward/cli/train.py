@@ -121,8 +121,17 @@ def add_optimizer_flags(p: argparse.ArgumentParser, seq_len: int) -> None:
         "--bf16",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="bf16 autocast; weights and optimizer stay in --dtype (default: on when a CUDA GPU is visible)",
+        help="bf16 autocast; weights and optimizer stay in --dtype (default: on with a CUDA GPU or a CPU with "
+        "bfloat16 arithmetic, AVX-512 BF16 or AMX; benchmarks/train_speed.py)",
     )
+
+
+def default_autocast() -> bool:
+    """bf16 autocast where the hardware does bfloat16 arithmetic: a CUDA GPU, or a CPU with AVX-512 BF16 or
+    AMX (a CPU without them emulates it, slower than float32)."""
+    from fastforward.cpu.quantize import native_bfloat16
+
+    return torch.cuda.is_available() or native_bfloat16()
 
 
 def train_config(args: argparse.Namespace, **overrides) -> TrainConfig:
@@ -137,7 +146,7 @@ def train_config(args: argparse.Namespace, **overrides) -> TrainConfig:
         weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm,
         seed=args.seed,
-        mixed_precision="bf16" if (torch.cuda.is_available() if args.bf16 is None else args.bf16) else "no",
+        mixed_precision="bf16" if (default_autocast() if args.bf16 is None else args.bf16) else "no",
         save_every=args.save_every,
         keep_checkpoints=args.keep_checkpoints,
         lora_rank=args.lora_rank,

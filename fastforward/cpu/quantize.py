@@ -72,7 +72,7 @@ def prefill_kernels() -> Iterator[None]:
         _prefill.active = before
 
 
-def _native_bfloat16() -> bool:
+def native_bfloat16() -> bool:
     """Whether this CPU has bfloat16 arithmetic (torch's private probes; absent ones answer no)."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
@@ -209,7 +209,7 @@ def quantize(hf: nn.Module, scheme: str, fuse: bool = True, calibration: list[li
             smooth = factors.get(members[0])  # shared within a group
             fusion.fuse(hf, members, functools.partial(_quantized, scheme=scheme, smoothing=smooth, dense=False))
     # The output layer reads a prefill's last rows only: its bfloat16 copy would sit unused.
-    output, native = hf.get_output_embeddings(), _native_bfloat16()
+    output, native = hf.get_output_embeddings(), native_bfloat16()
     for name, module in list(hf.named_modules()):
         if isinstance(module, nn.Linear):
             parent, _, attribute = name.rpartition(".")
