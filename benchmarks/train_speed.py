@@ -1,0 +1,141 @@
+"""Training tokens/s per objective: the trainer as it was (float32, every weight) against its settings now.
+
+Contenders, each a `fastforward.training.trainer.train` run from a freshly loaded model, interleaved
+round by round in one process (the machine's load moves the figures; the ratios within a round hold):
+
+- `float32`: float32 weights and arithmetic, every weight trained (the trainer's only CPU setting before
+  `--bf16` became the default on CPUs with bfloat16 arithmetic);
+- `bf16`: float32 master weights, bf16 autocast (the CLI's default here when the CPU has AVX-512 BF16
+  or AMX, and on GPUs);
+- `bf16+lora`: the same with a LoRA adapter of rank 16 on every linear layer (`--lora-rank 16`): the
+  frozen weights need no weight gradients and no optimizer state.
+
+Rows: `ntp`, `sbd`, `multitf` and `setdlm` train on `pycode` records packed into rows of --seq-len;
+`jacobi_forcing` on trajectory-shaped rows cut from the same text (a 96-token prompt, then blocks of
+16 whose fixed points are the next tokens and whose earlier states replace a share of them with other
+tokens of the text): a training step's cost does not depend on the token values, and collecting real
+trajectories would take most of the benchmark's time. tokens/s counts the tokens a step's rows hold
+(`jacobi_forcing`: the prompt and both copies of every block), the trainer's own measure. The first
+step of each run is left out (allocations, one-time set-up).
+
+    python benchmarks/train_speed.py                       # SmolLM2-135M, every objective, 3 rounds
+    python benchmarks/train_speed.py --objectives jacobi_forcing --rounds 5
+    python benchmarks/train_speed.py --model tiny --rounds 1  # that it runs, in seconds
+
+Target (issue 52): `jacobi_forcing` at least 2x the float32 trainer's tokens/s on SmolLM2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+from pathlib import Path
+
+from common import RESULTS, load_average, log, set_threads, write_report
+
+from fastforward.model import load_model
+from fastforward.model.tiny import tiny_model
+from fastforward.tasks import get_task
+from fastforward.training.data import PackedData, encode_record
+from fastforward.training.jacobi_trajectories import Block, Trajectory
+from fastforward.training.objectives import make_objective
+from fastforward.training.trainer import TrainConfig, train
+from fastforward.training.trajectories import TrajectoryData
+
+OBJECTIVES = ("ntp", "sbd", "multitf", "setdlm", "jacobi_forcing")
+CONTENDERS = {
+    "float32": {"mixed_precision": "no"},
+    "bf16": {"mixed_precision": "bf16"},
+    "bf16+lora": {"mixed_precision": "bf16", "lora_rank": 16},
+}
+
+
+def fresh_model(name: str):
+    return tiny_model(seed=0) if name == "tiny" else load_model(name)
+
+
+def text_ids(model, n_records: int) -> list[list[int]]:
+    records = get_task("pycode").training_records(n_records, seed=0)
+    return [model.tokenizer(r["prompt"] + r["completion"])["input_ids"] for r in records]
+
+
+def trajectory_rows(ids: list[list[int]], n: int, prompt: int = 96, blocks: int = 8, size: int = 16) -> list:
+    """Trajectory-shaped examples from real text: states replace 3/4, 1/2 and 1/4 of a block's tokens."""
+    flat = [t for row in ids for t in row]
+    rng = random.Random(0)
+    out, span = [], prompt + blocks * size
+    for i in range(n):
+        start = rng.randrange(0, len(flat) - span)
+        text = flat[start : start + span]
+        made = []
+        for b in range(blocks):
+            fixed = text[prompt + b * size : prompt + (b + 1) * size]
+            states = [[rng.choice(flat) if rng.random() < share else t for t in fixed] for share in (0.75, 0.5, 0.25)]
+            made.append(Block(states, fixed))
+        out.append(Trajectory(text[:prompt], made, size, index=i))
+    return out
+
+
+def dataset(objective: str, model, ids: list[list[int]], seq_len: int):
+    if objective == "jacobi_forcing":
+        return TrajectoryData(trajectory_rows(ids, 64), seq_len * 2)
+    examples = [encode_record({"text": model.tokenizer.decode(row)}, model.tokenizer) for row in ids]
+    return PackedData(examples, seq_len, model.pad_token_id)
+
+
+def one_run(args, objective: str, options: dict, work: Path) -> float:
+    """Median tokens/s over the steps after the first of one `train` run."""
+    model = fresh_model(args.model)
+    data = dataset(objective, model, text_ids(model, 200), args.seq_len)
+    config = TrainConfig(
+        steps=args.steps + 1,
+        seq_len=data.seq_len,
+        batch_size=args.batch_size,
+        warmup=1,
+        save_every=0,
+        eval_every=0,
+        **options,
+    )
+    history = train(model, make_objective(objective), data, config, work, overwrite=True)
+    return statistics.median(r["tokens_per_s"] for r in history[1:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="a model, or `tiny` (a random 2-layer llama)")
+    p.add_argument("--objectives", nargs="+", choices=OBJECTIVES, default=list(OBJECTIVES))
+    p.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS))
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per run (after one untimed)")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256, help="row length (jacobi_forcing: twice this at most)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=RESULTS / "train_speed.json")
+    args = p.parse_args()
+    threads = set_threads(args.threads)
+    load_before = load_average()
+    rates: dict[str, dict[str, list[float]]] = {o: {c: [] for c in args.contenders} for o in args.objectives}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for objective in args.objectives:
+                for contender in args.contenders:
+                    rate = one_run(args, objective, CONTENDERS[contender], Path(tmp) / f"{objective}-{contender}")
+                    rates[objective][contender].append(rate)
+                    log(f"round {r + 1}: {objective} {contender}: {rate:.0f} tokens/s (load {load_average()})")
+    rows = []
+    log(f"\n| objective | {' | '.join(args.contenders)} | best × float32 |\n|---|{'---|' * (len(args.contenders) + 1)}")
+    for objective, by in rates.items():
+        medians = {c: statistics.median(v) for c, v in by.items()}
+        base = medians.get("float32")
+        best = max(medians.values())
+        ratio = f"{best / base:.2f}" if base else "—"
+        log(f"| {objective} | {' | '.join(f'{m:.0f}' for m in medians.values())} | {ratio} |")
+        rows.append({"objective": objective, "tokens_per_s": by, "median": medians})
+    write_report(args.out, load_before, threads, model=args.model, batch_size=args.batch_size,
+                 seq_len=args.seq_len, steps=args.steps, rounds=args.rounds, rows=rows)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
