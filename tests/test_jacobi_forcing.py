@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
+from fastforward.api import build_decoder
 from fastforward.cli import main
 from fastforward.errors import FastForwardError
 from fastforward.model import load_model
@@ -219,3 +221,25 @@ def test_progressive_rounds_resume_by_skipping_finished_rounds(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "round 1: done" in out and "round 2: done" in out
     assert load_model(str(tmp_path / "jf" / "round-2")).hf is not None
+
+
+def test_progressive_rounds_with_lora_chain_their_adapters(tmp_path, capsys):
+    """Each round trains a LoRA adapter whose base is the previous round's (an adapter directory too): the last
+    round's directory alone loads the base with every round merged, and jacobi on it equals its own AR."""
+    tiny_model(init_std=0.5).save(tmp_path / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{t}"}}\n' for t in TEXTS[:4]))
+    args = ["jacobi-forcing", "--model", str(tmp_path / "m"), "--prompts", str(prompts), "--out", str(tmp_path / "jf")]
+    args += ["--rounds", "2", "--block-sizes", "2", "3", "--max-new-tokens", "6", "--steps", "2", "--seq-len", "24"]
+    assert main([*args, "--lora-rank", "2", "--lr", "0.05"]) == 0
+    rounds = [tmp_path / "jf" / f"round-{r}" for r in (1, 2)]
+    assert all((r / "adapter_config.json").exists() and not (r / "config.json").exists() for r in rounds)
+    assert json.loads((rounds[1] / "fastforward_adapter.json").read_text())["base"] == str(rounds[0].resolve())
+    one, two, base = (load_model(str(p)) for p in (rounds[0], rounds[1], tmp_path / "m"))
+    ids = torch.tensor([[3, 9, 27, 81]])
+    with torch.inference_mode():
+        logits = [m.hf(input_ids=ids).logits for m in (base, one, two)]
+    assert not torch.allclose(logits[0], logits[1]) and not torch.allclose(logits[1], logits[2])
+    prompt = [two.encode_prompt(TEXTS[0])]
+    ar = build_decoder("ar").generate(two, prompt, 12)[0].token_ids
+    assert build_decoder("jacobi", block_size=4).generate(two, prompt, 12)[0].token_ids == ar
