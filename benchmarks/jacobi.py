@@ -125,6 +125,10 @@ def jf_argv(args, model: str, task_options: dict, budget: int, out: Path) -> lis
     argv += ["--warmup", str(args.warmup), "--ar-weight", str(args.ar_weight), "--dtype", args.dtype]
     argv += ["--noise-schedule", args.noise_schedule, "--noisy-context", args.noisy_context]
     argv += ["--collect-batch-size", "16", "--save-every", str(max(1, args.steps // 4)), "--keep-checkpoints", "1"]
+    if args.lora_rank:
+        argv += ["--lora-rank", str(args.lora_rank)]
+    if args.bf16 is not None:
+        argv.append("--bf16" if args.bf16 else "--no-bf16")
     if not args.chat_template:
         argv.append("--no-chat-template")
     if args.only_correct:
@@ -352,6 +356,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--ar-weight", type=float, default=1.0)
+    ap.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (0: every weight)")
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="as `fastforward train`'s")
     # decoding
     ap.add_argument("--decode-block-size", type=int, default=None, help="default: the last round's block size")
     ap.add_argument("--mr-blocks", type=int, default=2, help="jacobi-mr: most blocks in flight (K)")

