@@ -50,7 +50,7 @@ install_there() {
 # The recipe at GPU scale (benchmarks/smollm2_jf.py: trajectories, then LoRA training), then the GPU targets
 # still open (benchmarks/gpu_check.py). Sizes: $1 "gpu" or "smoke".
 measure() {
-  local out=$1 sizes=$2 budget=$3 started=$SECONDS
+  local out=$1 sizes=$2 budget=$3 started=$SECONDS failed=0
   mkdir -p "$out"
   export PYTHONUNBUFFERED=1
   local work=runs/gpu-kit-jf
@@ -62,7 +62,7 @@ measure() {
     recipe=(--device cpu --code 2 --chat 2 --max-new-tokens 16 --steps 2 --batch-size 2 --curve 1 --save-every 0)
     check=(--device cpu --smoke)
   fi
-  $PY benchmarks/smollm2_jf.py --work "$work" "${recipe[@]}" --skip-eval 2>&1 | tee "$out/recipe.log" || say "the recipe failed (see recipe.log)"
+  $PY benchmarks/smollm2_jf.py --work "$work" "${recipe[@]}" --skip-eval 2>&1 | tee "$out/recipe.log" || { failed=1; say "the recipe failed (see recipe.log)"; }
   if [ -f "$work/train/adapter_config.json" ]; then
     # the adapter in bfloat16 (a file that comes back is at most 16 MiB), its provenance, the training record
     $PY - "$work/train" "$out/adapter" <<'PYEOF'
@@ -82,8 +82,9 @@ PYEOF
   local left=$(( budget - (SECONDS - started) ))
   say "recipe took $(( SECONDS - started )) s; gpu_check gets ${left} s"
   $PY benchmarks/gpu_check.py "${check[@]}" --parts train decode roofline --deadline "$left" --json "$out/gpu_check.json" \
-    2>&1 | tee "$out/gpu_check.log" || say "gpu_check failed (see gpu_check.log)"
+    2>&1 | tee "$out/gpu_check.log" || { failed=1; say "gpu_check failed (see gpu_check.log)"; }
   say "done in $(( SECONDS - started )) s; results in $out"
+  return $failed  # a failed part keeps the other's figures; the call still says it failed
 }
 
 case "${1:-}" in
