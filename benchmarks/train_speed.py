@@ -3,8 +3,8 @@
 Contenders, each a `fastforward.training.trainer.train` run from a freshly loaded model, interleaved
 round by round in one process (the machine's load moves the figures; the ratios within a round hold):
 
-- `float32`: float32 weights and arithmetic, every weight trained (the trainer's only CPU setting before
-  `--bf16` became the default on CPUs with bfloat16 arithmetic);
+- `float32`: the trainer as it was on a CPU: float32 weights and arithmetic, every weight trained, and
+  torch's default (foreach) AdamW in place of the fused one it uses now;
 - `bf16`: float32 master weights, bf16 autocast (the CLI's default here when the CPU has AVX-512 BF16
   or AMX, and on GPUs);
 - `bf16+lora`: the same with a LoRA adapter of rank 16 on every linear layer (`--lora-rank 16`): the
@@ -32,7 +32,9 @@ import random
 import statistics
 import tempfile
 from pathlib import Path
+from unittest import mock
 
+import torch
 from common import RESULTS, load_average, log, set_threads, write_report
 
 from fastforward.model import load_model
@@ -44,9 +46,10 @@ from fastforward.training.objectives import make_objective
 from fastforward.training.trainer import TrainConfig, train
 from fastforward.training.trajectories import TrajectoryData
 
+ADAMW = torch.optim.AdamW
 OBJECTIVES = ("ntp", "sbd", "multitf", "setdlm", "jacobi_forcing")
 CONTENDERS = {
-    "float32": {"mixed_precision": "no"},
+    "float32": {"mixed_precision": "no", "fused_adamw": False},
     "bf16": {"mixed_precision": "bf16"},
     "bf16+lora": {"mixed_precision": "bf16", "lora_rank": 16},
 }
@@ -85,8 +88,17 @@ def dataset(objective: str, model, ids: list[list[int]], seq_len: int):
     return PackedData(examples, seq_len, model.pad_token_id)
 
 
+def foreach_adamw(*args, fused=None, **kwargs) -> torch.optim.AdamW:
+    """torch's AdamW without the trainer's `fused=True`: the optimizer the trainer used before."""
+    return ADAMW(*args, **kwargs)
+
+
 def one_run(args, objective: str, options: dict, work: Path) -> float:
     """Median tokens/s over the steps after the first of one `train` run."""
+    options = dict(options)
+    if not options.pop("fused_adamw", True):
+        with mock.patch.object(torch.optim, "AdamW", foreach_adamw):
+            return one_run(args, objective, options, work)
     model = fresh_model(args.model)
     data = dataset(objective, model, text_ids(model, 200), args.seq_len)
     config = TrainConfig(
