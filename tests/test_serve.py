@@ -111,10 +111,10 @@ def test_stop_strings_cut_the_output(tiny, client):
     [
         ({"model": "other", "prompt": "x"}, 404, "does not exist"),
         ({"model": "tiny", "prompt": "x", "decoder": "nope"}, 400, "unknown decoder"),
-        ({"model": "tiny", "prompt": "x", "block_size": 0, "decoder": "jacobi"}, 400, "block-size"),
+        ({"model": "tiny", "prompt": "x", "block_size": 0, "decoder": "jacobi"}, 400, "field 'block_size'"),
         ({"model": "tiny", "prompt": "x", "temperature": -0.7, "decoder": "jacobi"}, 400, "temperature"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n=2"),
+        ({"model": "tiny", "prompt": "x", "n": 65}, 400, "'n'"),
         ({"model": "tiny", "prompt": "word " * 5000}, 400, "context"),
         ({"prompt": "x"}, 400, "model"),
     ],
@@ -130,7 +130,7 @@ def test_malformed_json_is_a_400(served):
     response = httpx.post(
         served[1] + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
-    assert response.status_code == 400 and "invalid request" in response.json()["error"]["message"]
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
 
 
 def test_a_client_leaving_mid_stream_cancels_its_row(tiny, served, client):
