@@ -75,8 +75,9 @@ def completion_logprobs(model: Model, scores: Scores, offset: int, first: int | 
         offset += len(model.decode([token]))
     tops: list[dict[str, float] | None] = [None] if first is not None else []
     for token, logprob, top in zip(scores.ids, scores.logprobs, scores.top, strict=True):
-        entry = {_piece(model, t): v for t, v in top}
-        entry.setdefault(_piece(model, token), logprob)
+        entry = {_piece(model, token): logprob}  # the chosen token first: tokens of equal text do not hide it
+        for other, value in top:
+            entry.setdefault(_piece(model, other), value)
         tops.append(entry)
     logprobs = ([None] if first is not None else []) + scores.logprobs
     return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
