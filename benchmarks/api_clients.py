@@ -136,13 +136,14 @@ def guidellm(args: argparse.Namespace, route: str, work: Path) -> dict:
         return result | {"ok": False, "output_tail": output[-2000:]}
     bench = json.loads(report.read_text())["benchmarks"][0]
     totals = bench["metrics"]["request_totals"]
-    speed = bench["metrics"]["output_tokens_per_second"]["successful"]
+    tokens = bench["metrics"]["output_token_count"]["successful"]["total_sum"]
     ttft = bench["metrics"]["time_to_first_token_ms"]["successful"]
     result |= {
         "completed": totals["successful"],
         "errored": totals["errored"],
         "incomplete": totals["incomplete"],
-        "output_tokens_per_s": round(speed["total_sum"] / bench["duration"], 1) if bench["duration"] else None,
+        "output_tokens": tokens,
+        "output_tokens_per_s": round(tokens / bench["duration"], 1) if bench["duration"] else None,
         "ttft_ms_median": round(ttft["median"], 1),
     }
     return result | {"ok": totals["errored"] == 0 and totals["successful"] > 0}
@@ -158,12 +159,14 @@ def lm_eval_result(out: Path, task: str, metric: str) -> tuple[float | None, dic
     results = sorted(out.rglob("results_*.json"))
     if not results:
         return None, {}
-    value = json.loads(results[-1].read_text())["results"][task].get(f"{metric},none")
+    figures = json.loads(results[-1].read_text())["results"][task]
+    value = next((v for k, v in figures.items() if k.startswith(f"{metric},")), None)  # any filter's
     scores = {}
     for samples in out.rglob(f"samples_{task}_*.jsonl"):
         for line in samples.read_text().splitlines():
             sample = json.loads(line)
-            scores[str(sample["doc_id"])] = [r[0][0] if isinstance(r[0], list) else r[0] for r in sample["resps"]]
+            # resps: per choice [[log-likelihood, is_greedy]], written as strings
+            scores[str(sample["doc_id"])] = [float(r[0][0]) for r in sample["resps"]]
     return value, scores
 
 
