@@ -128,6 +128,18 @@ def test_chat_logprobs_are_a_plain_forward_of_the_committed_tokens(tiny, client)
     assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in out.logprobs.content)
 
 
+def test_logprobs_after_a_stop_string_cover_the_tokens_of_the_returned_text(tiny, client):
+    ids = tiny.encode_prompt(PROMPT, chat_template=False)
+    completion = generated(tiny, ids, 16)
+    full = tiny.decode(completion)
+    stop = full[6:8]
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, stop=[stop], logprobs=0).choices[0]
+    assert out.text == full[: full.find(stop)] and out.finish_reason == "stop"
+    # the tokens that begin before the returned text ends: their text covers it, the stop string's do not
+    kept = next(k for k in range(len(completion) + 1) if len(tiny.decode(completion[:k])) >= len(out.text))
+    assert close(out.logprobs.token_logprobs, plain_logprobs(tiny, ids + completion[:kept])[len(ids) - 1 :])
+
+
 @pytest.mark.parametrize("budget", [0, 1])
 def test_echo_scores_the_prompt_as_lm_eval_asks(tiny, served, budget):
     """lm-eval's log-likelihood requests: token ids, echo, logprobs 1, max_tokens 0 or 1; the prompt's
@@ -143,7 +155,7 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(tiny, served, budget):
 
 
 # ---- ignore_eos, n, seeds ------------------------------------------------------------------------
-@pytest.mark.parametrize("decoder", ["ar", "jacobi"])
+@pytest.mark.parametrize("decoder", ["ar", "jacobi", "sbd-verified"])
 def test_ignore_eos_decodes_through_stop_tokens(tiny, client, stop_on, decoder):
     ids = tiny.encode_prompt(PROMPT, chat_template=False)
     full = generated(tiny, ids, 12)
