@@ -5,7 +5,8 @@ Endpoints: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/com
 unknown routes and malformed bodies included, has OpenAI's body `{"error": {"message", "type",
 "param", "code"}}`, and names the request's JSON fields. What a body may hold: `schema`; what it
 passes before any work (API key, size, UTF-8, JSON): `guard`; prompt and budget against the
-context: `limits`; log-probabilities (`logprobs`, `top_logprobs`, `echo`): `logprobs`.
+context: `limits`; log-probabilities (`logprobs`, `top_logprobs`, `echo`): `logprobs`; the jobs'
+texts and server-sent events: `replies`.
 
 A request may choose its decoder and knobs with extra body fields (`decoder`, `block_size`, `gamma`,
 ...: the registry's names and checks); anything it leaves out comes from the server's flags.
@@ -25,7 +26,6 @@ import json
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -40,7 +40,7 @@ from fastforward.decoding.runtime import PREFILL_TOKENS
 from fastforward.decoding.sampling import row_key
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
-from fastforward.serving import limits
+from fastforward.serving import limits, replies
 from fastforward.serving.engine import Engine, Event, Job, QueueFull
 from fastforward.serving.guard import ApiKey, read_json
 from fastforward.serving.limits import MAX_REQUEST_BYTES
@@ -190,7 +190,9 @@ class Server:
         if jobs:
             ends = await self.run(jobs, request)
         else:  # echo alone: the prompts scored, nothing decoded
-            ends = [("", Event(finish_reason="length", usage=_usage(len(i), 0))) for i in ids for _ in range(body.n)]
+            ends = [
+                ("", Event(finish_reason="length", usage=replies.usage(len(i), 0))) for i in ids for _ in range(body.n)
+            ]
         if isinstance(ends, Response):
             return ends
         choices = []
@@ -207,7 +209,7 @@ class Server:
                     first = prompt[0] if body.echo else None
                     choice["logprobs"] = completion_logprobs(self.model, scores, 0, first)
             choices.append(choice)
-        usage = _total([end.usage for _, end in ends], [len(i) for i in ids])
+        usage = replies.total([end.usage for _, end in ends], [len(i) for i in ids])
         return JSONResponse(self._response(ident, "text_completion", created, choices, usage))
 
     async def chat(self, request: Request) -> Response:
@@ -241,7 +243,7 @@ class Server:
                 scores = await self.score(ids + kept, len(ids), body.top_logprobs or 0)
                 choice["logprobs"] = chat_logprobs(self.model, scores)
             choices.append(choice)
-        usage = _total([end.usage for _, end in ends], [len(ids)])
+        usage = replies.total([end.usage for _, end in ends], [len(ids)])
         return JSONResponse(self._response(ident, "chat.completion", created, choices, usage))
 
     # ---- responses --------------------------------------------------------------------------------
@@ -267,106 +269,26 @@ class Server:
                 return JSONResponse(body, status_code=503, headers={"Retry-After": str(self.RETRY_AFTER)})
         return None
 
-    async def events(self, job: Job, request: Request) -> AsyncIterator[Event]:
-        """The job's events until its end; a client that leaves cancels the job."""
-        assert self.engine is not None
-        try:
-            while True:
-                try:
-                    event = await asyncio.wait_for(job.events.get(), timeout=1.0)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    continue
-                while event.finish_reason is None and not job.events.empty():  # behind: one chunk for all
-                    later = job.events.get_nowait()
-                    event = Event(
-                        event.delta + later.delta, later.finish_reason, later.error, later.usage, later.token_ids
-                    )
-                yield event
-                if event.finish_reason is not None:
-                    return
-        finally:
-            if not job.done:
-                self.engine.cancel(job)
-
     async def run(self, jobs: list[Job], request: Request) -> list[tuple[str, Event]] | Response:
         """Each job's text and last event, or the error response (503 busy, 500 a decoding failure)."""
+        assert self.engine is not None
         refused = self.submit(jobs)
         if refused is not None:
             return refused
-
-        async def collect(job: Job) -> tuple[str, Event]:
-            text, end = "", Event(finish_reason="length")
-            async for event in self.events(job, request):
-                text += event.delta
-                if event.finish_reason is not None:
-                    end = event
-            return text, end
-
-        ends = await asyncio.gather(*(collect(job) for job in jobs))
+        ends = await replies.collect(self.engine, jobs, request)
         failed = next((end.error for _, end in ends if end.error is not None), None)
         if failed is not None:
             return JSONResponse(error_body(failed, "server_error"), status_code=500)
         return ends
 
     def stream(self, jobs: list[Job], request: Request, chat: bool, ident: str, created: int) -> Response:
+        assert self.engine is not None
         refused = self.submit(jobs)
         if refused is not None:
             return refused
-        return StreamingResponse(self._chunks(jobs, request, chat, ident, created), media_type="text/event-stream")
-
-    async def _chunks(
-        self, jobs: list[Job], request: Request, chat: bool, ident: str, created: int
-    ) -> AsyncIterator[str]:
-        """Server-sent events of all the jobs' choices as they come; usage in the last chunk of a single
-        choice, else in a final chunk of its own (no choices), as OpenAI's `include_usage`."""
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
-
-        async def pump(index: int, job: Job) -> None:
-            async for event in self.events(job, request):
-                await queue.put((index, event))
-            await queue.put((index, None))
-
-        tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
-        try:
-            running, started, usages = len(jobs), set(), []
-            while running:
-                index, event = await queue.get()
-                if event is None:
-                    running -= 1
-                    continue
-                if event.error is not None:
-                    yield f"data: {json.dumps(error_body(event.error, 'server_error'))}\n\n"
-                    return
-                if chat:
-                    delta: dict[str, Any] = {"content": event.delta} if event.delta else {}
-                    if index not in started:
-                        delta["role"] = "assistant"
-                    choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": event.finish_reason}
-                else:
-                    choice = {
-                        "index": index,
-                        "text": event.delta,
-                        "logprobs": None,
-                        "finish_reason": event.finish_reason,
-                    }
-                started.add(index)
-                chunk = {"id": ident, "object": kind, "created": created, "model": self.name, "choices": [choice]}
-                if event.usage is not None:
-                    usages.append(event.usage)
-                    if len(jobs) == 1:
-                        chunk["usage"] = event.usage
-                yield f"data: {json.dumps(chunk)}\n\n"
-            if len(jobs) > 1:
-                usage = _total(usages, [len(jobs[0].prompt)])
-                chunk = {"id": ident, "object": kind, "created": created, "model": self.name, "choices": []}
-                yield f"data: {json.dumps(chunk | {'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            for task in tasks:
-                task.cancel()
+        head = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion", "created": created}
+        chunks = replies.sse(self.engine, jobs, request, chat, head | {"model": self.name})
+        return StreamingResponse(chunks, media_type="text/event-stream")
 
     # ---- the app ----------------------------------------------------------------------------------
     def app(self) -> FastAPI:
@@ -432,28 +354,3 @@ class Server:
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat)
         return app
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """Usage with no decoding figures (`Engine._usage` has them)."""
-    total = prompt_tokens + completion_tokens
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": total,
-        "nfe": 0,
-        "tpf": 0.0,
-        "queries": 0,
-    }
-
-
-def _total(usages: list[dict[str, Any] | None], prompts: list[int]) -> dict[str, Any]:
-    """One request's usage over its choices: each prompt counted once, the completions added up."""
-    usages = [u for u in usages if u]
-    if len(usages) == 1 and len(prompts) == 1:
-        return usages[0]
-    total = _usage(sum(prompts), sum(u["completion_tokens"] for u in usages))
-    total["nfe"] = sum(u["nfe"] for u in usages)
-    total["queries"] = sum(u["queries"] for u in usages)
-    total["tpf"] = round(total["completion_tokens"] / total["nfe"], 4) if total["nfe"] else 0.0
-    return total
