@@ -155,14 +155,15 @@ def lm_eval_command(executable: list[str], model: str, model_args: str, task: st
 
 
 def lm_eval_result(out: Path, task: str, metric: str) -> tuple[float | None, dict[str, list[float]]]:
-    """The task's metric from lm-eval's results, and each document's per-choice log-likelihoods."""
+    """The task's metric from lm-eval's results, and (a log-likelihood task's) each document's
+    per-choice log-likelihoods."""
     results = sorted(out.rglob("results_*.json"))
     if not results:
         return None, {}
     figures = json.loads(results[-1].read_text())["results"][task]
     value = next((v for k, v in figures.items() if k.startswith(f"{metric},")), None)  # any filter's
     scores = {}
-    for samples in out.rglob(f"samples_{task}_*.jsonl"):
+    for samples in out.rglob(f"samples_{task}_*.jsonl") if metric == "acc" else ():
         for line in samples.read_text().splitlines():
             sample = json.loads(line)
             # resps: per choice [[log-likelihood, is_greedy]], written as strings
