@@ -312,3 +312,14 @@ def test_a_port_in_use_fails_at_once_before_loading(capsys):
     err = capsys.readouterr().err
     assert code == 2 and f"cannot listen on 127.0.0.1:{port}: it is in use" in err
     assert len(err.strip().splitlines()) == 1 and time.perf_counter() - started < 5
+
+
+def test_a_decoder_that_needs_a_mask_token_is_a_400_on_a_model_without_one(http_server):
+    from fastforward.model.tiny import tiny_model
+
+    server = Server(tiny_model(seed=0), "plain", "ar", {}, max_batch_size=2)
+    with http_server(server) as url:
+        body = {"model": "plain", "prompt": "x", "max_tokens": 2, "decoder": "sbd"}
+        response = httpx.post(url + "/v1/completions", json=body)
+        assert response.status_code == 400 and "mask token" in response.json()["error"]["message"]
+        assert httpx.post(url + "/v1/completions", json=body | {"decoder": "ar"}).status_code == 200

@@ -123,7 +123,10 @@ class Server:
         knobs = dict(self.knobs) if name == self.decoder else {}
         knobs.update(decoder_options(body))
         try:
-            decoder = registry.spec(name).make(knobs, label=lambda knob: f"field {knob.name!r}")
+            spec = registry.spec(name)
+            decoder = spec.make(knobs, label=lambda knob: f"field {knob.name!r}")
+            if spec.needs_mask:
+                self.model.require_mask_token(name)  # a 400 now, not a failure in the middle of decoding
         except FastForwardError as exc:
             raise ApiError(400, str(exc), param="decoder") from exc
         shared = {k: v for k, v in knobs.items() if k not in SAMPLING_KNOBS}
