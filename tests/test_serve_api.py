@@ -208,6 +208,15 @@ def test_model_by_id_and_openai_errors_for_routes(served, client):
         assert response.status_code == status and set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_an_unexpected_failure_is_a_500_with_an_openai_body(served, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(Server, "encode_text", broken)
+    response = post(served, {"model": "tiny", "prompt": "x"})
+    assert response.status_code == 500 and response.json()["error"]["message"] == "RuntimeError: boom"
+
+
 @pytest.mark.parametrize(
     "extra, status, words",
     [

@@ -330,6 +330,10 @@ class Server:
             kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
             return JSONResponse(error_body(message, kind), status_code=exc.status_code, headers=exc.headers)
 
+        @app.exception_handler(Exception)
+        async def failed(request: Request, exc: Exception) -> JSONResponse:  # a bug: still OpenAI's shape
+            return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", "server_error"), status_code=500)
+
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
             problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
