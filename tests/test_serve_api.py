@@ -154,6 +154,13 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(tiny, served, budget):
     assert choice["text"] == tiny.decode(ids) + tiny.decode(completion)
 
 
+def test_echo_without_logprobs_returns_the_prompt_and_the_completion(tiny, served):
+    body = {"model": "tiny", "prompt": PROMPT, "echo": True, "max_tokens": 5}
+    choice = post(served, body).json()["choices"][0]
+    completion = generated(tiny, tiny.encode_prompt(PROMPT, chat_template=False), 5)
+    assert choice["text"] == PROMPT + tiny.decode(completion) and choice["logprobs"] is None
+
+
 # ---- ignore_eos, n, seeds ------------------------------------------------------------------------
 @pytest.mark.parametrize("decoder", ["ar", "jacobi", "sbd-verified"])
 def test_ignore_eos_decodes_through_stop_tokens(tiny, client, stop_on, decoder):

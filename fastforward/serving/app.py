@@ -204,13 +204,10 @@ class Server:
             choice = {"index": index, "text": text, "finish_reason": end.finish_reason, "logprobs": None}
             if body.echo:
                 choice["text"] = (source if isinstance(source, str) else self.model.decode(prompt)) + text
-            if body.logprobs is not None or body.echo:
+            if body.logprobs is not None:  # echo: the prompt's tokens too, the first without one
                 kept = kept_tokens(self.model, end.token_ids or [], text)
-                start = 1 if body.echo else len(prompt)
-                scores = await self.score(prompt + kept, start, body.logprobs or 0)
-                if body.logprobs is not None:
-                    first = prompt[0] if body.echo else None
-                    choice["logprobs"] = completion_logprobs(self.model, scores, 0, first)
+                scores = await self.score(prompt + kept, 1 if body.echo else len(prompt), body.logprobs)
+                choice["logprobs"] = completion_logprobs(self.model, scores, 0, prompt[0] if body.echo else None)
             choices.append(choice)
         usage = replies.total([end.usage for _, end in ends], [len(i) for i in ids])
         return JSONResponse(self._response(ident, "text_completion", created, choices, usage))
