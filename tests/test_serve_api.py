@@ -339,3 +339,14 @@ def test_a_decoder_that_needs_a_mask_token_is_a_400_on_a_model_without_one(http_
         response = httpx.post(url + "/v1/completions", json=body)
         assert response.status_code == 400 and "mask token" in response.json()["error"]["message"]
         assert httpx.post(url + "/v1/completions", json=body | {"decoder": "ar"}).status_code == 200
+
+
+def test_the_api_key_comes_from_the_flag_or_the_environment_and_seed_is_the_servers(monkeypatch):
+    from fastforward.cli import build_parser
+    from fastforward.cli.serve import serve_knobs
+
+    monkeypatch.setenv("FASTFORWARD_API_KEY", "from-env")
+    args = build_parser("serve").parse_args(["serve", "--seed", "3", "--temperature", "0.5"])
+    assert args.api_key == "from-env" and args.max_request_bytes == 4 * 2**20
+    assert build_parser("serve").parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+    assert serve_knobs(args) == {"temperature": 0.5} and args.seed == 3  # not a decoder option: the draws' base
