@@ -161,6 +161,19 @@ def test_echo_without_logprobs_returns_the_prompt_and_the_completion(tiny, serve
     assert choice["text"] == PROMPT + tiny.decode(completion) and choice["logprobs"] is None
 
 
+def test_a_long_echo_is_scored_in_pieces_over_a_cache_as_one_forward(tiny, served, monkeypatch):
+    from fastforward.serving import logprobs
+
+    monkeypatch.setattr(logprobs, "SCORE_ROWS", 4)
+    ids = tiny.encode_prompt("The quick brown fox jumps over", chat_template=False)
+    body = {"model": "tiny", "prompt": ids, "echo": True, "logprobs": 2, "max_tokens": 3}
+    choice = post(served, body).json()["choices"][0]
+    completion = generated(tiny, ids, 3)
+    assert len(ids) > 12 and close(choice["logprobs"]["token_logprobs"][1:], plain_logprobs(tiny, ids + completion))
+    one = post(served, {"model": "tiny", "prompt": [ids[0]], "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert one.json()["choices"][0]["logprobs"]["token_logprobs"] == [None]
+
+
 # ---- ignore_eos, n, seeds ------------------------------------------------------------------------
 @pytest.mark.parametrize("decoder", ["ar", "jacobi", "sbd-verified"])
 def test_ignore_eos_decodes_through_stop_tokens(tiny, client, stop_on, decoder):

@@ -26,23 +26,47 @@ class Scores:
     top: list[list[tuple[int, float]]]
 
 
+# Positions whose logits one scoring forward returns: 1024 x SmolLM2's 49,152-entry vocabulary is 200 MB
+# in float32. A longer text (an echoed prompt) is scored in pieces of this many tokens over a cache.
+SCORE_ROWS = 1024
+
+
 def score(model: Model, ids: list[int], start: int, top: int) -> Scores:
-    """log p(ids[i] | ids[:i]) for i >= start (start >= 1), from one causal forward without a cache."""
-    count = len(ids) - start
-    if count <= 0:
+    """log p(ids[i] | ids[:i]) for i >= start (start >= 1): one causal forward without a cache, or for
+    more than `SCORE_ROWS` such tokens, the text before them and then pieces of them over a cache."""
+    if len(ids) <= start:
         return Scores([], [], [])
+    inputs, first = ids[:-1], start - 1  # inputs[first + j] predicts ids[start + j]
+    chosen: list[float] = []
+    tops: list[list[tuple[int, float]]] = []
     with torch.inference_mode():
-        tokens = torch.tensor([ids[:-1]], device=model.device)
-        positions = torch.arange(len(ids) - 1, device=model.device)[None]
-        logits = model.hf(input_ids=tokens, position_ids=positions, use_cache=False, logits_to_keep=count).logits[0]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        target = torch.tensor(ids[start:], device=logp.device)
-        chosen = logp.gather(1, target[:, None])[:, 0].tolist()
-        best = logp.topk(top, dim=-1) if top else None
-    tops = [[] for _ in range(count)]
-    if best is not None:
-        tops = [list(zip(i, v, strict=True)) for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)]
+        cache = model.new_cache() if len(inputs) - first > SCORE_ROWS else None
+        pieces = [(0, len(inputs))] if cache is None else [(0, first)] * (first > 0)
+        if cache is not None:
+            pieces += [(b, min(b + SCORE_ROWS, len(inputs))) for b in range(first, len(inputs), SCORE_ROWS)]
+        for begin, end in pieces:
+            logits = _forward(model, inputs[begin:end], begin, cache, keep=max(0, end - max(begin, first)))
+            if logits is None:
+                continue
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            target = torch.tensor(ids[max(begin, first) + 1 : end + 1], device=logp.device)
+            chosen += logp.gather(1, target[:, None])[:, 0].tolist()
+            if top:
+                best = logp.topk(top, dim=-1)
+                pairs = zip(best.indices.tolist(), best.values.tolist(), strict=True)
+                tops += [list(zip(i, v, strict=True)) for i, v in pairs]
+            else:
+                tops += [[] for _ in range(len(target))]
     return Scores(ids[start:], chosen, tops)
+
+
+def _forward(model: Model, tokens: list[int], begin: int, cache, keep: int) -> torch.Tensor | None:
+    """The logits [keep, V] of the last `keep` of `tokens` (at positions from `begin`), after `cache`'s."""
+    ids = torch.tensor([tokens], device=model.device)
+    positions = torch.arange(begin, begin + len(tokens), device=model.device)[None]
+    cached = {model.cache_argument: cache, "use_cache": True} if cache is not None else {"use_cache": False}
+    out = model.hf(input_ids=ids, position_ids=positions, logits_to_keep=max(keep, 1), **cached)
+    return out.logits[0] if keep else None
 
 
 def kept_tokens(model: Model, ids: list[int], text: str) -> list[int]:
