@@ -151,3 +151,46 @@ def serve_at_once(tiny):
         return asyncio.run(run())
 
     return serve
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _http_server(server):
+    """`with http_server(server) as url:` the server's app under uvicorn on loopback, in a thread."""
+    import threading
+    import time
+
+    import uvicorn
+
+    runner = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=_free_port(), log_level="warning"))
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if runner.started:
+            break
+        time.sleep(0.05)
+    assert runner.started
+    try:
+        yield f"http://127.0.0.1:{runner.config.port}"
+    finally:
+        runner.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """free_port(): a port nobody listens on, on loopback."""
+    return _free_port
+
+
+@pytest.fixture(scope="session")
+def http_server():
+    """`with http_server(server) as url:` a `fastforward.serving.app.Server` on loopback, in a thread."""
+    return _http_server

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import os
 import signal
+import socket
+from typing import Any
 
 from fastforward.api import build_decoder
 from fastforward.cli import (
@@ -20,15 +24,40 @@ from fastforward.decoding.runtime import PREFILL_TOKENS
 from fastforward.errors import FastForwardError
 from fastforward.model import Model, check_device, load_model
 from fastforward.serving.engine import warm_up
+from fastforward.serving.limits import MAX_REQUEST_BYTES
+
+API_KEY_ENV = "FASTFORWARD_API_KEY"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "serve", description=__doc__)
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
     p.add_argument("--served-name", help="the model id clients send (default: --model)")
-    add_decoder_flags(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    add_decoder_flags(p, skip=("seed",))
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="base of the seeds drawn for requests that send none, so that a restarted server gives the same "
+        "sequence of samples (default: a fresh random seed per request, as OpenAI; a request's own seed always "
+        "reproduces its output)",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s; beyond it, set --api-key)"
+    )
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on every route but /health (401 without it); set it whenever "
+        f"--host is not 127.0.0.1 (default: ${API_KEY_ENV}, else none)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=MAX_REQUEST_BYTES,
+        help="larger request bodies get 413 before they are read or parsed (default: %(default)s)",
+    )
     p.add_argument("--max-batch-size", type=positive_int, default=8, help="requests decoded together (rows)")
     p.add_argument(
         "--max-batch-tokens",
@@ -58,7 +87,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="no continuous batching: a batch of requests with equal settings and budgets decodes to its end",
     )
-    p.add_argument("--max-tokens", type=positive_int, default=256, help="budget of a request that gives none")
+    p.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=256,
+        help="budget of a request that gives none, cut to what the context leaves (default: %(default)s)",
+    )
     add_precision_flags(p, dtype="float32", quantize="int4", exact=True)
     # A server lives long: compiled steps pay back their start-up (seconds, once kept) within its first
     # requests (docs/results.md, "CPU speed against llama.cpp").
@@ -104,10 +138,11 @@ def run(args: argparse.Namespace) -> int:
 
     check_device(args.device)
     name = args.served_name or args.model
+    knobs = serve_knobs(args)
     options = {
         "name": name,
         "decoder": args.decoder,
-        "knobs": decoder_knobs(args),
+        "knobs": knobs if args.seed is None else {**knobs, "seed": args.seed},
         "max_batch_size": args.max_batch_size,
         "max_tokens": args.max_tokens,
         "max_batch_tokens": args.max_batch_tokens,
@@ -115,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
         "continuous": not args.static_batches,
         "max_step_tokens": args.max_step_tokens,
         "max_prefill_tokens": args.max_prefill_tokens,
+        "api_key": args.api_key or None,
+        "max_request_bytes": args.max_request_bytes,
     }
     if args.warm_up_only:  # here, for this machine's store: replicas on it read the same
         if not args.compile:
@@ -125,12 +162,13 @@ def run(args: argparse.Namespace) -> int:
         from fastforward.serving import replicas
 
         replicas.require_ray()  # before anything loads
-        build_decoder(args.decoder, **decoder_knobs(args))  # bad settings fail here, not in every replica
+        build_decoder(args.decoder, **knobs)  # bad settings fail here, not in every replica
         load = {"name_or_path": args.model, "device": args.device, **precision(args)}
         build = replicas.app_builder(load, options, compile_warm_up=args.compile)
         replicas.serve_replicas(build, args.replicas, args.host, args.port, args.cpus_per_replica)
         print("fastforward serve: shut down", flush=True)
         return 0
+    listening = listen(args.host, args.port)  # before the minutes of loading and warm-up: a taken port fails now
     model = load_model(args.model, device=args.device, **precision(args))
     if args.compile:
         _warm_up(model, args)
@@ -139,9 +177,29 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         server.app(), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30
     )
-    GracefulServer(config).run()
+    GracefulServer(config).run(sockets=[listening])
     print("fastforward serve: shut down", flush=True)
     return 0
+
+
+def serve_knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The decoder options given on the command line; `--seed` is the server's own (see its help)."""
+    return {k: v for k, v in decoder_knobs(args).items() if k != "seed"}
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port (uvicorn serves on it), or one line saying why not."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        why = "it is in use; choose another --port" if exc.errno == errno.EADDRINUSE else exc.strerror
+        raise FastForwardError(f"cannot listen on {host}:{port}: {why}") from exc
+    return sock
 
 
 def _warm_up(model: Model, args: argparse.Namespace) -> None:
@@ -150,5 +208,5 @@ def _warm_up(model: Model, args: argparse.Namespace) -> None:
         "minutes on a small CPU; later starts read them back; --no-compile: eager steps)...",
         flush=True,
     )
-    seconds = warm_up(model, build_decoder(args.decoder, **decoder_knobs(args)))
+    seconds = warm_up(model, build_decoder(args.decoder, **serve_knobs(args)))
     print(f"fastforward serve: compiled in {seconds:.0f} s", flush=True)

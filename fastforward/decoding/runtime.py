@@ -123,7 +123,8 @@ class Prompt:
     from the start, at its true positions. seed: the row's own sampling seed (None: its sampler's),
     so rows of one batch can be sampled apart (a request's seed, or many samples of one prompt).
     sampler: the row's own temperature and top-p (None: the session's), so requests that differ in
-    them share a batch.
+    them share a batch. ignore_eos: the row decodes through stop tokens up to its budget (a server
+    request's `ignore_eos`, as benchmark clients send to fix output lengths).
     """
 
     prefix: Sequence[int]
@@ -131,6 +132,7 @@ class Prompt:
     gap: int = 0
     seed: int | None = None
     sampler: Sampler | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not self.prefix:
@@ -225,7 +227,8 @@ class Session:
         self._sampling_groups: list[tuple[Sampler, torch.Tensor | None]] | None = None
         self.origin = torch.tensor(self.origins, device=device)
         self.stop_ids = torch.tensor(model.stop_token_ids or [-1], device=device)
-        self._stops = set(model.stop_token_ids)
+        stops = frozenset(model.stop_token_ids)
+        self.stop_sets = [frozenset() if p.ignore_eos else stops for p in rows]  # each row's stop tokens
         # Host state per row: the canvas (None = not committed), leading committed positions, the
         # position of the first committed stop token (the budget if none), done, forwards taken part in.
         self.canvas: list[list[int | None]] = [[None] * n for n in self.limits]
@@ -516,7 +519,7 @@ class Session:
         """Put (position, token) pairs on one row's canvas; then its frontier, first stop and done."""
         if self.finished_rows[row]:
             return
-        canvas, limit, stops = self.canvas[row], self.limits[row], self._stops
+        canvas, limit, stops = self.canvas[row], self.limits[row], self.stop_sets[row]
         written = 0
         for position, token in writes:
             if 0 <= position < limit:
@@ -760,7 +763,7 @@ class Session:
     # The host lists indexed by row, which `join` extends and `leave` filters.
     _ROW_LISTS = (
         "limits", "context_bound", "prefixes", "origins", "suffixes", "samplers", "seeds", "canvas", "frontiers",
-        "first_stops", "finished_rows", "forwards", "queries", "steps", "started", "prefill_times",
+        "first_stops", "finished_rows", "forwards", "queries", "steps", "started", "prefill_times", "stop_sets",
     )  # fmt: skip
 
     def finish_reason(self, row: int) -> str:

@@ -22,7 +22,9 @@ the tokens it would get alone whatever shares its batch. After every step the se
 their newly committed tokens into text deltas (`TextStream`: incremental, so a long stream costs no
 more per step than a short one), cut the text before a stop string (and cancel that row), cancel the
 rows whose clients left, and hand the deltas to the jobs' event queues, which the HTTP layer reads
-(`fastforward.serving.app`). A failure inside decoding fails only the jobs of that group.
+(`fastforward.serving.app`); a job's last event carries its token ids. A failure inside decoding fails
+only the jobs of that group. Other model work (scoring log-probabilities) runs on the same worker
+between two steps (`Engine.call`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,12 +52,14 @@ _ids = itertools.count()
 
 @dataclass
 class Event:
-    """What a job hears: a text delta, or the end (with a finish reason, usage and stats, or an error)."""
+    """What a job hears: a text delta, or the end (with a finish reason, usage and stats, or an error,
+    and the completion's token ids, which log-probabilities are scored on)."""
 
     delta: str = ""
     finish_reason: str | None = None
     error: str | None = None
     usage: dict[str, Any] | None = None
+    token_ids: list[int] | None = None
 
 
 @dataclass(eq=False)  # a job is itself: queue membership is by identity
@@ -67,6 +71,7 @@ class Job:
     stop: list[str]
     loop: asyncio.AbstractEventLoop
     seed: int | None = None  # the request's own sampling seed (None: the decoder's)
+    ignore_eos: bool = False  # decode through stop tokens up to max_tokens (vLLM's field)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: bool = False
@@ -74,9 +79,9 @@ class Job:
     done: bool = False
 
     def row(self) -> Prompt:
-        """The job as a session row: its prompt, its seed, and its decoder's temperature and top-p
-        (a group's rows share a decoder setting but not these)."""
-        return Prompt(self.prompt, seed=self.seed, sampler=self.decoder.sampler)
+        """The job as a session row: its prompt, its seed, its stop tokens, and its decoder's temperature
+        and top-p (a group's rows share a decoder setting but not these)."""
+        return Prompt(self.prompt, seed=self.seed, sampler=self.decoder.sampler, ignore_eos=self.ignore_eos)
 
     def send(self, event: Event) -> None:
         """Thread-safe: deliver an event to the HTTP side."""
@@ -144,6 +149,7 @@ class Engine:
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self._waiting: deque[Job] = deque()
+        self._calls: list[tuple[Callable[[], Any], Future]] = []  # work to run between two steps (`call`)
         self._outbox: list[tuple[Job, Event]] = []  # events of this step, delivered by `_flush`
         self._groups: dict[str, _Group] = {}
         self._turn = 0  # round robin over the groups
@@ -163,6 +169,18 @@ class Engine:
             self.metrics.queue_depth.set(len(self._waiting))
             self._lock.notify()
 
+    def call(self, work: Callable[[], Any]) -> Future:
+        """Run `work` on the worker between two steps; its result (or error) comes in the Future. Model
+        forwards outside decoding (scoring log-probabilities) so take turns with the steps instead of
+        racing them for the cores."""
+        future: Future = Future()
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the server is shutting down")
+            self._calls.append((work, future))
+            self._lock.notify()
+        return future
+
     def cancel(self, job: Job) -> None:
         """The client left: drop the job if it waits, else its row is cancelled at the next step."""
         job.cancelled = True
@@ -178,7 +196,10 @@ class Engine:
             self._stopping = True
             left = list(self._waiting)
             self._waiting.clear()
+            calls, self._calls = self._calls, []
             self._lock.notify()
+        for _, future in calls:
+            future.set_exception(RuntimeError("the server shut down before this request started"))
         for job in left:
             job.send(Event(finish_reason="error", error="the server shut down before this request started"))
         self._worker.join(timeout)
@@ -222,14 +243,18 @@ class Engine:
 
     def _admit(self, static_allowed: bool = True) -> list[Job] | None:
         """Move waiting jobs into their groups (opening groups as needed), as far as the limits allow.
-        Returns a static batch to decode now, [] to step the groups, or None to stop. Without
+        Work handed to `call` runs first. Returns a static batch to decode now, [] to step the groups
+        (or after such work alone), or None to stop. Without
         `static_allowed` (between the steps of a static batch) jobs of static decoders keep waiting
         and nothing blocks."""
         with self._lock:
-            while static_allowed and not self._waiting and not self._groups and not self._stopping:
+            while static_allowed and not (self._waiting or self._groups or self._calls or self._stopping):
                 self._lock.wait()
+            calls, self._calls = self._calls, []
+        self._run_calls(calls)
+        with self._lock:
             if not self._waiting and not self._groups:
-                return None
+                return [] if calls else None
             admitted: dict[str, list[Job]] = {}
             # Rows still decoding: retired ones leave in the join that admits their successors.
             live = [r for g in self._groups.values() for i, r in enumerate(g.rows) if i not in g.retired]
@@ -265,6 +290,17 @@ class Engine:
         for setting, jobs in admitted.items():
             self._guarded(jobs, lambda: self._join(setting, jobs))  # noqa: B023
         return static
+
+    @staticmethod
+    def _run_calls(calls: list[tuple[Callable[[], Any], Future]]) -> None:
+        """`call`'s work, each result or error into its Future (a cancelled one is skipped)."""
+        for work, future in calls:
+            if future.set_running_or_notify_cancel():
+                try:
+                    with torch.inference_mode():
+                        future.set_result(work())
+                except Exception as exc:  # the caller's to answer
+                    future.set_exception(exc)
 
     def _guarded(self, jobs: list[Job], work: Callable[[], None]) -> None:
         """Run `work`; if it fails, fail `jobs` (and the group they belong to) and go on."""
@@ -351,7 +387,7 @@ class Engine:
         job.done = True
         reason = "stop" if stopped or generation.finish_reason == "stop" else "length"
         usage = self._usage(job, len(generation.token_ids), generation.stats.nfe, generation.stats.queries)
-        self._post(job, Event(finish_reason=reason, usage=usage))
+        self._post(job, Event(finish_reason=reason, usage=usage, token_ids=list(generation.token_ids)))
 
     def _decode_static(self, batch: list[Job]) -> None:
         """A decoder that cannot decode step by step: the batch decodes to its end in one turn."""
@@ -383,8 +419,9 @@ class Engine:
         if stopped:
             session.cancel(row)
             job.done = True
-            usage = self._usage(job, session.lengths[row], session.forwards[row], session.queries[row])
-            self._post(job, Event(finish_reason="stop", usage=usage))
+            length = session.lengths[row]
+            usage = self._usage(job, length, session.forwards[row], session.queries[row])
+            self._post(job, Event(finish_reason="stop", usage=usage, token_ids=session.canvas[row][:length]))
 
     @staticmethod
     def _usage(job: Job, tokens: int, nfe: int, queries: int) -> dict[str, Any]:

@@ -165,8 +165,7 @@ class MultiBlockDiffusionDecoder(Decoder):
         for block, picks in zip(running, chosen, strict=True):
             writes += [(block.start + j, tokens[offset + j]) for j in picks]
             offset += block.size
-        stop_ids = set(session.model.stop_token_ids)
-        stops = [p for p, t in writes if t in stop_ids]
+        stops = [p for p, t in writes if t in session.stop_sets[0]]
         stop = min([session.first_stops[0], *stops])
         writes = [(p, t) for p, t in writes if p <= stop]
         if writes:

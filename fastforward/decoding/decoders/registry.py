@@ -50,11 +50,14 @@ class Knob:
         except ValueError as exc:
             raise FastForwardError(f"{self.flag} takes {self.type.__name__} values, got {text!r}") from exc
 
-    def validate(self, value: Any) -> Any:
+    def validate(self, value: Any, label: str | None = None) -> Any:
+        """The value, if allowed; label: how errors name the knob (default its CLI flag; the server
+        names its JSON field)."""
+        label = label or self.flag
         if self.choices is not None and value not in self.choices:
-            raise FastForwardError(f"{self.flag}: unknown value {value!r}; choose one of {', '.join(self.choices)}")
+            raise FastForwardError(f"{label}: unknown value {value!r}; choose one of {', '.join(self.choices)}")
         if self.check is not None and not self.check(value):
-            raise FastForwardError(f"{self.name.replace('_', ' ')} must be {self.rule}, got {value} ({self.flag})")
+            raise FastForwardError(f"{self.name.replace('_', ' ')} must be {self.rule}, got {value} ({label})")
         return value
 
 
@@ -73,24 +76,29 @@ class DecoderSpec:
         return next((k for k in self.knobs if k.name == name), None)
 
     def create(self, **values: Any) -> Any:
+        """The decoder with these knob values (the rest at their defaults), errors naming CLI flags."""
+        return self.make(values)
+
+    def make(self, values: dict[str, Any], label: Callable[[Knob], str] = lambda knob: knob.flag) -> Any:
         """The decoder with these knob values (the rest at their defaults).
 
         A knob the decoder does not take is accepted only at its neutral default (so one set of
-        options can serve several decoders); any other value, and any bad value, raises.
+        options can serve several decoders); any other value, and any bad value, raises, naming
+        each knob by `label` (its CLI flag; the server passes its JSON field name).
         """
         chosen = {k.name: k.default for k in self.knobs}
         known = all_knobs()
         for name, value in values.items():
             knob = self.knob(name)
             if knob is not None:
-                chosen[name] = knob.validate(value)
+                chosen[name] = knob.validate(value, label(knob))
                 continue
             if name not in known:
                 raise FastForwardError(f"unknown decoder option {name!r}; the options are {', '.join(known)}")
             if value != known[name].default:
-                options = ", ".join(k.flag for k in self.knobs) or "none"
+                options = ", ".join(label(k) for k in self.knobs) or "none"
                 raise FastForwardError(
-                    f"{known[name].flag} {value} does not apply to the {self.name!r} decoder; its options: {options}"
+                    f"{label(known[name])} {value} does not apply to the {self.name!r} decoder; its options: {options}"
                 )
         if all(self.knob(k.name) for k in SAMPLING):
             chosen["sampler"] = Sampler(**{k.name: chosen.pop(k.name) for k in SAMPLING})

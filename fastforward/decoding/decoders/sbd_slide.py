@@ -68,9 +68,8 @@ class SlidingSBDDecoder(Decoder):
         choice = torch.cat([session.sample(first[:, None], positions[:, width : width + 1]), masks.argmax(-1)], 1)
         if session.sampling:  # (greedy rows: the argmax again)
             choice[:, 1:] = session.sample(masks, positions[:, width + 1 :])
-        stops = set(session.model.stop_token_ids)
-        runs = zip(blocks, choice.tolist(), sure.tolist(), strict=True)
-        accepted = [self._accept(block, choices, run, stops) for block, choices, run in runs]
+        runs = zip(blocks, choice.tolist(), sure.tolist(), session.stop_sets, strict=True)
+        accepted = [self._accept(block, choices, run, stops) for block, choices, run, stops in runs]
         commit_writes(session, accepted)
         session.advance(keep=[len(c) for c in carried])
         for row, run in enumerate(accepted):  # what the next forward carries into the cache
@@ -81,7 +80,7 @@ class SlidingSBDDecoder(Decoder):
         return list(range(start, min(start + self.block_size, session.limits[row])))
 
     @staticmethod
-    def _accept(block: list[int], choices: list[int], run: int, stops: set[int]) -> list[tuple[int, int]]:
+    def _accept(block: list[int], choices: list[int], run: int, stops: frozenset[int]) -> list[tuple[int, int]]:
         """The first position's token and the sure run after it, cut after a stop token."""
         accepted = []
         for p, token in zip(block[: 1 + run], choices, strict=False):

@@ -75,9 +75,8 @@ class VerifiedSBDDecoder(Decoder):
         mask_id = session.model.require_mask_token(self.name)
         drafts: list[list[int | None]] = session.per_row("draft")
         starts: list[int] = session.per_row("start")
-        stops = set(session.model.stop_token_ids)
         running = [not done for done in session.finished_rows]
-        masked = [_masked(drafts[r], stops) if running[r] else [] for r in range(session.batch)]
+        masked = [_masked(drafts[r], session.stop_sets[r]) if running[r] else [] for r in range(session.batch)]
         verifying = [running[r] and not any(masked[r]) for r in range(session.batch)]
         # per row: the draft to verify, the positions read as a block, and the tokens known there
         carried, region, known = [], [], []
@@ -116,14 +115,14 @@ class VerifiedSBDDecoder(Decoder):
             fallback[row] = predicted[accepted : accepted + following]
             starts[row], drafts[row] = start + accepted + 1, [fallback[row][0]] + [None] * (following - 1)
             if accepted == len(draft) - 1:  # the whole draft held: this forward's masks saw the right context
-                reveal_from[row][:following] = _masked(drafts[row], stops)
+                reveal_from[row][:following] = _masked(drafts[row], session.stop_sets[row])
         commit_writes(session, writes)
         session.advance(keep=keep)
         self._reveal(session, logits[:, width:], reveal_from, own)
         for row in range(session.batch):
             if not session.finished_rows[row] and session.lengths[row] - session.forwards[row] < 1:
                 # as many forwards as tokens: the rest of the draft at once, from the best guesses at hand
-                for slot, still in enumerate(_masked(drafts[row], stops)):
+                for slot, still in enumerate(_masked(drafts[row], session.stop_sets[row])):
                     if still:
                         drafts[row][slot] = fallback[row][slot]
 
@@ -149,7 +148,7 @@ class VerifiedSBDDecoder(Decoder):
         return min(block, max(1, session.limits[row] - session.frontiers[row] - drafted + 1))
 
 
-def _masked(draft: list[int | None], stops: set[int]) -> list[bool]:
+def _masked(draft: list[int | None], stops: frozenset[int]) -> list[bool]:
     """A draft's positions still to reveal: none after a revealed stop token (the output is cut there,
     so no forward is worth spending on them)."""
     out, stopped = [], False
