@@ -11,9 +11,17 @@ from fastforward.model.tiny import tiny_model
 
 @pytest.fixture(autouse=True, scope="session")
 def _own_fastforward_home(tmp_path_factory):
-    """Quantized weights the tests' loads keep and the compiled steps (`model.store`) go to a folder of the session."""
+    """Quantized weights the tests' loads keep and the compiled steps (`model.store`) go to a folder of the
+    session. The native kernels' builds stay the machine's (a link): each is named by what it is made
+    of, so a test never meets a stale one, and the session does not build them again."""
+    from fastforward.cpu import native
+
     before = os.environ.get("FASTFORWARD_HOME")
-    os.environ["FASTFORWARD_HOME"] = str(tmp_path_factory.mktemp("fastforward_home"))
+    builds = native._root()
+    builds.mkdir(parents=True, exist_ok=True)
+    home = tmp_path_factory.mktemp("fastforward_home")
+    (home / builds.name).symlink_to(builds, target_is_directory=True)
+    os.environ["FASTFORWARD_HOME"] = str(home)
     yield
     if before is None:
         del os.environ["FASTFORWARD_HOME"]
