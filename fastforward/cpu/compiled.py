@@ -34,12 +34,14 @@ import os
 import re
 import shutil
 import sys
+import time
 import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from torch._C._dynamo.guards import GlobalStateGuard
 from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph
 from torch._dynamo.guards import CheckFunctionManager
 from torch._dynamo.hooks import Hooks
@@ -173,8 +175,13 @@ class CompiledSteps:
                 print("fastforward: a kind of step the warm-up did not prepare runs eagerly", file=sys.stderr)
             return self.forward(self.hf, **inputs)
         # A server compiles its kinds before its first request (`serving.engine.warm_up`); one compiled
-        # later holds every request of the moment, so it is said.
-        print("fastforward: compiling a new kind of decoding step (once per model and setting)...", file=sys.stderr)
+        # later holds every request of the moment, so it is said, with what it is and how long it took.
+        print(
+            f"fastforward: compiling a new kind of decoding step ({_described(inputs)}; kept for later processes)...",
+            file=sys.stderr,
+            flush=True,
+        )
+        started = time.perf_counter()
         try:
             compiled = self._compile(inputs)
         except Exception as error:  # a model dynamo cannot trace: slower steps, the same tokens
@@ -184,6 +191,7 @@ class CompiledSteps:
             return self.forward(self.hf, **inputs)
         self.kinds.insert(0, _Kind(signature, compiled=compiled))
         self._write()
+        print(f"fastforward: compiled it in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         return compiled.fn(self.hf, **inputs)
 
     def _function(self, kind: _Kind) -> AOTCompiledFunction | None:
@@ -251,12 +259,29 @@ class CompiledSteps:
 
 
 def _signature(inputs: dict[str, Any]) -> tuple:
-    """What a kind's guards certainly tell apart, read cheaply from a step's inputs: which are None or
-    tensors, their dimensions, and which sizes are 1 (dynamo traces a size of 1 as a constant). Kinds
-    of another signature are not even read back from the store (each takes 0.3-0.9 s on a 2-core Xeon)."""
-    return tuple(
+    """What a kind's guards certainly tell apart, read cheaply from a step's inputs and torch's state:
+    which inputs are None or tensors, their dimensions, and which sizes are 1 (dynamo traces a size of 1
+    as a constant); and the global state every graph is guarded on, the thread count among it (inductor
+    writes it into its kernels). Without the state in it, a process with another thread count found
+    every kept kind refused by its guards and compiled them all again beside them. Kinds of another
+    signature are not even read back from the store (each takes 0.3-0.9 s on a 2-core Xeon)."""
+    shapes = tuple(
         (name, tuple(size == 1 for size in value.shape) if isinstance(value, torch.Tensor) else type(value).__name__)
         for name, value in sorted(inputs.items())
+    )
+    return (("global_state", GlobalStateGuard().__getstate__()), *shapes)
+
+
+def _described(inputs: dict[str, Any]) -> str:
+    """A step's kind in words, for the message that it compiles: "a block, 2 rows, 1 thread"."""
+    rows, tokens = inputs["input_ids"].shape if "input_ids" in inputs else (0, 0)
+    threads = torch.get_num_threads()
+    return ", ".join(
+        [
+            "one token" if tokens == 1 else "a block",
+            "one row" if rows == 1 else "several rows",
+            f"{threads} thread{'s' if threads > 1 else ''}",
+        ]
     )
 
 
