@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompts", nargs="*", help="prompts (default: read one per line from stdin)")
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
     add_decoder_flags(p, default=None, default_help="lookup, sampling too; ar if an option given is not lookup's")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most per prompt")
     add_precision_flags(p, dtype="float32", quantize="int4", exact=True)
     add_compile_flag(p)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")

@@ -27,8 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
     p.add_argument("--served-name", help="the model id clients send (default: --model)")
     add_decoder_flags(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--max-batch-size", type=positive_int, default=8, help="requests decoded together (rows)")
     p.add_argument(
         "--max-batch-tokens",
