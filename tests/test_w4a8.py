@@ -1,5 +1,6 @@
 """The native int4 x int8 kernel (fastforward.cpu.w4a8): its bits recomputed in PyTorch, its packing, its fallbacks."""
 
+import os
 import subprocess
 import sys
 
@@ -189,6 +190,9 @@ def test_a_build_completed_meanwhile_by_another_process_is_kept(monkeypatch, tmp
         (build / native.BUILT).write_text("theirs.so\n")
 
     monkeypatch.setattr(native, "_compile_and_load", compile_and_load)
+    stopped = tmp_path / "native" / f".{build.name}-stopped"  # a process stopped midway, long ago
+    stopped.mkdir(parents=True)
+    os.utime(stopped, (0, 0))
     native._build("avx2")
     assert native._built_library(build) == build / "theirs.so"
     assert [p.name for p in tmp_path.joinpath("native").iterdir()] == [build.name]  # no folder left behind

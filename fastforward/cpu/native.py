@@ -29,6 +29,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -95,6 +96,7 @@ def available() -> bool:
 
 FAILED = "build-failed.txt"  # the first error of the failed build
 BUILT = "built.txt"  # the name of the library in a complete build (written last)
+ABANDONED_AFTER = 3600  # seconds after which an unfinished build folder is a stopped process's, not a running one's
 # What the fallback costs, measured (docs/results.md, "Precision and exactness"): compiled int4 `ar` ran
 # 1.7-1.8x faster on the native kernel than on PyTorch's on a 2-core AVX2 EPYC.
 FALLBACK = (
@@ -144,6 +146,10 @@ def _build(isa: str) -> None:
         torch.ops.load_library(str(library))
         return
     build.parent.mkdir(parents=True, exist_ok=True)
+    for left in build.parent.glob(".*-*"):  # builds of processes that were stopped midway
+        with contextlib.suppress(OSError):
+            if time.time() - left.stat().st_mtime > ABANDONED_AFTER:
+                shutil.rmtree(left)
     # In a folder of this process's own, renamed into place once complete: another process building
     # the same sources at the same moment never reads or overwrites half-made files.
     making = Path(tempfile.mkdtemp(prefix=f".{build.name}-", dir=build.parent))
