@@ -7,11 +7,12 @@ docs/results.md, "From a fresh process"). The price is compiling: tracing a 30-l
 generating its kernels takes about a minute per kind of step on a 2-core CPU, and `torch.compile` pays
 the tracing again in every process.
 
-So each kind of step (one token or a block; one row or several; with or without a dense mask) is
-compiled ahead of time with dynamo's AOT compile (`torch._dynamo.aot_compile`): one graph per kind
-serves every length (dynamic shapes), and the graphs are kept as an entry of `fastforward.model.store`
-(keyed by the model's files, the setting, this code and the torch version), with inductor's kernels
-under $FASTFORWARD_HOME/inductor. A later process reads them back in about 2 s instead of tracing.
+So each kind of step (one token or a block; one row or several; with or without a dense mask; at
+one torch thread count, which inductor writes into its kernels) is compiled ahead of time with
+dynamo's AOT compile (`torch._dynamo.aot_compile`): one graph per kind serves every length (dynamic
+shapes), and the graphs are kept as an entry of `fastforward.model.store` (keyed by the model's
+files, the setting, this code and the torch version), with inductor's kernels under
+$FASTFORWARD_HOME/inductor. A later process reads them back in about 2 s instead of tracing.
 Each graph keeps the guards that tell the kinds apart (the inputs' shapes, dtypes and strides, the
 cache's layout), checked before each step; a step no graph accepts compiles a new kind.
 
