@@ -252,7 +252,9 @@ def test_another_thread_count_is_another_kind_and_no_kind_is_kept_twice(saved_in
     ARDecoder().generate(first, prompts[:1], max_new_tokens=4)  # one kind at 1 thread (conftest)
     torch.set_num_threads(2)
     ARDecoder().generate(first, prompts[:1], max_new_tokens=4)  # the same kind at 2 threads: compiled
-    assert "one token, one row, 2 threads" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "(one token, one row, 2 threads; kept for later processes); the store holds it for 1 thread " in said
+    assert "(`--threads 1` reads it back)" in said
     signatures = [kind.signature for kind in first.compiled_forward.kinds]
     assert len(signatures) == 2 and len(set(signatures)) == 2
     torch._dynamo.reset()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import json
 import os
 import re
 import shutil
@@ -178,7 +179,8 @@ class CompiledSteps:
         # A server compiles its kinds before its first request (`serving.engine.warm_up`); one compiled
         # later holds every request of the moment, so it is said, with what it is and how long it took.
         print(
-            f"fastforward: compiling a new kind of decoding step ({_described(inputs)}; kept for later processes)...",
+            f"fastforward: compiling a new kind of decoding step ({_described(inputs)}; kept for later processes)"
+            f"{self._other_threads(signature)}...",
             file=sys.stderr,
             flush=True,
         )
@@ -194,6 +196,17 @@ class CompiledSteps:
         self._write()
         print(f"fastforward: compiled it in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         return compiled.fn(self.hf, **inputs)
+
+    def _other_threads(self, signature: tuple) -> str:
+        """Where this kind is kept for other thread counts only, the flag that reads it back instead."""
+        others = sorted(
+            {_threads(kind.signature) for kind in self.kinds if _same_but_threads(kind.signature, signature)}
+        )
+        if not others:
+            return ""
+        counts = " and ".join(map(str, others))
+        plural = "" if others == [1] else "s"
+        return f"; the store holds it for {counts} thread{plural} (`--threads {others[0]}` reads it back)"
 
     def _function(self, kind: _Kind) -> AOTCompiledFunction | None:
         """A kind's graph, read back now if it was not yet; None (said, and the kind forgotten) if it
@@ -271,6 +284,22 @@ def _signature(inputs: dict[str, Any]) -> tuple:
         for name, value in sorted(inputs.items())
     )
     return (("global_state", GlobalStateGuard().__getstate__()), *shapes)
+
+
+def _threads(signature: tuple | None) -> int | None:
+    """The thread count a signature's global state holds (None: not a signature of this form)."""
+    try:
+        return json.loads(dict(signature[:1])["global_state"])["num_threads"]
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def _same_but_threads(kept: tuple | None, signature: tuple) -> bool:
+    """Whether two signatures differ in their thread count only."""
+    if kept is None or _threads(kept) in (None, _threads(signature)) or kept[1:] != signature[1:]:
+        return False
+    state = {**json.loads(kept[0][1]), "num_threads": _threads(signature)}
+    return state == json.loads(signature[0][1])
 
 
 def _described(inputs: dict[str, Any]) -> str:
