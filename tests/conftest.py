@@ -11,14 +11,21 @@ from fastforward.model.tiny import tiny_model
 
 @pytest.fixture(autouse=True, scope="session")
 def _own_fastforward_home(tmp_path_factory):
-    """Quantized weights the tests' loads keep and the compiled steps (`model.store`) go to a folder of the session."""
-    before = os.environ.get("FASTFORWARD_HOME")
+    """Quantized weights the tests' loads keep and the compiled steps (`model.store`) go to a folder of the
+    session. The native kernels' builds stay the machine's, whatever home a test or its subprocesses
+    set: each build is named by what it is made of, so no test meets a stale one, and none builds them
+    again."""
+    from fastforward.cpu import native
+
+    before = {name: os.environ.get(name) for name in ("FASTFORWARD_HOME", "TORCH_EXTENSIONS_DIR")}
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(native._root().parent)
     os.environ["FASTFORWARD_HOME"] = str(tmp_path_factory.mktemp("fastforward_home"))
     yield
-    if before is None:
-        del os.environ["FASTFORWARD_HOME"]
-    else:
-        os.environ["FASTFORWARD_HOME"] = before
+    for name, value in before.items():
+        if value is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,11 @@
 """Compiled decoding steps (`load_model(..., compile=True)`): lossless decoders stay exact."""
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -13,7 +19,7 @@ from fastforward.cpu.quantize import quantize
 from fastforward.cpu.w4a8 import W4A8Linear
 from fastforward.decoding.decoders import ARDecoder, registry
 from fastforward.errors import FastForwardError
-from fastforward.model import load_model
+from fastforward.model import load_model, store
 from fastforward.model.tiny import tiny_model
 from fastforward.serving.engine import warm_up
 
@@ -234,6 +240,69 @@ def test_a_second_load_reads_the_compiled_steps_back(saved_int4, prompts, monkey
     assert decoded(second, prompts[:2]) == tokens
     # each kind is read back when a step of its signature first comes: the two-row kind never did
     assert sum(kind.compiled is not None for kind in second.compiled_forward.kinds) == kinds - 1
+
+
+def test_another_thread_count_is_another_kind_and_no_kind_is_kept_twice(saved_int4, prompts, monkeypatch, capsys):
+    """Every graph is guarded on torch's global state, thread count included (inductor writes it into
+    its kernels): a process with another count once found each kept kind refused and compiled it again
+    beside it, under the same signature. Now the count is part of a kind's signature: one kind per
+    count, and a later process at either count compiles nothing."""
+    torch._dynamo.reset()
+    first = load_model(saved_int4, quantize="int4", exact=True, compile=True)
+    ARDecoder().generate(first, prompts[:1], max_new_tokens=4)  # one kind at 1 thread (conftest)
+    torch.set_num_threads(2)
+    ARDecoder().generate(first, prompts[:1], max_new_tokens=4)  # the same kind at 2 threads: compiled
+    said = capsys.readouterr().err
+    assert "(one token, one row, 2 threads; kept for later processes); the store holds it for 1 thread " in said
+    assert "(`--threads 1` reads it back)" in said
+    signatures = [kind.signature for kind in first.compiled_forward.kinds]
+    assert len(signatures) == 2 and len(set(signatures)) == 2
+    torch._dynamo.reset()
+    no_compiling(monkeypatch)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        second = load_model(saved_int4, quantize="int4", exact=True, compile=True)
+        ARDecoder().generate(second, prompts[:1], max_new_tokens=4)
+        steps = second.compiled_forward
+        assert not steps.failed and "compiling" not in capsys.readouterr().err  # (a refused compile runs eagerly)
+        assert sorted(map(repr, (kind.signature for kind in steps.kinds))) == sorted(map(repr, signatures))
+        assert sum(kind.compiled is not None for kind in steps.kinds) == 1  # this count's kind, read back
+
+
+# Another checkout's process: its own copy of the package, the same home; it must compile nothing.
+READ_BACK = """
+import sys, torch
+torch.set_num_threads(1)
+import fastforward
+assert fastforward.__file__.startswith(sys.argv[1]), fastforward.__file__
+from fastforward.cpu import compiled
+from fastforward.decoding.decoders import ARDecoder
+from fastforward.model import load_model
+compiled.aot_compile_fullgraph = None  # compiling would fail
+model = load_model(sys.argv[2], quantize="int4", exact=True, compile=True)
+print(ARDecoder().generate(model, [[3, 17, 42]], max_new_tokens=6)[0].token_ids)
+"""
+
+
+def test_a_copy_of_the_code_elsewhere_reads_the_kept_steps_back(saved_int4, tmp_path):
+    """Two checkouts of the same commit share kept steps: their store key is made of the code's bytes,
+    not its place, and the graphs hold no path of it."""
+    torch._dynamo.reset()
+    model = load_model(saved_int4, quantize="int4", exact=True, compile=True)
+    tokens = ARDecoder().generate(model, [[3, 17, 42]], max_new_tokens=6)[0].token_ids
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(store.PACKAGE, copy / "fastforward", ignore=shutil.ignore_patterns("__pycache__"))
+    code = (copy / "fastforward" / "cpu", copy / "fastforward" / "model")
+    assert model.compiled_forward.store.code != code
+    assert store.Store(tmp_path, "compiled", Path(saved_int4), code, **model.compiled_forward.store.setting)._key() == (
+        model.compiled_forward.store._key()
+    )
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    out = subprocess.run(
+        [sys.executable, "-c", READ_BACK, str(copy), saved_int4], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(tokens) and "compiling" not in out.stderr
 
 
 def test_a_corrupt_or_stale_compiled_entry_is_said_and_compiled_again(saved_int4, prompts, tmp_path, capsys):

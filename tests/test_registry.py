@@ -63,11 +63,23 @@ def test_decoders_command_prints_the_table(capsys):
     assert capsys.readouterr().out.strip() == registry.knob_table()
 
 
-def test_generate_picks_lookup_unless_an_option_asks_for_ar():
+def test_generate_picks_lookup_and_an_option_it_does_not_take_names_it():
     from fastforward.cli.generate import default_decoder
 
     assert default_decoder({}) == "lookup" and default_decoder({"lookup_tokens": 4}) == "lookup"
     assert default_decoder({"temperature": 0.7, "top_p": 0.9, "seed": 1}) == "lookup"  # lookup samples too
+    assert default_decoder({"block_size": 16}) == "lookup"  # another decoder's option at its neutral default
+    with pytest.raises(FastForwardError, match="--block-size 4 does not apply to the 'lookup' decoder, the default"):
+        default_decoder({"block_size": 4})
+
+
+def test_generate_with_another_decoders_option_names_the_decoder_the_user_gets(capsys):
+    """`generate --block-size 4 PROMPT` once answered that the option does not apply to 'ar', a decoder
+    the user never chose; the default is lookup. Said before any model loads."""
+    assert main(["generate", "--block-size", "4", "--model", "no-such-model", "x"]) == 2
+    said = capsys.readouterr().err
+    assert "'lookup' decoder, the default" in said and "'ar'" not in said
+    assert "--decoder (jacobi, " in said and "sbd" in said
 
 
 def test_generate_reports_the_decoder_it_chose(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """The native int4 x int8 kernel (fastforward.cpu.w4a8): its bits recomputed in PyTorch, its packing, its fallbacks."""
 
+import os
 import subprocess
 import sys
 
@@ -137,7 +138,8 @@ def test_a_failed_build_says_its_first_error_and_log_once_per_machine(monkeypatc
         assert capsys.readouterr().err == ""
     finally:
         native.available.cache_clear()
-    log = tmp_path / "build" / f"native-torch{torch.__version__}-{native.instruction_set()}" / "build-error.log"
+        log = native._build_directory(native.instruction_set()) / "build-error.log"
+    assert log.is_relative_to(tmp_path / "build")
     first = next(line.strip() for line in log.read_text().splitlines() if "error:" in line)
     assert "simd.h" in first and said.count(first) == 1 and str(log) in said and "PyTorch's kernels serve" in said
 
@@ -151,25 +153,77 @@ def test_the_narrow_build_may_be_asked_for_and_nothing_else(monkeypatch):
         native.instruction_set()
 
 
-def test_a_library_built_from_these_sources_is_loaded_directly_and_a_stale_one_rebuilt(monkeypatch, tmp_path):
+def test_a_complete_build_is_loaded_directly_and_another_sources_build_is_not(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     build = native._build_directory("avx2")
-    build.mkdir(parents=True)
-    (build / "old.so").write_bytes(b"")
-    (build / native.BUILT).write_text("another-digest\nold.so\n")
+    other = build.with_name("avx2-0123456789abcdef")  # a build of other sources: never looked at
+    other.mkdir(parents=True)
+    (other / "old.so").write_bytes(b"")
+    (other / native.BUILT).write_text("old.so\n")
     compiled, loaded = [], []
 
-    def compile_and_load(isa):  # what torch's builder leaves: a newer library
+    def compile_and_load(isa, directory):  # what torch's builder leaves: a library
         compiled.append(isa)
-        (build / "new.so").write_bytes(b"")
+        (directory / "new.so").write_bytes(b"")
 
     monkeypatch.setattr(native, "_compile_and_load", compile_and_load)
     monkeypatch.setattr(torch.ops, "load_library", loaded.append)
     native._build("avx2")
     assert compiled == ["avx2"] and loaded == []
-    assert (build / native.BUILT).read_text() == f"{native._sources_digest()}\nnew.so\n"
+    assert (build / native.BUILT).read_text() == "new.so\n"
+    assert sorted(p.name for p in tmp_path.joinpath("native").iterdir()) == sorted([build.name, other.name])
     native._build("avx2")  # the next process: straight to the library
     assert compiled == ["avx2"] and loaded == [str(build / "new.so")]
+
+
+def test_a_build_completed_meanwhile_by_another_process_is_kept(monkeypatch, tmp_path):
+    """Two processes building the same sources at once: each in its own folder; the first to finish
+    puts its build in place, the second's is dropped, and neither sees half-made files."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build = native._build_directory("avx2")
+
+    def compile_and_load(isa, directory):
+        assert directory != build and not (directory / native.BUILT).exists()
+        (directory / "mine.so").write_bytes(b"")
+        build.mkdir(parents=True)  # the other process finishes first
+        (build / "theirs.so").write_bytes(b"")
+        (build / native.BUILT).write_text("theirs.so\n")
+
+    monkeypatch.setattr(native, "_compile_and_load", compile_and_load)
+    stopped = tmp_path / "native" / f".{build.name}-stopped"  # a process stopped midway, long ago
+    stopped.mkdir(parents=True)
+    os.utime(stopped, (0, 0))
+    native._build("avx2")
+    assert native._built_library(build) == build / "theirs.so"
+    assert [p.name for p in tmp_path.joinpath("native").iterdir()] == [build.name]  # no folder left behind
+
+
+def test_the_build_is_named_by_the_sources_bytes_not_their_place(monkeypatch, tmp_path):
+    """Two checkouts of the same code share one build: a copy of the sources elsewhere has the same
+    digest, in this process and in another; a changed byte has another."""
+    isa = native.instruction_set() or "avx2"
+    here = native._sources_digest(isa)
+    copy = tmp_path / "elsewhere" / "csrc"
+    copy.mkdir(parents=True)
+    for path in native.SOURCES[0].parent.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(native, "SOURCES", [copy / source.name for source in native.SOURCES])
+    assert native._sources_digest(isa) == here
+    code = f"from fastforward.cpu import native; print(native._sources_digest({isa!r}))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == here
+    source = copy / native.SOURCES[0].name
+    source.write_bytes(source.read_bytes() + b"\n")
+    assert native._sources_digest(isa) != here
+    assert native._sources_digest("avx512" if isa == "avx2" else "avx2") != here  # the flags are part of it
+
+
+def test_builds_are_kept_under_fastforward_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("FASTFORWARD_HOME", str(tmp_path))
+    assert native._build_directory("avx2").parent == tmp_path / "native"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch"))  # torch's own setting, where set
+    assert native._build_directory("avx2").parent == tmp_path / "torch" / "native"
 
 
 @pytest.mark.skipif(not native.available(), reason="needs the built kernels")

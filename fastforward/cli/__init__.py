@@ -13,7 +13,7 @@ from fastforward.errors import FastForwardError
 # from here, and a command line imports only the module of the command it names (with what that module
 # needs): `generate` never loads training, evaluation, the server or lm-eval.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("demo", "every method on the shipped checkpoints (about 3 min on 2 CPU cores); --retrain, --quick"),
+    "demo": ("demo", "every method on the shipped checkpoints (about two minutes on 2 CPU cores); --retrain, --quick"),
     "generate": ("generate", "generate text for one or more prompts"),
     "infill": (
         "infill",
@@ -33,10 +33,38 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# What `fastforward --help` opens with: for the user, who may have only this command and no README.
+DESCRIPTION = (
+    "Run a Hugging Face causal LM as a parallel decoder: several tokens per forward pass, an exact KV "
+    "cache, and for the lossless decoders exactly the tokens plain greedy decoding gives. Try "
+    "`fastforward demo` (every method on shipped checkpoints, about two minutes on 2 CPU cores), then "
+    "`fastforward generate PROMPT`. `fastforward COMMAND --help` gives the options of a command."
+)
+
+
+class DefaultsShown(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless its help already says it (options whose
+    default is None, off or empty have nothing to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or not shows_default(action):
+            return text
+        return text if "default" in text else f"{text} (default: %(default)s)"
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether an option has a default to show: not None, off, empty or suppressed (0 is shown)."""
+    default = action.default
+    if default is None or default is False or default is argparse.SUPPRESS:
+        return False
+    return default not in ("", [])
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `fastforward` parser: every subcommand in full, or only `command` in full (the others by name
     and help only, so that nothing else is imported)."""
-    parser = argparse.ArgumentParser(prog="fastforward", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fastforward", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, summary) in COMMANDS.items():
         if command is None or command == name:
@@ -47,8 +75,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def add_command(sub: argparse._SubParsersAction, name: str, **options) -> argparse.ArgumentParser:
-    """The subparser of command `name`, with its help from `COMMANDS`."""
-    return sub.add_parser(name, help=COMMANDS[name][1], **options)
+    """The subparser of command `name`, with its help from `COMMANDS`, showing each option's default."""
+    return sub.add_parser(name, help=COMMANDS[name][1], formatter_class=DefaultsShown, **options)
 
 
 def named_command(argv: list[str]) -> str:

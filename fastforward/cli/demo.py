@@ -22,12 +22,7 @@ from fastforward.model import SHIPPED_CHECKPOINTS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(
-        sub,
-        "demo",
-        description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = add_command(sub, "demo", description=__doc__)
     p.add_argument("--out", default="runs/demo", help="directory for the table, records and plot (and models)")
     p.add_argument("--models", default=str(SHIPPED_CHECKPOINTS), help="checkpoints to evaluate (ntp/, sbd/, ...)")
     p.add_argument("--retrain", action="store_true", help="train every checkpoint again into --out/models first")

@@ -37,18 +37,13 @@ from fastforward.training.launch import launched_processes, local_rank, reported
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(
-        sub,
-        "eval",
-        description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = add_command(sub, "eval", description=__doc__)
     p.add_argument("--model", required=True, help="preset, model directory or .gguf file")
     p.add_argument("--task", required=True, help="arithmetic, pycode, humaneval, or a JSONL file of {prompt, answer}")
     p.add_argument(
         "--task-option", action="append", default=[], metavar="K=V", help="task knob, e.g. max_number=20 (repeat)"
     )
-    p.add_argument("--split", default="test")
+    p.add_argument("--split", default="test", help="the task split the examples come from")
     p.add_argument("--n", type=int, default=100, help="examples to evaluate")
     p.add_argument("--seed", type=int, default=0, help="which examples (for generated tasks), and the decoder's seed")
     add_decoder_flags(p, default="sbd", skip=("seed",))

@@ -26,8 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "generate")
     p.add_argument("prompts", nargs="*", help="prompts (default: read one per line from stdin)")
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
-    add_decoder_flags(p, default=None, default_help="lookup, sampling too; ar if an option given is not lookup's")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    add_decoder_flags(p, default=None, default_help="lookup, lossless; it samples too, with --temperature")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most per prompt")
     add_precision_flags(p, dtype="float32", quantize="int4", exact=True)
     add_compile_flag(p)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
@@ -40,10 +40,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def default_decoder(knobs: dict) -> str:
     """`lookup`: lossless (greedy, or AR's own samples with --temperature), and measured as fast as
-    `ar` on chat prompts and faster on code (docs/results.md); `ar` when an option given is one
-    lookup does not take."""
-    lookup = registry.spec("lookup")
-    return "lookup" if all(lookup.knob(name) for name in knobs) else "ar"
+    `ar` on chat prompts and faster on code (docs/results.md). An option given that lookup does not
+    take is an error naming lookup, the decoder the user gets, and the decoders that take it (no
+    fallback could serve it: `ar` takes no option that lookup lacks)."""
+    lookup, known = registry.spec("lookup"), registry.all_knobs()
+    for name, value in knobs.items():
+        if lookup.knob(name) is None and value != known[name].default:
+            takers = ", ".join(spec.name for spec in registry.specs().values() if spec.knob(name))
+            raise FastForwardError(
+                f"{known[name].flag} {value} does not apply to the 'lookup' decoder, the default; "
+                f"choose a decoder that takes it with --decoder ({takers})"
+            )
+    return "lookup"
 
 
 def read_prompts() -> list[str]:

@@ -23,21 +23,16 @@ from fastforward.training.rounds import Round, per_round, progressive_rounds
 
 def register(sub: argparse._SubParsersAction) -> None:
     jf = JacobiForcing()
-    p = add_command(
-        sub,
-        "jacobi-forcing",
-        description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = add_command(sub, "jacobi-forcing", description=__doc__)
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file to start from")
     p.add_argument("--out", required=True, help="directory of the rounds: trajectories-round-R.jsonl, round-R/")
     add_prompt_flags(p)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="rounds of trajectory collection and training")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32], help="block size of each round")
     p.add_argument("--noise-windows", type=int, nargs="+", default=[16, 8], help="window w of each round")
     add_collect_flags(p)
-    p.add_argument("--noise-schedule", choices=SCHEDULES, default=jf.noise_schedule)
-    p.add_argument("--noisy-context", choices=CONTEXTS, default=jf.noisy_context)
+    p.add_argument("--noise-schedule", choices=SCHEDULES, default=jf.noise_schedule, help="noise within a window")
+    p.add_argument("--noisy-context", choices=CONTEXTS, default=jf.noisy_context, help="what noisy blocks see before")
     p.add_argument("--ar-weight", type=float, default=jf.ar_weight, help="weight of the AR loss (eq. 9)")
     add_only_correct_flag(p)
     add_optimizer_flags(p, seq_len=1024)  # a row holds the prompt and the response twice

@@ -13,7 +13,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "lm-eval-tasks")
     p.add_argument("out", help="folder for the YAML, JSONL and helper files")
     p.add_argument("--n", type=positive_int, default=150, help="held-out arithmetic problems")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the held-out problems' draw")
     p.add_argument("--max-gen-toks", type=positive_int, default=96, help="generation budget of ff_arithmetic")
     p.add_argument(
         "--task-option",

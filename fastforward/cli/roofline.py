@@ -43,11 +43,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     hw.add_argument("--hardware-name", default=None, help="label for the hardware in titles")
 
     tf = p.add_argument_group("transformer (default: 8B, 32 layers)")
-    tf.add_argument("--hidden", type=int, default=LLAMA_8B.hidden)
+    tf.add_argument("--hidden", type=int, default=LLAMA_8B.hidden, help="hidden size")
     tf.add_argument("--ffn-mult", type=float, default=LLAMA_8B.ffn_mult, help="FFN width / hidden")
-    tf.add_argument("--heads", type=int, default=LLAMA_8B.heads)
-    tf.add_argument("--head-dim", type=int, default=None, help="default hidden / heads")
-    tf.add_argument("--kv-heads", type=int, default=LLAMA_8B.kv_heads)
+    tf.add_argument("--heads", type=int, default=LLAMA_8B.heads, help="attention heads")
+    tf.add_argument("--head-dim", type=int, default=None, help="head size (default: hidden / heads)")
+    tf.add_argument("--kv-heads", type=int, default=LLAMA_8B.kv_heads, help="key-value heads")
     tf.add_argument("--layers", type=int, default=LLAMA_8B.layers, help="scales absolute times only")
     tf.add_argument(
         "--corrected",

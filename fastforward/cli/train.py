@@ -22,13 +22,8 @@ from fastforward.training.trajectories import trajectory_datasets
 
 def register(sub: argparse._SubParsersAction) -> None:
     d, sbd, jf, mtf, sd = TrainConfig(), SBD(), JacobiForcing(), MultiTF(), SetDLM()
-    p = add_command(
-        sub,
-        "train",
-        description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--objective", choices=sorted(OBJECTIVES), default="sbd")
+    p = add_command(sub, "train", description=__doc__)
+    p.add_argument("--objective", choices=sorted(OBJECTIVES), default="sbd", help="what the model learns")
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
     p.add_argument("--data", help="JSONL of {prompt, completion} or {text} lines")
     p.add_argument("--trajectories", help="JSONL of Jacobi trajectories (jacobi_forcing; `fastforward trajectories`)")
@@ -78,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="sdpa (dense masks) or flex (FlexAttention, trains on GPUs only); auto: flex on a CUDA GPU, except ntp",
     )
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evaluations")
-    p.add_argument("--max-eval-batches", type=int, default=d.max_eval_batches)
+    p.add_argument("--max-eval-batches", type=int, default=d.max_eval_batches, help="batches per evaluation")
     add_threads_flag(p)
     p.set_defaults(run=run)
 
@@ -101,11 +96,11 @@ def add_optimizer_flags(p: argparse.ArgumentParser, seq_len: int) -> None:
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")
     p.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
     p.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps (then cosine decay)")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's weight decay")
     p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="0 disables clipping")
     p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
-    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="latest checkpoints kept")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of initialisation, data order and masking")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
     p.add_argument(
         "--lora-rank",

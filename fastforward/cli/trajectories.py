@@ -53,19 +53,14 @@ def add_collect_flags(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(
-        sub,
-        "trajectories",
-        description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = add_command(sub, "trajectories", description=__doc__)
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
     p.add_argument("--out", required=True, help="JSONL file to write (appended to when it exists)")
     add_prompt_flags(p)
     p.add_argument("--block-size", type=int, default=16, help="tokens per Jacobi block (n)")
     add_collect_flags(p)
     p.add_argument("--seed", type=int, default=0, help="seed of random draft initialisation")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     add_adapter_flag(p)
     add_threads_flag(p)

@@ -7,11 +7,12 @@ docs/results.md, "From a fresh process"). The price is compiling: tracing a 30-l
 generating its kernels takes about a minute per kind of step on a 2-core CPU, and `torch.compile` pays
 the tracing again in every process.
 
-So each kind of step (one token or a block; one row or several; with or without a dense mask) is
-compiled ahead of time with dynamo's AOT compile (`torch._dynamo.aot_compile`): one graph per kind
-serves every length (dynamic shapes), and the graphs are kept as an entry of `fastforward.model.store`
-(keyed by the model's files, the setting, this code and the torch version), with inductor's kernels
-under $FASTFORWARD_HOME/inductor. A later process reads them back in about 2 s instead of tracing.
+So each kind of step (one token or a block; one row or several; with or without a dense mask; at
+one torch thread count, which inductor writes into its kernels) is compiled ahead of time with
+dynamo's AOT compile (`torch._dynamo.aot_compile`): one graph per kind serves every length (dynamic
+shapes), and the graphs are kept as an entry of `fastforward.model.store` (keyed by the model's
+files, the setting, this code and the torch version), with inductor's kernels under
+$FASTFORWARD_HOME/inductor. A later process reads them back in about 2 s instead of tracing.
 Each graph keeps the guards that tell the kinds apart (the inputs' shapes, dtypes and strides, the
 cache's layout), checked before each step; a step no graph accepts compiles a new kind.
 
@@ -30,16 +31,19 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import json
 import os
 import re
 import shutil
 import sys
+import time
 import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from torch._C._dynamo.guards import GlobalStateGuard
 from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph
 from torch._dynamo.guards import CheckFunctionManager
 from torch._dynamo.hooks import Hooks
@@ -173,8 +177,14 @@ class CompiledSteps:
                 print("fastforward: a kind of step the warm-up did not prepare runs eagerly", file=sys.stderr)
             return self.forward(self.hf, **inputs)
         # A server compiles its kinds before its first request (`serving.engine.warm_up`); one compiled
-        # later holds every request of the moment, so it is said.
-        print("fastforward: compiling a new kind of decoding step (once per model and setting)...", file=sys.stderr)
+        # later holds every request of the moment, so it is said, with what it is and how long it took.
+        print(
+            f"fastforward: compiling a new kind of decoding step ({_described(inputs)}; kept for later processes)"
+            f"{self._other_threads(signature)}...",
+            file=sys.stderr,
+            flush=True,
+        )
+        started = time.perf_counter()
         try:
             compiled = self._compile(inputs)
         except Exception as error:  # a model dynamo cannot trace: slower steps, the same tokens
@@ -184,7 +194,19 @@ class CompiledSteps:
             return self.forward(self.hf, **inputs)
         self.kinds.insert(0, _Kind(signature, compiled=compiled))
         self._write()
+        print(f"fastforward: compiled it in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         return compiled.fn(self.hf, **inputs)
+
+    def _other_threads(self, signature: tuple) -> str:
+        """Where this kind is kept for other thread counts only, the flag that reads it back instead."""
+        others = sorted(
+            {_threads(kind.signature) for kind in self.kinds if _same_but_threads(kind.signature, signature)}
+        )
+        if not others:
+            return ""
+        counts = " and ".join(map(str, others))
+        plural = "" if others == [1] else "s"
+        return f"; the store holds it for {counts} thread{plural} (`--threads {others[0]}` reads it back)"
 
     def _function(self, kind: _Kind) -> AOTCompiledFunction | None:
         """A kind's graph, read back now if it was not yet; None (said, and the kind forgotten) if it
@@ -251,12 +273,45 @@ class CompiledSteps:
 
 
 def _signature(inputs: dict[str, Any]) -> tuple:
-    """What a kind's guards certainly tell apart, read cheaply from a step's inputs: which are None or
-    tensors, their dimensions, and which sizes are 1 (dynamo traces a size of 1 as a constant). Kinds
-    of another signature are not even read back from the store (each takes 0.3-0.9 s on a 2-core Xeon)."""
-    return tuple(
+    """What a kind's guards certainly tell apart, read cheaply from a step's inputs and torch's state:
+    which inputs are None or tensors, their dimensions, and which sizes are 1 (dynamo traces a size of 1
+    as a constant); and the global state every graph is guarded on, the thread count among it (inductor
+    writes it into its kernels). Without the state in it, a process with another thread count found
+    every kept kind refused by its guards and compiled them all again beside them. Kinds of another
+    signature are not even read back from the store (each takes 0.3-0.9 s on a 2-core Xeon)."""
+    shapes = tuple(
         (name, tuple(size == 1 for size in value.shape) if isinstance(value, torch.Tensor) else type(value).__name__)
         for name, value in sorted(inputs.items())
+    )
+    return (("global_state", GlobalStateGuard().__getstate__()), *shapes)
+
+
+def _threads(signature: tuple | None) -> int | None:
+    """The thread count a signature's global state holds (None: not a signature of this form)."""
+    try:
+        return json.loads(dict(signature[:1])["global_state"])["num_threads"]
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def _same_but_threads(kept: tuple | None, signature: tuple) -> bool:
+    """Whether two signatures differ in their thread count only."""
+    if kept is None or _threads(kept) in (None, _threads(signature)) or kept[1:] != signature[1:]:
+        return False
+    state = {**json.loads(kept[0][1]), "num_threads": _threads(signature)}
+    return state == json.loads(signature[0][1])
+
+
+def _described(inputs: dict[str, Any]) -> str:
+    """A step's kind in words, for the message that it compiles: "a block, 2 rows, 1 thread"."""
+    rows, tokens = inputs["input_ids"].shape if "input_ids" in inputs else (0, 0)
+    threads = torch.get_num_threads()
+    return ", ".join(
+        [
+            "one token" if tokens == 1 else "a block",
+            "one row" if rows == 1 else "several rows",
+            f"{threads} thread{'s' if threads > 1 else ''}",
+        ]
     )
 
 

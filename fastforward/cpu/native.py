@@ -9,7 +9,11 @@ call, which is what makes a block's logits the same bits as its tokens' 1-token 
 
 They are written once against `csrc/simd.h` and built for the widest instruction set the CPU has:
 AVX-512 with VNNI (16 lanes, VPDPBUSD), else AVX2 (8 lanes; Haswell and Zen onwards). Built with
-torch's C++ extension builder (a C++ compiler and ninja; `setup.sh` builds them ahead of first use).
+torch's C++ extension builder (a C++ compiler and ninja; `setup.sh` builds them ahead of first use),
+into a folder of $FASTFORWARD_HOME/native named by what the library is made of (the sources' bytes,
+the flags, torch and Python), never by where the sources are: checkouts and installs of the same code
+share one build. A build is made in a folder of its own and renamed into place when complete, so two
+processes building at once never see each other's half-made files.
 Where they cannot be built (said once, with the reason) or the CPU has neither, int4 keeps PyTorch's
 kernel and `--exact` attention its chunked SDPA calls.
 """
@@ -20,8 +24,12 @@ import contextlib
 import functools
 import hashlib
 import os
+import platform
+import shutil
 import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +42,7 @@ FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", *COMMON],
     "avx2": ["-mavx2", "-mfma", *COMMON],
 }
+LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 
@@ -53,16 +62,15 @@ def instruction_set() -> str | None:
 @functools.cache
 def available() -> bool:
     """Whether the `fastforward::` operators run here: builds them on first call (about 20 s, then
-    cached under ~/.cache/fastforward or $TORCH_EXTENSIONS_DIR). A failed build is said once per
-    machine, with its first error and its log, and not tried again until the sources change or
-    `python -m fastforward.cpu.native` asks for it."""
+    kept: `_build_directory`). A failed build is said once per machine, with its first error and its
+    log, and not tried again until the sources change or `python -m fastforward.cpu.native` asks for it."""
     isa = instruction_set()
     if isa is None:
         _say_once(_root() / "no-simd.txt", f"fastforward: this CPU has neither AVX2 nor AVX-512; {FALLBACK}")
         return False
     build = _build_directory(isa)
     failed = build / FAILED
-    if failed.is_file() and failed.read_text().split("\n", 1)[0] == _sources_digest():
+    if failed.is_file():  # the folder is this build's alone: its failure is these sources' failure
         return False  # said when it failed
     with _lock:
         try:
@@ -73,7 +81,7 @@ def available() -> bool:
             try:
                 build.mkdir(parents=True, exist_ok=True)
                 log.write_text(str(error))
-                failed.write_text(f"{_sources_digest()}\n{reason}\n")
+                failed.write_text(f"{reason}\n")
             except OSError:  # nowhere to keep it: said again by the next process
                 pass
             print(
@@ -86,8 +94,9 @@ def available() -> bool:
     return True
 
 
-FAILED = "build-failed.txt"  # the sources' digest and the first error of the last failed build
-BUILT = "built.txt"  # the sources' digest and the library built from them
+FAILED = "build-failed.txt"  # the first error of the failed build
+BUILT = "built.txt"  # the name of the library in a complete build (written last)
+ABANDONED_AFTER = 3600  # seconds after which an unfinished build folder is a stopped process's, not a running one's
 # What the fallback costs, measured (docs/results.md, "Precision and exactness"): compiled int4 `ar` ran
 # 1.7-1.8x faster on the native kernel than on PyTorch's on a 2-core AVX2 EPYC.
 FALLBACK = (
@@ -102,13 +111,16 @@ def first_error(log: str) -> str:
     return (errors or lines or ["no output"])[0]
 
 
-def _sources_digest() -> str:
-    """What a build is made of: the sources, the headers beside them, and the flags."""
-    digest = hashlib.sha256(repr(FLAGS).encode())
+def _sources_digest(isa: str) -> str:
+    """What a build is made of, and nothing of where it is: the bytes of the sources and the headers
+    beside them (by file name), the flags, and the torch and Python it is built against."""
+    digest = hashlib.sha256(repr((FLAGS[isa], LDFLAGS, torch.__version__, sys.implementation.cache_tag)).encode())
+    digest.update(platform.machine().encode())
     for path in sorted(SOURCES[0].parent.iterdir()):
-        digest.update(path.name.encode() + path.read_bytes())
-    for source in SOURCES:
-        digest.update(str(source).encode())
+        if path.is_file():
+            data = path.read_bytes()
+            for part in (path.name.encode(), data):  # each with its length: no two splits hash alike
+                digest.update(len(part).to_bytes(8, "little") + part)
     return digest.hexdigest()[:16]
 
 
@@ -125,24 +137,45 @@ def _say_once(marker: Path, message: str) -> None:
 
 
 def _build(isa: str) -> None:
-    """Load the kernels, building them first unless this build directory holds a library made from
-    these sources (`BUILT` names it): then it is loaded directly, without torch's extension builder,
-    whose imports and checks cost a fresh process about 0.07 s."""
+    """Load the kernels, building them first unless their folder holds a complete build: then the
+    library is loaded directly, without torch's extension builder, whose imports and checks cost a
+    fresh process about 0.07 s."""
     build = _build_directory(isa)
-    built = build / BUILT
-    if built.is_file():
-        digest, _, name = built.read_text().partition("\n")
-        library = build / name.strip()
-        if digest == _sources_digest() and name.strip() and library.is_file():
-            torch.ops.load_library(str(library))
-            return
-    _compile_and_load(isa)
-    newest = max(build.glob("*.so"), key=lambda path: path.stat().st_mtime)
-    with contextlib.suppress(OSError):  # nowhere to note it: the next process goes through the builder again
-        built.write_text(f"{_sources_digest()}\n{newest.name}\n")
+    library = _built_library(build)
+    if library is not None:
+        torch.ops.load_library(str(library))
+        return
+    build.parent.mkdir(parents=True, exist_ok=True)
+    for left in build.parent.glob(".*-*"):  # builds of processes that were stopped midway
+        with contextlib.suppress(OSError):
+            if time.time() - left.stat().st_mtime > ABANDONED_AFTER:
+                shutil.rmtree(left)
+    # In a folder of this process's own, renamed into place once complete: another process building
+    # the same sources at the same moment never reads or overwrites half-made files.
+    making = Path(tempfile.mkdtemp(prefix=f".{build.name}-", dir=build.parent))
+    try:
+        _compile_and_load(isa, making)  # loads the library from `making`: the rename leaves it loaded
+        newest = max(making.glob("*.so"), key=lambda path: path.stat().st_mtime)
+        (making / BUILT).write_text(f"{newest.name}\n")
+        if _built_library(build) is None:  # else another process completed it first: its build serves
+            shutil.rmtree(build, ignore_errors=True)  # a failed or incomplete build of these sources
+            with contextlib.suppress(OSError):  # lost a race to rename: the winner's build is the same
+                making.rename(build)
+    finally:
+        shutil.rmtree(making, ignore_errors=True)
 
 
-def _compile_and_load(isa: str) -> None:
+def _built_library(build: Path) -> Path | None:
+    """The library of a complete build in folder `build`, or None."""
+    try:
+        name = (build / BUILT).read_text().strip()
+    except OSError:
+        return None
+    library = build / name
+    return library if name and library.is_file() else None
+
+
+def _compile_and_load(isa: str, directory: Path) -> None:
     from torch.utils import cpp_extension
 
     try:  # the ninja wheel's binary, where the environment's bin folder is not on PATH
@@ -151,28 +184,27 @@ def _compile_and_load(isa: str) -> None:
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
     except ImportError:
         pass
-    build = _build_directory(isa)
-    build.mkdir(parents=True, exist_ok=True)
-    if not any(build.glob("*.so")):
-        print("fastforward: compiling its CPU kernels (once per machine, about 20 s)", file=sys.stderr)
+    print("fastforward: compiling its CPU kernels (once per machine, about 20 s)", file=sys.stderr)
     cpp_extension.load(
         "fastforward_native",
         [str(source) for source in SOURCES],
-        extra_cflags=FLAGS[isa],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build),
+        extra_cflags=list(FLAGS[isa]),  # copies: the builder appends to the lists it is given
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(directory),
         is_python_module=False,
     )
 
 
 def _root() -> Path:
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "fastforward")
+    """Where builds are kept: $TORCH_EXTENSIONS_DIR (torch's own setting for extension builds) if set,
+    else $FASTFORWARD_HOME (default ~/.cache/fastforward), in a folder `native`."""
+    home = os.environ.get("TORCH_EXTENSIONS_DIR") or os.environ.get("FASTFORWARD_HOME")
+    return Path(home or Path.home() / ".cache" / "fastforward") / "native"
 
 
 def _build_directory(isa: str) -> Path:
-    """Per torch version (the extension is built against its headers) and instruction set, under
-    $TORCH_EXTENSIONS_DIR or ~/.cache/fastforward."""
-    return _root() / f"native-torch{torch.__version__}-{isa}"
+    """The folder of the build of these sources for instruction set `isa` (`_sources_digest`)."""
+    return _root() / f"{isa}-{_sources_digest(isa)}"
 
 
 # The schemas and their shape functions live here; csrc/ registers the CPU kernels once built.
