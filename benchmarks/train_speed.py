@@ -1,7 +1,8 @@
 """Training tokens/s per objective: the trainer as it was (float32, every weight) against its settings now.
 
 Contenders, each a `fastforward.training.trainer.train` run from a freshly loaded model, interleaved
-round by round in one process (the machine's load moves the figures; the ratios within a round hold):
+round by round in one process, their order rotating from round to round (the machine's load moves the
+figures; the ratios within a round hold):
 
 - `float32`: the trainer as it was on a CPU: float32 weights and arithmetic, every weight trained, and
   torch's default (foreach) AdamW in place of the fused one it uses now;
@@ -132,7 +133,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for objective in args.objectives:
-                for contender in args.contenders:
+                shift = r % len(args.contenders)  # the order rotates: a load that changes over a round favours none
+                for contender in args.contenders[shift:] + args.contenders[:shift]:
                     rate = one_run(args, objective, CONTENDERS[contender], Path(tmp) / f"{objective}-{contender}")
                     rates[objective][contender].append(rate)
                     log(f"round {r + 1}: {objective} {contender}: {rate:.0f} tokens/s (load {load_average()})")
