@@ -201,3 +201,26 @@ def free_port():
 def http_server():
     """`with http_server(server) as url:` a `fastforward.serving.app.Server` on loopback, in a thread."""
     return _http_server
+
+
+SERVED_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+SERVED_TEMPLATE += "{% if add_generation_prompt %}<a>{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def served(tiny, http_server):
+    """(server, url): the tiny model served with `ar` on loopback, with a small chat template."""
+    from fastforward.serving.app import Server
+
+    tiny.tokenizer.chat_template = SERVED_TEMPLATE
+    server = Server(tiny, "tiny", "ar", {}, max_batch_size=4, max_tokens=16)
+    with http_server(server) as url:
+        yield server, url
+
+
+@pytest.fixture
+def client(served):
+    """The real `openai` client of the `served` server."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=60)

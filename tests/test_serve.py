@@ -19,22 +19,7 @@ from fastforward.api import build_decoder
 from fastforward.decoding.decoders.jacobi import JacobiDecoder
 from fastforward.serving.app import Server
 
-CHAT = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-TEMPLATE = CHAT + "{% if add_generation_prompt %}<a>{% endif %}"
 PROMPTS = ["def add(a, b):", "Tom has 3 apples", "The quick brown fox jumps over", "0", "import os", "x = [1, 2"]
-
-
-@pytest.fixture(scope="module")
-def served(tiny, http_server):
-    tiny.tokenizer.chat_template = TEMPLATE
-    server = Server(tiny, "tiny", "ar", {}, max_batch_size=4, max_tokens=16)
-    with http_server(server) as url:
-        yield server, url
-
-
-@pytest.fixture
-def client(served):
-    return OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def alone(tiny, prompt: str, decoder: str = "ar", chat: bool = False, n: int = 16, **knobs) -> str:

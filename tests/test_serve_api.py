@@ -15,22 +15,7 @@ from fastforward.api import build_decoder
 from fastforward.decoding.sampling import row_key
 from fastforward.serving.app import CompletionRequest, Server
 
-TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-TEMPLATE += "{% if add_generation_prompt %}<a>{% endif %}"
 PROMPT = "def add(a, b):"
-
-
-@pytest.fixture(scope="module")
-def served(tiny, http_server):
-    tiny.tokenizer.chat_template = TEMPLATE
-    server = Server(tiny, "tiny", "ar", {}, max_batch_size=4, max_tokens=16)
-    with http_server(server) as url:
-        yield server, url
-
-
-@pytest.fixture
-def client(served):
-    return OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def post(served, body, route: str = "completions", **options) -> httpx.Response:
