@@ -205,5 +205,6 @@ def run(args: argparse.Namespace) -> int:
         eval_data = PackedData(held, args.seq_len, model.pad_token_id) if held else None
         say(f"{len(examples)} examples → {len(train_data)} rows of {args.seq_len} tokens")
     train(model, objective, train_data, config, args.out, eval_data=eval_data, overwrite=args.overwrite)
-    say(f"saved the model in {args.out} (fastforward generate --model {args.out})")
+    what = "a LoRA adapter" if args.lora_rank else "the model"
+    say(f"saved {what} in {args.out} (fastforward generate --model {args.out})")
     return 0

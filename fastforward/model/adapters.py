@@ -13,9 +13,11 @@ may itself be an adapter directory (a second Jacobi Forcing round trained on top
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from transformers import PreTrainedModel
@@ -100,6 +102,15 @@ def digest(adapters: list[Path]) -> str:
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """Hide a FutureWarning that PEFT's own calls into transformers raise (`is_gradient_checkpointing`):
+    nothing a user of fastforward can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
 def merge(hf: PreTrainedModel, adapter: Path) -> PreTrainedModel:
     """`hf` with the adapter's low-rank updates added into its weights (PEFT's merge_and_unload)."""
     weights_file(adapter)
@@ -107,7 +118,8 @@ def merge(hf: PreTrainedModel, adapter: Path) -> PreTrainedModel:
     from peft import PeftModel  # imported by adapters only: peft's import costs a second
 
     try:
-        merged = PeftModel.from_pretrained(hf, str(adapter)).merge_and_unload()
+        with quiet_peft():
+            merged = PeftModel.from_pretrained(hf, str(adapter)).merge_and_unload()
     except (ValueError, RuntimeError, KeyError) as exc:  # size mismatches, target modules not found
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FastForwardError(

@@ -461,7 +461,8 @@ def _wrap_lora(model: Model, config: TrainConfig) -> None:
     try:
         with torch.random.fork_rng():  # the adapter's initial weights: a function of the seed, in every process
             torch.manual_seed(derive_seed(config.seed, "lora"))
-            model.hf = get_peft_model(model.hf, lora)
+            with adapters.quiet_peft():
+                model.hf = get_peft_model(model.hf, lora)
     except ValueError as exc:  # target modules not found
         raise FastForwardError(f"cannot add LoRA layers to {model.name}: {exc}") from exc
 
