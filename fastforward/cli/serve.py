@@ -209,4 +209,4 @@ def _warm_up(model: Model, args: argparse.Namespace) -> None:
         flush=True,
     )
     seconds = warm_up(model, build_decoder(args.decoder, **serve_knobs(args)))
-    print(f"fastforward serve: compiled in {seconds:.0f} s", flush=True)
+    print(f"fastforward serve: compiled steps ready in {seconds:.0f} s", flush=True)  # made or read back
