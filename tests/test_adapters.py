@@ -68,6 +68,11 @@ def test_bad_adapters_get_one_line_errors(base, tmp_path):
     (tmp_path / "adapter" / "adapter_model.safetensors").unlink()
     with pytest.raises(FastForwardError, match="has no weights"):
         load_model(str(base), adapter=str(tmp_path / "adapter"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "SomeOrg/not-here"
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(FastForwardError, match="names its base 'SomeOrg/not-here'.*--model BASE --adapter"):
+        load_model(str(tmp_path / "adapter"))
     # an adapter for another base: a model with another hidden size
     tiny_model(TEXTS, hidden_size=32, seed=2).save(tmp_path / "other")
     peft_adapter(tmp_path / "other", tmp_path / "foreign")

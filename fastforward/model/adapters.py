@@ -74,7 +74,13 @@ def resolve_chain(path: Path, resolve: Callable[[str], Path]) -> tuple[Path, lis
         named = base_of(path)
         if named is None:
             raise FastForwardError(f"adapter {path} names no base model; give it with --model BASE --adapter {path}")
-        path = resolve(named)
+        try:
+            path = resolve(named)
+        except FastForwardError as exc:  # a Hub id, a folder on another machine
+            raise FastForwardError(
+                f"adapter {path} names its base {named!r}, which cannot be loaded here ({exc}); "
+                f"give the base with --model BASE --adapter {path}"
+            ) from exc
     return path, chain
 
 
