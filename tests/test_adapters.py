@@ -96,8 +96,11 @@ def test_lora_training_saves_an_adapter_that_reloads_to_the_trained_weights(base
     torch.testing.assert_close(logits(reloaded), logits(model), rtol=1e-5, atol=1e-5)
     untrained = logits(load_model(str(base)))
     assert not torch.allclose(logits(reloaded)[..., : untrained.shape[-1]], untrained, atol=1e-3)
+    again = load_model(str(base))
     with pytest.raises(FastForwardError, match="finished run"):
-        train(load_model(str(base)), NTP(), data, config, run)
+        train(again, NTP(), data, config, run)
+    assert not hasattr(again.hf, "peft_config")  # a refused run leaves the caller's model as it was
+    torch.testing.assert_close(logits(again), untrained)
 
 
 class Stop(Exception):

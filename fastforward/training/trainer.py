@@ -575,6 +575,26 @@ def train(
     objective.setup(model)
     if config.lora_rank:
         _wrap_lora(model, config)
+        try:
+            return _train(model, objective, train_data, config, out, accelerator, eval_data, callback, overwrite)
+        except BaseException:  # a refused run directory, a crash: the caller keeps its plain model
+            model.hf = model.hf.unload()
+            raise
+    return _train(model, objective, train_data, config, out, accelerator, eval_data, callback, overwrite)
+
+
+def _train(
+    model: Model,
+    objective: Objective,
+    train_data: TrainData,
+    config: TrainConfig,
+    out: Path,
+    accelerator: Accelerator,
+    eval_data: TrainData | None,
+    callback: Callback | None,
+    overwrite: bool,
+) -> list[dict]:
+    """`train` once the model is ready (and wrapped, for LoRA): the run directory, the loop, the final save."""
     record = {
         "train": asdict(config),
         "rows_per_step": config.batch_size * config.grad_accum * accelerator.num_processes,
@@ -587,8 +607,8 @@ def train(
         trained = [p for p in model.hf.parameters() if p.requires_grad]  # LoRA: its adapter's weights only
         decay = [p for p in trained if p.ndim >= 2]
         rest = [p for p in trained if p.ndim < 2]
-        # fused: one kernel over every tensor (the foreach default took several times as long for SmolLM2's
-        # weights on a CPU, benchmarks/train_speed.py); torch has it for floating-point CPU and CUDA tensors
+        # fused: one kernel over every tensor rather than a pass per operation (where torch has it: floating
+        # point on CPU and CUDA); the optimizer step is memory-bound, so the passes are its cost
         fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in trained)
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}],
