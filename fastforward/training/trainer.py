@@ -49,6 +49,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from fastforward.errors import FastForwardError
 from fastforward.model import MASK_CONFIG_KEY, PRESETS, Model, adapters, quiet_progress
+from fastforward.training import lora
 from fastforward.training.data import derive_seed
 from fastforward.training.launch import launched_processes
 from fastforward.training.objectives import Objective
@@ -448,25 +449,6 @@ def _save_final(accelerator: Accelerator, module: nn.Module, model: Model, out: 
     tmp.rmdir()
 
 
-def _wrap_lora(model: Model, config: TrainConfig) -> None:
-    """Freeze the model and give it PEFT LoRA layers of `config.lora_rank` (before the optimizer sees it)."""
-    if model.adapter is not None:
-        raise FastForwardError(
-            f"cannot train an adapter on a model loaded with --adapter {model.adapter}: give the adapter "
-            "directory as --model instead (its base is then recorded)"
-        )
-    from peft import get_peft_model  # imported by LoRA runs only
-
-    lora = adapters.lora_config(config.lora_rank, config.lora_alpha or None, config.lora_targets)
-    try:
-        with torch.random.fork_rng():  # the adapter's initial weights: a function of the seed, in every process
-            torch.manual_seed(derive_seed(config.seed, "lora"))
-            with adapters.quiet_peft():
-                model.hf = get_peft_model(model.hf, lora)
-    except ValueError as exc:  # target modules not found
-        raise FastForwardError(f"cannot add LoRA layers to {model.name}: {exc}") from exc
-
-
 # ---- steps --------------------------------------------------------------------------------------
 def _mean_over_processes(accelerator: Accelerator, metrics: dict[str, float]) -> dict[str, float]:
     if accelerator.num_processes == 1:
@@ -573,14 +555,8 @@ def train(
             "train with --attention sdpa"
         )
     objective.setup(model)
-    if config.lora_rank:
-        _wrap_lora(model, config)
-        try:
-            return _train(model, objective, train_data, config, out, accelerator, eval_data, callback, overwrite)
-        except BaseException:  # a refused run directory, a crash: the caller keeps its plain model
-            model.hf = model.hf.unload()
-            raise
-    return _train(model, objective, train_data, config, out, accelerator, eval_data, callback, overwrite)
+    with lora.layers(model, config.lora_rank, config.lora_alpha, config.lora_targets, config.seed):
+        return _train(model, objective, train_data, config, out, accelerator, eval_data, callback, overwrite)
 
 
 def _train(
@@ -594,7 +570,8 @@ def _train(
     callback: Callback | None,
     overwrite: bool,
 ) -> list[dict]:
-    """`train` once the model is ready (and wrapped, for LoRA): the run directory, the loop, the final save."""
+    """`train` once the model is ready (with its LoRA layers, in a LoRA run): the run directory, the loop,
+    the final save."""
     record = {
         "train": asdict(config),
         "rows_per_step": config.batch_size * config.grad_accum * accelerator.num_processes,
