@@ -24,8 +24,7 @@ Writes WORK/curve.json and a plot WORK/curve.png, and prints one table.
     python benchmarks/smollm2_jf.py --code 16 --chat 16 --steps 8 --curve 4,8 --n 2 --work runs/jf-smoke
 
 The defaults are sized for about 3 hours on 2 quiet cores, an estimate from the collection and training
-rates in docs/results.md ("SmolLM2-135M-Instruct: the learning curve at a CPU budget" gives the command
-that was run, and its figures).
+rates in docs/notes/2026-11-28-jacobi-forcing-lora.md (the command that was run, and its figures).
 """
 
 from __future__ import annotations
