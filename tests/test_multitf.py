@@ -165,3 +165,65 @@ def test_cli_post_trains_a_mask_model_then_mbd_decodes_it(tmp_path, capsys):
     assert load_model(str(tmp_path / "run")).mask_token_id == mask_id
     capsys.readouterr()
     assert main(["generate", "--model", str(tmp_path / "run"), "--decoder", "mbd", "--max-new-tokens", "6", "1 +"]) == 0
+
+
+# L = 7, block 2 (the last block has one token), groups [0, 1, 1, 1]: a 3-block group after a 1-block
+# one. Clean stream causal (rows 0-6) and blind to the copy; noisy block 0 (group 0) sees only itself;
+# noisy blocks 1-3 (group 1) see the clean tokens of group 0 (x1, x2) and their group's noisy blocks up
+# to and including their own (block-causal), never a later block nor any clean token of their group.
+GROUPS_0111 = """
+10000000000000
+11000000000000
+11100000000000
+11110000000000
+11111000000000
+11111100000000
+11111110000000
+00000001100000
+00000001100000
+11000000011000
+11000000011000
+11000000011110
+11000000011110
+11000000011111
+"""
+
+
+def test_group_aware_mask_table_with_a_three_block_group_and_a_short_last_block():
+    drawn = torch.tensor([[c == "1" for c in row] for row in GROUPS_0111.split()])
+    assert torch.equal(visibility.multitf_train(7, 2, torch.tensor([[0, 1, 1, 1]]))[0], drawn)
+
+
+def test_group_aware_mask_against_its_three_rules_written_out():
+    """Every (query, key) of random layouts against the paper's three sentences, entry by entry."""
+    gen = torch.Generator().manual_seed(4)
+    length, block = 11, 3
+    groups = draw_groups(16, 4, 3, "both", gen)
+    rule = visibility.multitf_train(length, block, groups)
+    for row in range(groups.shape[0]):
+        g = [int(groups[row, i // block]) for i in range(length)]
+        for q in range(2 * length):
+            for k in range(2 * length):
+                qi, ki = q % length, k % length
+                if q < length:  # clean: causal over clean, never a noisy key
+                    want = k < length and ki <= qi
+                elif k < length:  # noisy -> clean: the clean prefix of its group
+                    want = g[ki] < g[qi]
+                else:  # noisy -> noisy: same group, block-causal
+                    want = g[ki] == g[qi] and ki // block <= qi // block
+                assert bool(rule[row, q, k]) == want, (row, q, k)
+
+
+def test_a_noise_group_sees_what_the_mbd_decoder_shows_its_running_blocks():
+    """Train-inference alignment of visibility: the noisy rows of a group, over [the clean prefix ;
+    the group's noisy blocks], equal `mbd`'s rule for those running blocks after a cache holding the
+    prefix (`block_causal_decode` with nothing to commit, every cached entry visible)."""
+    length, block = 12, 2
+    groups = torch.tensor([[0, 1, 1, 2, 2, 2]])  # a 3-block group starting at position 6
+    rule = visibility.multitf_train(length, block, groups)[0]
+    start, end = 6, 12
+    noisy = slice(length + start, length + end)
+    seen = torch.cat([rule[noisy, :start], rule[noisy, noisy]], dim=1)
+    decode = visibility.after_full_cache(visibility.block_causal_decode(0, (2, 2, 2)), start)
+    assert torch.equal(seen, decode)
+    assert not rule[noisy, start:length].any() and not rule[noisy, length : length + start].any()
