@@ -10,7 +10,8 @@ import pytest
 
 from fastforward.cli import build_parser, main
 from fastforward.cli.train import train_config
-from fastforward.demo import zoo
+from fastforward.decoding.metrics import aup
+from fastforward.demo import showcase, zoo
 from fastforward.demo.pipeline import PRESETS, run_demo
 from fastforward.errors import FastForwardError
 from fastforward.model import SHIPPED_CHECKPOINTS
@@ -38,6 +39,9 @@ def test_demo_trains_evaluates_and_reuses(tmp_path):
     assert [p["gamma"] for p in result.sweep] == config.sweep_values()
     written = json.loads((tmp_path / "t.json").read_text())
     assert written["rows"] == result.rows
+    y_max = max(r["accuracy"] for r in [*result.rows, *result.sweep])
+    curve = [(p["tpf"], p["accuracy"]) for p in result.sweep]
+    assert written["aup"] == {"sbd": round(aup(curve, y_max), 2), "y_max": y_max}
     assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     records = (out / "records.jsonl").read_text().splitlines()
     assert len(records) == config.eval_examples * (3 + len(config.sweep_values()))
@@ -130,13 +134,38 @@ def test_zoo_stages_provenance_packing_and_task_options(tmp_path, capsys):
     assert "trained for: {'min_ops': 2, 'max_ops': 3" in capsys.readouterr().out
 
 
+def test_demo_aup_per_model_and_sweep_hand_computed():
+    """One scale (y_max 80, the best row); a sweep's points make one curve, any other row its own."""
+    rows = [
+        {"model": "SBD", "decoder": "AR", "tpf": 1.0, "accuracy": 80.0},
+        {"model": "SBD", "decoder": "sbd γ=0.1", "tpf": 2.0, "accuracy": 78.0},
+        {"model": "SBD", "decoder": "sbd γ=0.35", "tpf": 4.0, "accuracy": 76.0},
+        {"model": "MultiTF", "decoder": "mbd τ=0.9 (block 6 x3)", "tpf": 3.0, "accuracy": 70.0},
+    ]
+    got = {(a["model"], a["method"]): (a["points"], a["aup"]) for a in showcase.aup_rows(rows, showcase.Settings())}
+    # AR: 1 * 80 * W(80) = 80. The sweep: 2 * 78 W(78) + (4 - 2) (78 W(78) + 76 W(76)) / 2 with
+    # W(78) = exp(-0.075), W(76) = exp(-0.15): 144.728 + 137.778 = 282.506. mbd: 3 * 70 * exp(-0.375).
+    assert got == {
+        ("SBD", "AR"): (1, 80.0),
+        ("SBD", "sbd, γ sweep (block 16)"): (2, 282.51),
+        ("MultiTF", "mbd τ=0.9 (block 6 x3)"): (1, 144.33),
+    }
+
+
 @pytest.mark.skipif(not (SHIPPED_CHECKPOINTS / "sbd").is_dir(), reason="no shipped checkpoints in this tree")
 def test_demo_evaluates_the_shipped_checkpoints(tmp_path, capsys):
     argv = ["demo", "--n", "2", "--threads", "1", "--quiet", "--out", str(tmp_path), "--json", str(tmp_path / "t.json")]
     assert main(argv) == 0
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
     assert {r["model"] for r in rows} == {"NTP", "Jacobi Forcing", "SBD", "MultiTF", "SetDLM"}
-    assert all(r["n"] == 2 for r in rows) and "provenance" not in capsys.readouterr().err
+    out = capsys.readouterr()
+    assert all(r["n"] == 2 for r in rows) and "provenance" not in out.err
+    aups = json.loads((tmp_path / "t.json").read_text())["aup"]
+    methods = {(a["model"], a["method"]) for a in aups}
+    assert ("SBD", "AR") in methods and ("MultiTF", "mbd τ=0.9 (block 6 x3)") in methods
+    assert ("SBD", "sbd, γ sweep (block 16)") in methods and "AUP (accuracy under parallelism" in out.out
+    sweep = next(a for a in aups if a["method"].startswith("sbd, γ sweep"))
+    assert sweep["points"] == 4
 
 
 @pytest.mark.parametrize(

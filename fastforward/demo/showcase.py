@@ -14,7 +14,10 @@ decoding of itself in the same run (interleaved problem by problem, `evaluate.co
 * SetDLM model: `setdlm` (sliding window), and with each step's first token from the next-token
   prediction (`first_token_from_ntp`, ours: a run of confident masks after AR's token).
 
-Each row: accuracy, NFE per problem, TPF, TPS and wall speedup against its own model's AR.
+Each row: accuracy, NFE per problem, TPF, TPS and wall speedup against its own model's AR. A second
+table gives the AUP (accuracy under parallelism, `fastforward.decoding.metrics.aup`) of every model's
+AR and of each of its decoders or sweeps (the points of a sweep together, any other decoder its one
+point), all on one scale: y_max is the best accuracy in the table.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fastforward.api import build_decoder
+from fastforward.decoding.metrics import aup
 from fastforward.demo.pipeline import DemoConfig, DemoResult, table_row
 from fastforward.evaluation.evaluate import AR, compare, format_table, write_json, write_records
 from fastforward.evaluation.plots import Mark, plot_methods
@@ -131,6 +135,23 @@ def marks(rows: list[dict[str, Any]], results: list, settings: Settings) -> list
     return out
 
 
+def aup_rows(rows: list[dict[str, Any]], settings: Settings) -> list[dict[str, Any]]:
+    """AUP per model and method (a sweep's points together, any other decoder its own point; AR
+    included), on one scale: y_max is the best accuracy among `rows`. A method whose points all have
+    TPF 0 (nothing generated) is left out."""
+    groups = sweeps(settings)
+    y_max = max(r["accuracy"] for r in rows)
+    curves: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for row in rows:
+        method = groups.get(row["decoder"], (row["decoder"], ""))[0]
+        curves.setdefault((row["model"], method), []).append((row["tpf"], row["accuracy"]))
+    return [
+        {"model": model, "method": method, "points": len(points), "aup": round(aup(points, y_max), 2)}
+        for (model, method), points in curves.items()
+        if all(tpf > 0 for tpf, _ in points)
+    ]
+
+
 def describe_checkpoints(models: Path) -> list[str]:
     """One line per checkpoint: how it was trained (from its provenance.json)."""
     lines = []
@@ -168,9 +189,11 @@ def show(
     rows, results = evaluate_checkpoints(models, config, settings, progress)
     seconds = {"evaluate": time.perf_counter() - started}
     points = [r for r in rows if r["model"] == "SBD" and r["gamma"] is not None]
+    aups = aup_rows(rows, settings)
     out.mkdir(parents=True, exist_ok=True)
+    tables = {"rows": rows, "aup": aups}
     paths = {
-        "table": str(write_json(out / "table.json", {"rows": rows, "models": str(models), "seconds": seconds})),
+        "table": str(write_json(out / "table.json", {**tables, "models": str(models), "seconds": seconds})),
         "records": str(write_records(out / "records.jsonl", results)),
         "plot": str(
             plot_methods(
@@ -181,10 +204,12 @@ def show(
         ),
     }
     if json_path:
-        paths["json"] = str(write_json(json_path, {"rows": rows, "seconds": seconds}))
+        paths["json"] = str(write_json(json_path, {**tables, "seconds": seconds}))
     log("")
     log(f"arithmetic test set: {rows[0]['n']} problems; speedups against AR of the same model, same run")
     log(format_table(rows, TABLE))
+    log(f"\nAUP (accuracy under parallelism; one scale, y_max = {max(r['accuracy'] for r in rows):.1f} %)")
+    log(format_table(aups, AUP_TABLE))
     log(f"\nplot: {paths['plot']}   table: {paths['table']}   per-example records: {paths['records']}")
     log(f"time: {seconds['evaluate']:.0f} s")
     return DemoResult(rows, points, paths, seconds)
@@ -198,4 +223,11 @@ TABLE = [
     ("TPF", "tpf", lambda x: f"{x:.2f}"),
     ("TPS", "tps", lambda x: f"{x:.0f}"),
     ("wall vs AR", "speedup", lambda x: f"{x:.2f}x"),
+]
+
+AUP_TABLE = [
+    ("model", "model", str),
+    ("decoder or sweep", "method", str),
+    ("points", "points", str),
+    ("AUP", "aup", lambda x: f"{x:.1f}"),
 ]
