@@ -91,7 +91,8 @@ def main() -> None:
             f"block diffusion b={args.block} τ={t:g}": BlockInfill(args.block, make_policy("threshold", t))
             for t in taus
         }
-        block[f"sbd b={args.block} τ=0.9 (prefix only)"] = build_decoder("sbd", block_size=args.block, policy="threshold", gamma=0.9)
+        prefix_only = build_decoder("sbd", block_size=args.block, policy="threshold", gamma=0.9)
+        block[f"sbd b={args.block} τ=0.9 (prefix only)"] = prefix_only
         model = load_model(args.sbd, **config.precision())
         for label, result in compare(model, task, block, examples, **options).items():
             rows.append({**result_row(result, task=task_name, model=Path(args.sbd).name, decoder=label),
