@@ -75,7 +75,7 @@ def test_layout_choice_and_group_bound():
     assert both > expected  # random layouts add irregular ones
 
 
-@pytest.mark.parametrize("schedule", ["chain-uniform", "d2f", "uniform"])
+@pytest.mark.parametrize("schedule", ["chain-uniform", "d2f", "uniform", "fresh-tail"])
 def test_ratios_increase_inside_each_group(schedule):
     groups = draw_groups(64, 8, 4, "both", torch.Generator().manual_seed(1))
     ratios = group_ratios(groups, schedule, torch.Generator().manual_seed(2))
@@ -95,6 +95,17 @@ def test_chain_uniform_draws_are_sorted_uniforms():
     # the min and max of two uniforms have means 1/3 and 2/3
     assert ratios[:, 0].mean().item() == pytest.approx(1 / 3, abs=0.01)
     assert ratios[:, 1].mean().item() == pytest.approx(2 / 3, abs=0.01)
+
+
+def test_fresh_tail_masks_the_last_block_of_half_the_multi_block_groups_wholly():
+    groups = torch.tensor([[0, 0, 1, 2, 2, 2]]).repeat(4000, 1)  # groups of 2, 1 and 3 blocks
+    ratios = group_ratios(groups, "fresh-tail", torch.Generator().manual_seed(5))
+    plain = group_ratios(groups, "chain-uniform", torch.Generator().manual_seed(5))
+    full = ratios == 1.0
+    assert full[:, 1].float().mean().item() == pytest.approx(0.5, abs=0.03)  # last of the 2-block group
+    assert full[:, 5].float().mean().item() == pytest.approx(0.5, abs=0.03)  # last of the 3-block group
+    assert not full[:, [0, 2, 3, 4]].any()  # a group's other blocks, and a 1-block group, never
+    assert torch.equal(ratios[~full], plain[~full])  # otherwise chain-uniform's draws
 
 
 def test_loss_matches_sbd_with_one_block_groups():

@@ -12,7 +12,10 @@ such states in training:
 * **Slot-wise mask ratios** inside a group, increasing along it (the front block is the most
   revealed, as in the buffer): `chain-uniform` sorts one uniform draw per slot (random, often large
   gaps); `d2f` is D2F's gentle slope, a start p0 = U/2 + 0.2 rising linearly by U·0.7 over the
-  group (our reading of the references); `uniform` uses one ratio for the whole group.
+  group (our reading of the references); `uniform` uses one ratio for the whole group;
+  `fresh-tail` (ours, from `benchmarks/mbd_statistics.py`) is chain-uniform with the last block of
+  half the multi-block groups wholly masked, the state `mbd` meets most: a block just opened behind
+  a partly revealed one.
 * **Group-aware dual stream** (`visibility.multitf_train`): `[clean ; noisy]` at shared positions;
   a noisy block sees the clean tokens of earlier groups and its group's noisy blocks up to itself;
   clean tokens are causal and never see noisy ones.
@@ -35,7 +38,7 @@ from fastforward.training.objectives.base import row_generators
 from fastforward.training.objectives.sbd import SBD, Masking, draw_block
 
 LAYOUTS = ("systematic", "random", "both")
-SCHEDULES = ("chain-uniform", "d2f", "uniform")
+SCHEDULES = ("chain-uniform", "d2f", "uniform", "fresh-tail")
 
 
 def systematic_groups(n_blocks: int, size: int, shift: int) -> list[int]:
@@ -72,9 +75,15 @@ def draw_groups(
 def group_ratios(groups: torch.Tensor, schedule: str, generator: torch.Generator) -> torch.Tensor:
     """[B, n_blocks] mask ratio of each block, non-decreasing inside each group."""
     batch_size, n_blocks = groups.shape
-    if schedule == "chain-uniform":  # groups are consecutive and numbered in order: one sort does them all
+    if schedule in ("chain-uniform", "fresh-tail"):  # groups are consecutive and in order: one sort does all
         keys = groups * 2 + torch.rand(batch_size, n_blocks, generator=generator)
-        return keys.sort(dim=1).values - groups * 2
+        ratios = keys.sort(dim=1).values - groups * 2
+        if schedule == "fresh-tail":
+            last = torch.cat([groups[:, 1:] != groups[:, :-1], torch.ones_like(groups[:, :1], dtype=torch.bool)], 1)
+            multi = torch.cat([torch.zeros_like(last[:, :1]), groups[:, 1:] == groups[:, :-1]], 1)  # not first
+            coins = torch.rand(batch_size, n_blocks, generator=generator) < 0.5
+            ratios = ratios.masked_fill(last & multi & coins, 1.0)
+        return ratios
     per_group = torch.rand(2, batch_size, n_blocks, generator=generator)
     if schedule == "uniform":
         return per_group[0].gather(1, groups)
