@@ -86,7 +86,9 @@ def main() -> None:
     p.add_argument("--out", default="runs/multitf")
     p.add_argument("--results", default="benchmarks/results")
     p.add_argument("--train", default="", help=f"comma-separated candidates: {', '.join(CANDIDATES)}")
-    p.add_argument("--eval", default="", help="comma-separated models to evaluate (sbd: the shipped SBD checkpoint)")
+    p.add_argument(
+        "--eval", default="", help="models to evaluate, comma-separated (sbd, multitf_shipped: the shipped checkpoints)"
+    )
     p.add_argument("--steps", type=int, default=None, help="override every candidate's steps (smoke runs)")
     p.add_argument("--n", type=int, default=DemoConfig().eval_examples)
     p.add_argument("--accepts", default="0.9", help="accept thresholds (SingleBD's τ too)")
@@ -96,8 +98,9 @@ def main() -> None:
     threads = set_threads(args.threads)
     out, config = Path(args.out), DemoConfig()
     out.mkdir(parents=True, exist_ok=True)
-    if not (out / "sbd" / "config.json").exists():
-        shutil.copytree(SHIPPED / "sbd", out / "sbd")
+    for name, shipped in (("sbd", "sbd"), ("multitf_shipped", "multitf")):  # the shipped models, as they are
+        if not (out / name / "config.json").exists():
+            shutil.copytree(SHIPPED / shipped, out / name)
     seconds = {}
     for name in filter(None, args.train.split(",")):
         if (out / name / "config.json").exists():
