@@ -224,7 +224,7 @@ def plot(path: Path, inference: dict, training: dict, title: str) -> Path:
     ax.set_title("gaps between adjacent slots")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=72)
     plt.close(fig)
     return path
 
@@ -242,18 +242,22 @@ def main() -> None:
     p.add_argument("--results", default="benchmarks/results")
     p.add_argument("--tag", default="")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--draws-only", action="store_true", help="only MultiTF's draws (seconds): print their summary")
     args = p.parse_args()
     threads = set_threads(args.threads)
     load_before = machine_info(load=True)["load_average"]
     started = time.perf_counter()
     config, settings = DemoConfig(), Settings()
     model = load_model(args.model, **config.precision())
-    multi = inference_stats(model, config, settings, args.n, settings.buffer_size)
-    single = inference_stats(model, config, settings, args.n, 1)
     objective = MultiTF(
         min_block=args.min_block, max_block=args.max_block, max_group=args.max_group, layouts=args.layouts,
         schedule=args.schedule,
     )  # fmt: skip
+    if args.draws_only:
+        log(f"MultiTF draws: {training_stats(model, config, objective, args.batches)['summary']}")
+        return
+    multi = inference_stats(model, config, settings, args.n, settings.buffer_size)
+    single = inference_stats(model, config, settings, args.n, 1)
     train = training_stats(model, config, objective, args.batches)
     for name, part in (("mbd (buffer 3)", multi), ("SingleBD (buffer 1)", single), ("MultiTF draws", train)):
         log(f"{name}: {part['summary']}")
