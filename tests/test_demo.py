@@ -118,6 +118,13 @@ def test_zoo_stages_provenance_packing_and_task_options(tmp_path, capsys):
         zoo.write_provenance(tmp_path / stage.name, stage, seconds, "test")
     record = json.loads((tmp_path / "sbd" / "provenance.json").read_text())
     assert record["stage"]["objective"] == "sbd" and "mask_loss" in record["final_losses"]
+    # a stage's block options set the training blocks; the rest go to its objective
+    post = zoo.Stage("multitf", "sbd", "multitf", 2, 1e-4, {"max_group": 2, "min_block": 4, "max_block": 4})
+    zoo.train_stage(post, tmp_path, config, log=lambda _: None)
+    steps = [json.loads(line) for line in (tmp_path / "multitf" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["block"] for r in steps if r.get("split") == "train"} == {4.0}
+    trained = json.loads((tmp_path / "multitf" / "train_config.json").read_text())["objective"]
+    assert (trained["max_group"], trained["min_block"], trained["max_block"]) == (2, 4, 4)
     shipped = zoo.pack(tmp_path / "sbd", tmp_path / "shipped" / "sbd")
     assert zoo.verify(shipped)["stored_as"] == "bfloat16"
     assert zoo.task_options(shipped, "arithmetic") == {"min_ops": 2, "max_ops": 3, "max_number": 20, "max_factor": 5}

@@ -42,6 +42,7 @@ from fastforward.training.trainer import TrainConfig
 from fastforward.training.trajectories import Collection, task_prompts
 
 TASK_FILE = "fastforward_task.json"  # the task options a checkpoint was trained for (read by `eval`)
+CONFIG_OPTIONS = ("min_block", "max_block")  # a stage's options that set the demo config's training blocks
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,10 @@ def train_stage(stage: Stage, out: Path, config: DemoConfig | None = None, log: 
     elif stage.base is None:
         pretrain(replace(config, pretrain_steps=stage.steps, pretrain_lr=stage.lr), out / stage.name, log)
     else:
-        tuned = replace(config, finetune_steps=stage.steps, finetune_lr=stage.lr, ntp_weight=stage.ntp_weight)
-        finetune(tuned, out / stage.base, out / stage.name, stage.objective, log, **stage.options)
+        blocks = {k: v for k, v in stage.options.items() if k in CONFIG_OPTIONS}
+        options = {k: v for k, v in stage.options.items() if k not in CONFIG_OPTIONS}
+        tuned = replace(config, finetune_steps=stage.steps, finetune_lr=stage.lr, ntp_weight=stage.ntp_weight, **blocks)
+        finetune(tuned, out / stage.base, out / stage.name, stage.objective, log, **options)
     write_task_options(out / stage.name, config)
     return time.perf_counter() - started
 
