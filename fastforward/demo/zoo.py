@@ -6,7 +6,8 @@ demo's model and task, `fastforward.demo.pipeline`), and each stage is one call 
     pretrain  fresh model, NTP on whole problems            3000 steps, LR 2e-3
     ntp       pretrain → NTP fine-tune (the baseline)         2400 steps, LR 2e-3
     sbd       pretrain → SBD fine-tune                        2400 steps, LR 2e-3
-    multitf   sbd → MultiTF post-training (max group 3)        400 steps, LR 5e-4
+    multitf   sbd → MultiTF post-training (max group 3,         400 steps, LR 1e-4 (a low LR: the SBD
+              blocks of 6, the fresh-tail schedule)                stage ended its cosine near 0)
     setdlm    pretrain → SetDLM fine-tune (set 4, window 8)   2400 steps, LR 2e-3, NTP term 1
     jf        ntp → one Jacobi Forcing round (block 16) on the trajectories of 8000 training prompts
               (the correct ones), 2400 steps of batch 8 at LR 1e-3 (`fastforward jacobi-forcing`)
@@ -56,11 +57,12 @@ class Stage:
     ntp_weight: float = 1.0
 
 
+MULTITF_BLOCKS = {"min_block": 6, "max_block": 6}  # the demo's mbd decodes blocks of 6
 RECIPE: tuple[Stage, ...] = (
     Stage("pretrain", None, "ntp", 3000, 2e-3),
     Stage("ntp", "pretrain", "ntp", 2400, 2e-3),
     Stage("sbd", "pretrain", "sbd", 2400, 2e-3),
-    Stage("multitf", "sbd", "multitf", 400, 5e-4, {"max_group": 3}),
+    Stage("multitf", "sbd", "multitf", 400, 1e-4, {"max_group": 3, "schedule": "fresh-tail", **MULTITF_BLOCKS}),
     Stage("setdlm", "pretrain", "setdlm", 2400, 2e-3, {"set_size": 4.0, "max_set": 8.0}),
     Stage("jf", "ntp", "jacobi_forcing", 2400, 1e-3, {"prompts": 8000, "block_size": 16, "batch_size": 8}),
 )
