@@ -53,6 +53,7 @@ CANDIDATES: dict[str, tuple[str, float, int, dict, dict]] = {
     "lr1e-4_b6_d2f": ("multitf", 1e-4, 400, {"max_group": 3, "schedule": "d2f"}, B6),
     # the schedule from benchmarks/mbd_statistics.py: a group's last block often wholly masked
     "lr1e-4_b6_fresh": ("multitf", 1e-4, 400, {"max_group": 3, "schedule": "fresh-tail"}, B6),
+    "lr1e-4_b6_fresh_seed1": ("multitf", 1e-4, 400, {"max_group": 3, "schedule": "fresh-tail"}, {**B6, "seed": 1}),
     "lr2e-4_b6_fresh_800": ("multitf", 2e-4, 800, {"max_group": 3, "schedule": "fresh-tail"}, B6),
     # controls: SBD continued with the same LR and steps (is any gain MultiTF's or more training's?)
     "sbd_lr1e-4": ("sbd", 1e-4, 400, {}, {}),
