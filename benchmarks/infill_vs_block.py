@@ -99,7 +99,7 @@ def main() -> None:
                          "rouge_l": round(100 * result.score, 2)})  # fmt: skip
         for path in args.setdlm.split(","):
             sets = {
-                f"setdlm w={w} p={args.threshold:g} suffix {mode}": build_decoder(
+                f"setdlm w={w} p={math.inf if w == 1 else args.threshold:g} suffix {mode}": build_decoder(
                     "setdlm", window=w, threshold=math.inf if w == 1 else args.threshold, suffix_cache=mode
                 )
                 for w in windows
