@@ -133,6 +133,7 @@ def training_stats(model, config: DemoConfig, objective: MultiTF, batches: int) 
     records = config.task().training_records(config.finetune_examples, seed=config.seed + 1)
     data = pack_records(model, records, config.seq_len)
     sizes, per_slot, gaps, partial, blocks = Counter(), {k: [] for k in range(8)}, [], [], Counter()
+    shifts, seen_noisy, seen_clean = Counter(), Counter(), []
     for step in range(batches):
         batch = data.batch(step, config.batch_size, config.seed)
         masking = objective.draw(batch, torch.Generator().manual_seed(1000 + step))
@@ -149,9 +150,13 @@ def training_stats(model, config: DemoConfig, objective: MultiTF, batches: int) 
                     ratio[b] = sum(m) / k
                     if 0 < sum(m) < k:
                         partial.append(is_suffix(m))
+            shifts[groups.count(0)] += 1  # the first group's size: a systematic layout's size minus its shift
             for g in sorted(set(groups)):
                 members = [b for b, x in enumerate(groups) if x == g]
                 sizes[len(members)] += 1
+                for i, _ in enumerate(members):  # a noisy query sees i + 1 noisy blocks, the clean blocks before
+                    seen_noisy[i + 1] += 1
+                    seen_clean.append(members[0])
                 slots = [ratio.get(b) for b in members]
                 for i, r in enumerate(slots):
                     if r is not None:
@@ -164,6 +169,11 @@ def training_stats(model, config: DemoConfig, objective: MultiTF, batches: int) 
         "batches": batches,
         "block_sizes_drawn": dict(sorted(blocks.items())),
         "group_size": {str(k): round(v / total, 4) for k, v in sorted(sizes.items())},
+        "first_group_size": {str(k): round(v / sum(shifts.values()), 4) for k, v in sorted(shifts.items())},
+        "noisy_blocks_seen_per_query": {
+            str(k): round(v / sum(seen_noisy.values()), 4) for k, v in sorted(seen_noisy.items())
+        },
+        "clean_blocks_seen_per_query_mean": round(statistics.mean(seen_clean), 2),
         "slot_mask_ratio_mean": {str(k): round(statistics.mean(v), 3) for k, v in per_slot.items()},
         "slot_fully_masked": {str(k): round(sum(x == 1 for x in v) / len(v), 3) for k, v in per_slot.items()},
         "gap_mean": round(statistics.mean(gaps), 3) if gaps else None,
