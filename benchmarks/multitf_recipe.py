@@ -58,6 +58,7 @@ CANDIDATES: dict[str, tuple[str, float, int, dict, dict]] = {
     # controls: SBD continued with the same LR and steps (is any gain MultiTF's or more training's?)
     "sbd_lr1e-4": ("sbd", 1e-4, 400, {}, {}),
     "sbd_lr1e-4_b6": ("sbd", 1e-4, 400, {}, B6),
+    "sbd_lr1e-4_b6_seed1": ("sbd", 1e-4, 400, {}, {**B6, "seed": 1}),
 }
 
 
