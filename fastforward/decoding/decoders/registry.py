@@ -1,4 +1,4 @@
-"""Decoder names and knobs, declared once: the CLI flags, `build_decoder`, sweeps and the README table
+"""Decoder names and knobs, declared once: the CLI flags, `build_decoder`, sweeps and the table of docs/decoders.md
 all come from here.
 
 A decoder module registers itself with `@register(name, knobs=..., summary=...)` on a function that
@@ -162,7 +162,7 @@ def spec(name: str) -> DecoderSpec:
 
 
 def knob_table() -> str:
-    """The README's markdown table: every decoder, what it does, its knobs and their defaults."""
+    """The table of `fastforward decoders` and docs/decoders.md: each decoder, its knobs and their defaults."""
     lines = ["| decoder | what it does | lossless | options (default) |", "|---|---|---|---|"]
     for s in specs().values():
         options = ", ".join(f"`{k.flag}` ({_show(k.default)})" for k in s.knobs) or "—"
