@@ -85,7 +85,7 @@ def named_command(argv: list[str]) -> str:
 
 
 def positive_int(text: str) -> int:
-    """argparse type for counts that must be at least 1 (0 or less used to run silently as 1)."""
+    """argparse type for counts that must be at least 1 (0 or less is an error, never a silent 1)."""
     try:
         value = int(text)
     except ValueError:
@@ -220,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:] if argv is None else argv
         args = build_parser(named_command(argv)).parse_args(argv)
         if the_process:
-            # The imports' objects (torch, transformers: 370k) live as long as the process. A full collection
-            # walks them in 0.14 s, and loading a tokenizer and a model set off several: frozen, they are
-            # skipped (`generate` from a fresh process: 0.65 s less, docs/results.md "From a fresh process").
+            # The imports' objects (torch, transformers) live as long as the process, yet every full
+            # collection walks them again, and loading a tokenizer and a model sets off several: frozen,
+            # they are skipped (what that saves: docs/notes/2026-11-28-cpu-speed-and-start-up.md).
             gc.freeze()
         command = f"fastforward {args.command}"
         if "cpu_precision" in vars(args):

@@ -1,8 +1,8 @@
 """KV caches that append in place, and rolling entries back without copying.
 
 transformers' `DynamicLayer` appends by concatenation: every forward copies the layer's whole cache
-into a new tensor, so a decoding step's cost grows with the context (about 1 ms per 100 cached
-tokens in a compiled step of SmolLM2-135M on a 2-core CPU, docs/results.md). `GrowingLayer` keeps
+into a new tensor, so a decoding step's cost grows with the context
+(docs/notes/2026-11-in-place-kv-cache.md). `GrowingLayer` keeps
 its entries at the front of buffers with room to spare: an append writes only the new entries, and
 the buffers double when they fill (`reserve`). `new_cache` gives every attention layer one, sliding
 layers included: they keep every entry, and their masks hide what the window no longer shows

@@ -1,8 +1,7 @@
 """Decoding steps replayed as CUDA graphs.
 
-On a GPU a decoding step of a small model costs the host far more than the device: SmolLM2-135M
-took 51 ms a token in eager bf16 on an H200, transformers' own `generate` 41 ms
-(docs/notes/2026-11-26-first-gpu-run.md), while its kernels take a few. A CUDA graph launches a
+On a GPU a decoding step of a small model costs the host far more than the device: launching its
+kernels one by one takes longer than running them (docs/notes/2026-11-26-first-gpu-run.md). A CUDA graph launches a
 whole step's kernels at once. It fixes every shape and address it was captured with, so a graphed
 step is a fixed-shape forward:
 

@@ -19,7 +19,7 @@ equals the sampled prediction (speculative sampling with a one-hot draft,
 `fastforward.decoding.sampling`): the output is AR sampling's, token for token, for the same seed.
 
 Forwards that only reveal commit nothing, so drafts that keep failing verification could cost more
-than one forward per token (out of domain, TPF fell to 0.29 at γ = 0.1). A row may therefore spend
+than one forward per token (out of domain they did: docs/notes/2026-11-decoding-step-cost.md). A row may therefore spend
 a drafting forward only while it has committed more tokens than it has spent forwards; otherwise
 its block is drafted in one go from the predictions already at hand (the verify forward's greedy
 predictions past the correction, Jacobi-style, then its mask predictions), and goes straight to

@@ -30,8 +30,8 @@ sampling's, with the same draws).
 the gap only. `suffix_cache="promote"` (the default) brings each suffix token into the cache, as a
 carried token, in the forward whose window first reaches its position, so masks see the suffix no
 earlier than the reveal order of training would show it; `"upfront"` prefills it with the prefix.
-Promote is the default because it measured better (arithmetic-infill: 88.7 vs 65.3 % exact,
-docs/results.md).
+Promote is the default because it infilled more accurately on `arithmetic-infill`
+(docs/notes/2026-11-28-jacobi-mbd-setdlm-on-the-arithmetic-model.md).
 """
 
 from __future__ import annotations

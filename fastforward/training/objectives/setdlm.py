@@ -16,8 +16,8 @@ the mask token. Under `visibility.reveal_order` a clean token sees the clean tok
 before it and itself; a mask at ℓ sees the clean tokens revealed before ℓ's token, and itself;
 masks never see masks. Loss: cross entropy of the true token at every mask (targets only), plus
 `ntp_weight` × NTP on a separate causal pass of the clean tokens (0 skips that pass). The default,
-1, is measured (`benchmarks/setdlm.py --ntp-ablation`, docs/results.md): on the demo's task the NTP
-term keeps AR mode (83 % vs 1 %) and lifts sliding-window decoding too (AUP 67 vs 14).
+1, is measured (`benchmarks/setdlm.py --ntp-ablation`, docs/results.md "Set Diffusion"): on the demo's
+task the NTP term keeps AR mode and lifts sliding-window decoding too.
 """
 
 from __future__ import annotations
