@@ -2,6 +2,7 @@
 exist, raw records stay out of docs/, and results.md gives each claim one "measured at" line."""
 
 import re
+import shlex
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,3 +69,45 @@ def test_results_page_states_the_present():
         for part in re.split(r"^### ", section, flags=re.M):
             if re.search(r"^\|---", part, re.M):
                 assert len(re.findall(r"[Mm]easured at\s", part)) == 1, f"{title}: {part.splitlines()[0]}"
+
+
+def documented_commands(path: Path) -> list[list[str]]:
+    """The `fastforward ...` command lines of a page's bash blocks, as argument lists (continuation lines
+    joined, shell variables set in the same block substituted, comments dropped)."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+        variables: dict[str, str] = {}
+        for line in block.replace("\\\n", " ").splitlines():
+            if m := re.match(r'(\w+)="([^"]*)"$', line.strip()):
+                variables[m.group(1)] = m.group(2)
+                continue
+            for name, value in variables.items():
+                line = line.replace(f"${name}", value)
+            lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+            lexer.whitespace_split, lexer.commenters = True, "#"
+            words = list(lexer)
+            for i, word in enumerate(words):
+                if word.endswith("/fastforward") or (
+                    word == "fastforward" and (i == 0 or words[i - 1] in ("-m", "&&", "|"))
+                ):
+                    rest = words[i + 1 :]
+                    end = next((j for j, w in enumerate(rest) if w in ("|", "&&", ";", ">")), len(rest))
+                    if "..." not in rest[:end]:  # an elided example
+                        commands.append(rest[:end])
+    return commands
+
+
+def test_the_readme_documents_every_command_with_an_example_that_parses():
+    """Every subcommand has a runnable example in the README, and every example there and in docs/
+    parses with today's flags (a renamed or removed flag fails here, not in a user's shell)."""
+    from fastforward.cli import COMMANDS, build_parser
+
+    readme = documented_commands(ROOT / "README.md")
+    assert set(COMMANDS) <= {args[0] for args in readme if args}
+    parser = build_parser()
+    for path in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for args in documented_commands(path):
+            try:
+                parser.parse_args(args)
+            except SystemExit:
+                raise AssertionError(f"{path.relative_to(ROOT)}: fastforward {' '.join(args)}") from None
