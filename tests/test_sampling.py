@@ -94,8 +94,9 @@ class _GreedyDrafts(VerifiedSBDDecoder):
         self.truth = truth
 
     def _reveal(self, session, logits, candidates, own):
-        for start, draft, masked in zip(session.per_row("start"), session.per_row("draft"), candidates, strict=True):
-            for j, candidate in enumerate(masked[: len(draft or ())]):
+        for row, masked in zip(session.rows, candidates, strict=True):
+            start, draft = row.state.start, row.state.draft
+            for j, candidate in enumerate(masked[: len(draft)]):
                 if candidate:
                     draft[j] = self.truth[min(start + j, len(self.truth) - 1)]
 
