@@ -1,10 +1,9 @@
 """KV caches that append in place, and rolling entries back without copying.
 
 transformers' `DynamicLayer` appends by concatenation: every forward copies the layer's whole cache
-into a new tensor, so a decoding step's cost grows with the context (about 1 ms per 100 cached
-tokens in a compiled step of SmolLM2-135M on a 2-core CPU, docs/results.md). `GrowingLayer` keeps
-its entries at the front of buffers with room to spare: an append writes only the new entries, and
-the buffers double when they fill (`reserve`).
+into a new tensor, so a decoding step's cost grows with the context. `GrowingLayer` keeps its
+entries at the front of buffers with room to spare: an append writes only the new entries, and the
+buffers double when they fill (`reserve`).
 
 `KVCache` is a batch's cache as one object of ours: transformers' cache (`hf`, whose attention
 layers, sliding ones included, are growing layers) together with what a batch of rows needs beside
