@@ -216,7 +216,10 @@ class HFGenerate(Decoder):
         for key, value in options.items():
             setattr(self, key, value)  # shown by evaluate.describe_decoder
 
-    def decode(self, session) -> None:  # not used: generate is overridden
+    def begin(self, session, rows) -> None:  # not used: generate is overridden
+        raise NotImplementedError
+
+    def step(self, session) -> None:  # not used: generate is overridden
         raise NotImplementedError
 
     def generate(self, model: Model, prompts: list[list[int]], max_new_tokens: int = 256) -> list[Generation]:

@@ -83,11 +83,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "long prompts prefills over several steps, so running requests keep streaming (default: %(default)s)",
     )
     p.add_argument(
-        "--static-batches",
-        action="store_true",
-        help="no continuous batching: a batch of requests with equal settings and budgets decodes to its end",
-    )
-    p.add_argument(
         "--max-tokens",
         type=positive_int,
         default=256,
@@ -147,7 +142,6 @@ def run(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "max_batch_tokens": args.max_batch_tokens,
         "max_queue": args.max_queue,
-        "continuous": not args.static_batches,
         "max_step_tokens": args.max_step_tokens,
         "max_prefill_tokens": args.max_prefill_tokens,
         "api_key": args.api_key or None,

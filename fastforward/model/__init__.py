@@ -27,7 +27,6 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
-    DynamicCache,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -39,7 +38,7 @@ from fastforward.cpu.quantize import check_scheme, prefill_kernels, uses_int8
 from fastforward.cpu.quantize import quantize as quantize_linears
 from fastforward.errors import FastForwardError
 from fastforward.model import adapters, flex, softcap, step_graphs, windows
-from fastforward.model.cache import new_cache, prepare_cache, track_positions, truncate
+from fastforward.model.cache import KVCache
 from fastforward.model.step_graphs import StepGraphs
 from fastforward.model.store import PACKAGE, Store
 
@@ -205,10 +204,10 @@ class Model:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # ---- layouts ------------------------------------------------------------------------------
-    def new_cache(self) -> DynamicCache:
-        return new_cache(self.hf.config)
+    def new_cache(self) -> KVCache:
+        return KVCache.new(self.hf.config)
 
-    def run(self, layout: Layout, cache: DynamicCache | None) -> torch.Tensor | None:
+    def run(self, layout: Layout, cache: KVCache | None) -> torch.Tensor | None:
         """Execute a layout against `cache` (appending, then dropping all but `keep` new entries).
 
         Returns float32 logits [B, len(read), V] for the read positions, or None when nothing is read.
@@ -222,12 +221,12 @@ class Model:
         read = layout.read if layout.read is not None else torch.zeros(0, dtype=torch.long, device=self.device)
         graphed = self.step_graphs is not None and not self.step_graphs.failed
         if graphed and past > 0 and step_graphs.supports(cache):
-            logits = self.step_graphs.run(layout.tokens, layout.positions, layout.visibility, read, cache)
-            truncate(cache, past + layout.keep)
+            logits = self.step_graphs.run(layout.tokens, layout.positions, layout.visibility, read, cache.hf)
+            cache.truncate(past + layout.keep)
             return logits if layout.read is not None else None
         forward, tokens, positions = self.hf, layout.tokens, layout.positions
         if self.compiled_forward is not None and past > 0:  # a step: one memory layout, one graph per kind
-            prepare_cache(cache, past + length)
+            cache.prepare(past + length)
             forward, tokens, positions = self.compiled_forward, tokens.contiguous(), positions.contiguous()
         # A prefill (an empty cache) is shared by AR and every decoder: it may take faster kernels that
         # are not row-invariant (`quantize.prefill_kernels`).
@@ -236,12 +235,12 @@ class Model:
                 input_ids=tokens,
                 position_ids=positions,
                 attention_mask=self._masks(layout, cache, past),
-                **{self.cache_argument: cache},
+                **{self.cache_argument: cache.hf if cache is not None else None},
                 use_cache=cache is not None,
                 logits_to_keep=read,
             )
         if cache is not None:
-            truncate(cache, past + layout.keep)
+            cache.truncate(past + layout.keep)
         return out.logits.float() if layout.read is not None else None
 
     def compile_steps(self, store: Store | None = None) -> None:
@@ -278,7 +277,7 @@ class Model:
             use_cache=False,
         ).last_hidden_state
 
-    def _masks(self, layout: Layout, cache: DynamicCache | None, past: int) -> torch.Tensor | dict | None:
+    def _masks(self, layout: Layout, cache: KVCache | None, past: int) -> torch.Tensor | dict | None:
         """The attention mask argument of a layout's forward: its visibility [B, 1, T, S] (None: causal),
         a BlockMask of it for FlexAttention, or with sliding layers the masks of each kind of layer, from
         the positions of queries and keys."""
@@ -288,7 +287,7 @@ class Model:
         if self.window is None:
             return None if layout.visibility is None else layout.visibility[:, None]
         queries = layout.positions.expand(batch, -1)
-        keys = track_positions(cache, queries) if cache is not None else queries
+        keys = cache.track_positions(queries) if cache is not None else queries
         seen = layout.visibility
         if seen is None:
             seen = windows.causal(batch, length, past, layout.tokens.device)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, PreTrainedModel
 
-from fastforward.model.cache import GrowingLayer
+from fastforward.model.cache import GrowingLayer, KVCache
 
 MIN_CAPACITY = 256  # cache slots of the smallest buffers; they double from there
 CAPTURE_AFTER = 2  # a shape is captured when seen this many times
@@ -86,12 +86,12 @@ def capacity_for(entries: int) -> int:
     return capacity
 
 
-def supports(cache: Cache | None) -> bool:
+def supports(cache: KVCache | None) -> bool:
     """Whether a cache can be bound: growing layers only, holding entries already (a step, not a
     prefill), and no recorded key positions (sliding-window masks are built per step from them)."""
     return (
         cache is not None
-        and getattr(cache, "key_positions", None) is None
+        and cache.key_positions is None
         and all(isinstance(layer, GrowingLayer) and layer.key_buffer is not None for layer in cache.layers)
     )
 

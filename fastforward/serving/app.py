@@ -82,7 +82,6 @@ class Server:
         max_tokens: int = 256,
         max_batch_tokens: int | None = None,
         max_queue: int = 256,
-        continuous: bool = True,
         max_step_tokens: int | None = None,
         max_prefill_tokens: int = PREFILL_TOKENS,
         api_key: str | None = None,
@@ -105,7 +104,7 @@ class Server:
         self.max_batch_size, self.max_batch_tokens, self.max_queue = max_batch_size, max_batch_tokens, max_queue
         if max_step_tokens is None and model.device.type == "cpu":
             max_step_tokens = CPU_STEP_TOKENS
-        self.continuous, self.max_step_tokens = continuous, max_step_tokens
+        self.max_step_tokens = max_step_tokens
         self.max_prefill_tokens = max_prefill_tokens
         self.api_key, self.max_request_bytes = api_key, max_request_bytes
 
@@ -299,7 +298,6 @@ class Server:
                 self.metrics,
                 self.max_batch_tokens,
                 self.max_queue,
-                self.continuous,
                 self.max_step_tokens,
                 self.max_prefill_tokens,
             )

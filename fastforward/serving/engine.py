@@ -12,11 +12,6 @@ Retry-After). Between two steps at most `max_prefill_tokens` prompt tokens join 
 so that a burst of long prompts prefills over several turns: the running rows keep streaming, and
 the first jobs of the burst get their first tokens before the last ones are prefilled.
 
-Decoders that cannot decode step by step (`Decoder.continuous` false: the `rows_apart` ones, `mbd`
-and `jacobi-mr`) run in static batches: waiting jobs with the same setting and budget decode to
-their end in one turn (one row at a time), and between its steps the continuous groups admit their
-waiting jobs and take a step each, so a long static decode holds up nobody.
-
 Each row samples with its own request's temperature, top-p and seed (`Job.row`), so a request gets
 the tokens it would get alone whatever shares its batch. After every step the session's rows turn
 their newly committed tokens into text deltas (`TextStream`: incremental, so a long stream costs no
@@ -117,13 +112,13 @@ class _Group:
 
     @property
     def rows(self) -> list[_Row]:
-        """Row r's job: a per-row list of the session, so that joins and leaves keep it in step."""
-        return self.session.per_row("serving")
+        """Row r's job: each session row owns its own, so that joins and leaves keep them together."""
+        return [row.owner for row in self.session.rows]
 
     def start(self, rows: list[int], jobs: list[Job], decode: Callable[[list[int]], str]) -> None:
         """The jobs now in session rows `rows` (just joined or opened)."""
         for index, job in zip(rows, jobs, strict=True):
-            self.rows[index] = _Row(job, TextStream(decode, job.stop))
+            self.session.rows[index].owner = _Row(job, TextStream(decode, job.stop))
 
 
 class Engine:
@@ -136,14 +131,12 @@ class Engine:
         metrics: Metrics | None = None,
         max_batch_tokens: int | None = None,
         max_queue: int = 256,
-        continuous: bool = True,
         max_step_tokens: int | None = None,
         max_prefill_tokens: int = PREFILL_TOKENS,
     ):
         self.model = model
         self.max_prefill_tokens = max_prefill_tokens
         self.max_step_tokens = max_step_tokens  # `Session.step_tokens` of every group
-        self.continuous = continuous  # False: every decoder in static batches (the old scheduling, for comparison)
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
@@ -228,12 +221,9 @@ class Engine:
     def _schedule(self) -> None:
         while True:
             self._flush()
-            static = self._admit()
-            if static is None:
+            if not self._admit():
                 return
-            if static:
-                self._guarded(static, lambda: self._decode_static(static))  # noqa: B023
-            elif self._groups:
+            if self._groups:
                 names = list(self._groups)
                 name = names[self._turn % len(names)]
                 self._turn += 1
@@ -241,55 +231,38 @@ class Engine:
                 self._guarded([r.job for r in group.rows], lambda: self._step(name, group))  # noqa: B023
             self.metrics.batch_size.set(sum(len(g.rows) - len(g.retired) for g in self._groups.values()))
 
-    def _admit(self, static_allowed: bool = True) -> list[Job] | None:
+    def _admit(self) -> bool:
         """Move waiting jobs into their groups (opening groups as needed), as far as the limits allow.
-        Work handed to `call` runs first. Returns a static batch to decode now, [] to step the groups
-        (or after such work alone), or None to stop. Without
-        `static_allowed` (between the steps of a static batch) jobs of static decoders keep waiting
-        and nothing blocks."""
+        Work handed to `call` runs first. Returns False when there is nothing left to do: stop."""
         with self._lock:
-            while static_allowed and not (self._waiting or self._groups or self._calls or self._stopping):
+            while not (self._waiting or self._groups or self._calls or self._stopping):
                 self._lock.wait()
             calls, self._calls = self._calls, []
         self._run_calls(calls)
         with self._lock:
             if not self._waiting and not self._groups:
-                return [] if calls else None
+                return bool(calls)
             admitted: dict[str, list[Job]] = {}
             # Rows still decoding: retired ones leave in the join that admits their successors.
             live = [r for g in self._groups.values() for i, r in enumerate(g.rows) if i not in g.retired]
             rows, tokens = len(live), sum(len(r.job.prompt) + r.job.max_tokens for r in live)
             prefill = 0  # prompt tokens admitted in this turn
-            static: list[Job] = []
             for job in list(self._waiting):
-                if not (self.continuous and job.decoder.continuous) or job.decoder.rows_apart:
-                    if static_allowed and not static and not admitted:  # its turn: alone, or with its kind
-                        static = [job]
-                        self._waiting.remove(job)
-                    continue
                 size = len(job.prompt) + job.max_tokens
                 full = rows >= self.max_batch_size or (
                     self.max_batch_tokens is not None and tokens + size > self.max_batch_tokens and rows > 0
                 )
                 # Past the prefill budget it waits for the next turn (a job alone always fits).
                 enough = prefill > 0 and prefill + len(job.prompt) > self.max_prefill_tokens
-                if full or enough or static:
+                if full or enough:
                     break
                 self._waiting.remove(job)
                 admitted.setdefault(job.setting, []).append(job)
                 rows, tokens, prefill = rows + 1, tokens + size, prefill + len(job.prompt)
-            if static and not static[0].decoder.rows_apart:
-                first = static[0]
-                for job in list(self._waiting):
-                    if len(static) >= self.max_batch_size:
-                        break
-                    if job.setting == first.setting and job.max_tokens == first.max_tokens:
-                        self._waiting.remove(job)
-                        static.append(job)
             self.metrics.queue_depth.set(len(self._waiting))
         for setting, jobs in admitted.items():
             self._guarded(jobs, lambda: self._join(setting, jobs))  # noqa: B023
-        return static
+        return True
 
     @staticmethod
     def _run_calls(calls: list[tuple[Callable[[], Any], Future]]) -> None:
@@ -355,17 +328,17 @@ class Engine:
                 row.job.done = True
                 continue
             if lengths[index] > row.sent:
-                ids = session.canvas[index][row.sent : lengths[index]]
+                ids = session.rows[index].canvas[row.sent : lengths[index]]
                 row.sent = lengths[index]
                 self._emit(session, index, row.job, row.stream.push(ids))
-        self._flush()  # once a step, static batches too (they stream from inside their decode)
+        self._flush()  # once a step
 
     def _retire(self, setting: str, group: _Group) -> None:
         """Finished rows end their jobs at once, and leave the session at the next join (one cache copy
         for both), or now once they are a quarter of it; a group whose rows have all finished closes."""
         session = group.session
         for index in range(session.batch):
-            if session.finished_rows[index] and index not in group.retired:
+            if session.rows[index].finished and index not in group.retired:
                 group.retired.append(index)
                 self._finish(group.rows[index], session.result(index))
         if len(group.retired) == session.batch:
@@ -389,28 +362,6 @@ class Engine:
         usage = self._usage(job, len(generation.token_ids), generation.stats.nfe, generation.stats.queries)
         self._post(job, Event(finish_reason=reason, usage=usage, token_ids=list(generation.token_ids)))
 
-    def _decode_static(self, batch: list[Job]) -> None:
-        """A decoder that cannot decode step by step: the batch decodes to its end in one turn."""
-        decoder = batch[0].decoder
-        rows = [job.row() for job in batch]
-        session = decoder.open_session(self.model, rows, batch[0].max_tokens)
-        group = _Group(decoder, session)
-        group.start(list(range(len(batch))), batch, self.model.decode)
-        session.on_step = lambda s: self._between_static_steps(group)
-        decoder.decode(session)
-        for row, generation in zip(group.rows, session.results(), strict=True):
-            self._finish(row, generation)
-
-    def _between_static_steps(self, group: _Group) -> None:
-        """After each step of a static batch: stream it, then let the continuous groups take their
-        turns (waiting jobs of theirs join; one step each), so a long `mbd` or `jacobi-mr` decode
-        holds up no other request. (Under `--static-batches` there are no continuous groups.)"""
-        self._stream(group)
-        if self.continuous:
-            self._admit(static_allowed=False)
-            for name, other in list(self._groups.items()):
-                self._guarded([r.job for r in other.rows], lambda: self._step(name, other))  # noqa: B023
-
     def _emit(self, session: Session, row: int, job: Job, pushed: tuple[str, bool]) -> None:
         """Send a row's new text (`TextStream.push`); after a stop string, end the job and cancel the row."""
         delta, stopped = pushed
@@ -419,9 +370,9 @@ class Engine:
         if stopped:
             session.cancel(row)
             job.done = True
-            length = session.lengths[row]
-            usage = self._usage(job, length, session.forwards[row], session.queries[row])
-            self._post(job, Event(finish_reason="stop", usage=usage, token_ids=session.canvas[row][:length]))
+            ended = session.rows[row]
+            usage = self._usage(job, ended.length, ended.forwards, ended.queries)
+            self._post(job, Event(finish_reason="stop", usage=usage, token_ids=ended.output))
 
     @staticmethod
     def _usage(job: Job, tokens: int, nfe: int, queries: int) -> dict[str, Any]:
@@ -483,8 +434,8 @@ class TextStream:
 WARM_UP_TEXT = "one two three, one two three, one two three, one two three"  # repeats: drafting decoders draft
 
 
-# Requests may name another decoder than the server's: these make the kinds of step the continuous
-# decoders run (one token, a causal block), so that such a request compiles nothing either.
+# Requests may name another decoder than the server's: these make the kinds of step the decoders
+# run (one token, a causal block), so that such a request compiles nothing either.
 WARM_UP_DECODERS = ("ar", "jacobi")
 
 
