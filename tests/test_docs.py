@@ -8,10 +8,9 @@ from fastforward.decoding.decoders import registry
 DOC = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 
 
-def test_extending_guide_examples_run(capsys, monkeypatch):
-    # the guide registers a sketch decoder: keep it out of the registry the other tests see
-    monkeypatch.setattr(registry, "_SPECS", dict(registry.specs()))
+def test_extending_guide_examples_run(capsys, scratch_registries):
+    # the guide registers a sketch decoder and objective: `scratch_registries` keeps them from other tests
     code = "\n".join(re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S))
     exec(compile(code, str(DOC), "exec"), {"__name__": "docs_extending"})
     assert "torch.Size([1, 4," in capsys.readouterr().out
-    assert "greedy-sketch" in registry._SPECS
+    assert "greedy-sketch" in registry.DECODERS

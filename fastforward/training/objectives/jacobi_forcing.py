@@ -50,6 +50,7 @@ from fastforward.training.objectives.base import (
     row_generators,
     term_norm,
 )
+from fastforward.training.objectives.registry import register
 from fastforward.training.trajectories import TrajectoryBatch
 
 SCHEDULES = ("progressive", "random", "reverse")
@@ -175,6 +176,7 @@ def slot_counts(rows: Sequence[tuple[list[int], list[list[int]], list[list[int]]
 
 
 # ---- the objective ------------------------------------------------------------------------------
+@register("jacobi_forcing")
 @dataclass
 class JacobiForcing(Objective):
     """Progressive consistency distillation on Jacobi trajectories plus an AR loss (eq. 9).
@@ -184,7 +186,6 @@ class JacobiForcing(Objective):
     term as a metric without gradient).
     """
 
-    name = "jacobi_forcing"
     noise_schedule: str = "progressive"
     noise_window: int = 16
     noisy_context: str = "noisy"

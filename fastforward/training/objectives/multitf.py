@@ -32,6 +32,7 @@ from fastforward.errors import FastForwardError
 from fastforward.model import visibility
 from fastforward.training.data import Batch
 from fastforward.training.objectives.base import row_generators
+from fastforward.training.objectives.registry import register
 from fastforward.training.objectives.sbd import SBD, Masking, draw_block
 
 LAYOUTS = ("systematic", "random", "both")
@@ -86,11 +87,11 @@ def group_ratios(groups: torch.Tensor, schedule: str, generator: torch.Generator
     return (per_group[0] / 2 + 0.2).gather(1, groups).add(slope * offset).clamp(max=1.0)
 
 
+@register("multitf")
 @dataclass
 class MultiTF(SBD):
     """SBD's dual stream with noise-groups of consecutive blocks and slot-wise mask ratios."""
 
-    name = "multitf"
     max_group: int = 4
     layouts: str = "both"
     schedule: str = "chain-uniform"

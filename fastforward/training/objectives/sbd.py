@@ -37,6 +37,7 @@ from fastforward.training.objectives.base import (
     positions,
     term_norm,
 )
+from fastforward.training.objectives.registry import register
 
 
 def draw_block(min_block: int, max_block: int, generator: torch.Generator) -> int:
@@ -115,11 +116,11 @@ class Masking:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+@register("sbd")
 @dataclass
 class SBD(Objective):
     """NTP on the clean half plus masked-token prediction on the block-masked copy."""
 
-    name = "sbd"
     min_block: int = 2
     max_block: int = 16
     ntp_weight: float = 1.0

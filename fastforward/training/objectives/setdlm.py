@@ -41,6 +41,7 @@ from fastforward.training.objectives.base import (
     positions,
     term_norm,
 )
+from fastforward.training.objectives.registry import register
 
 
 def hitting_times(length: int, set_size: float, max_set: float, batch: int, generator: torch.Generator) -> torch.Tensor:
@@ -106,11 +107,11 @@ def setdlm_layout(
     return layout, labels
 
 
+@register("setdlm")
 @dataclass
 class SetDLM(Objective):
     """Every target predicted once, as a singleton set, from the tokens revealed before it."""
 
-    name = "setdlm"
     set_size: float = 4.0
     max_set: float = 8.0
     ntp_weight: float = 1.0

@@ -1,0 +1,48 @@
+"""Decoders and objectives register themselves by name in a `fastforward.registry.Registry`: a new one is
+a new file, an unknown name is an error listing the known ones, and a name is taken once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from fastforward.decoding.decoders import registry as decoders
+from fastforward.errors import FastForwardError
+from fastforward.training.objectives import NTP, OBJECTIVES, Objective, make_objective, register
+
+
+def test_every_objective_module_registers_itself():
+    assert list(OBJECTIVES) == ["jacobi_forcing", "multitf", "ntp", "sbd", "setdlm"]  # by module name
+    assert all(cls.name == name and issubclass(cls, Objective) for name, cls in OBJECTIVES.items())
+    assert make_objective("ntp").describe() == {"name": "ntp"}
+
+
+def test_an_unknown_objective_is_an_error_that_lists_the_known_ones():
+    with pytest.raises(FastForwardError) as caught:
+        make_objective("nope")
+    assert str(caught.value) == f"unknown objective 'nope'; choose one of {', '.join(OBJECTIVES)}"
+    assert "ntp, sbd, setdlm" in str(caught.value)
+
+
+def test_an_unknown_decoder_is_an_error_that_lists_the_known_ones():
+    with pytest.raises(FastForwardError, match="unknown decoder 'nope'; choose one of ar, "):
+        decoders.spec("nope")
+
+
+def test_a_new_objective_is_one_class_and_its_registration(scratch_registries):
+
+    @register("ntp-twice")
+    @dataclass
+    class Twice(NTP):
+        weight: float = 2.0
+
+    made = make_objective("ntp-twice", weight=3.0, max_block=4)  # options it lacks are ignored
+    assert isinstance(made, Twice) and made.describe() == {"name": "ntp-twice", "weight": 3.0}
+    assert "ntp-twice" in OBJECTIVES and list(OBJECTIVES)[-1] == "ntp-twice"  # this module sorts last
+
+
+def test_a_name_is_registered_by_one_module_only(scratch_registries):
+    with pytest.raises(TypeError, match="'ntp' of .* is already registered by fastforward.training.objectives.ntp"):
+        register("ntp")(type("Other", (NTP,), {}))
+    assert OBJECTIVES["ntp"] is NTP
