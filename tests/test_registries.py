@@ -3,11 +3,15 @@ a new file, an unknown name is an error listing the known ones, and a name is ta
 
 from __future__ import annotations
 
+import inspect
+import sys
 from dataclasses import dataclass
 
 import pytest
 
+import fastforward as ff
 from fastforward.decoding.decoders import registry as decoders
+from fastforward.decoding.decoders.base import Decoder
 from fastforward.errors import FastForwardError
 from fastforward.training.objectives import NTP, OBJECTIVES, Objective, make_objective, register
 
@@ -46,3 +50,14 @@ def test_a_name_is_registered_by_one_module_only(scratch_registries):
     with pytest.raises(TypeError, match="'ntp' of .* is already registered by fastforward.training.objectives.ntp"):
         register("ntp")(type("Other", (NTP,), {}))
     assert OBJECTIVES["ntp"] is NTP
+
+
+def test_the_package_exports_every_decoder_class_and_every_name_it_lists():
+    defined = {
+        name
+        for spec in decoders.specs().values()
+        for name, value in vars(sys.modules[spec.build.__module__]).items()
+        if inspect.isclass(value) and issubclass(value, Decoder) and value.__module__ == spec.build.__module__
+    }
+    assert "SetDiffusionDecoder" in defined and defined <= set(ff.__all__)
+    assert all(getattr(ff, name) is not None for name in ff.__all__) and set(ff.__all__) <= set(dir(ff))
