@@ -1,19 +1,22 @@
 """Decoders and objectives register themselves by name in a `fastforward.registry.Registry`: a new one is
-a new file, an unknown name is an error listing the known ones, and a name is taken once."""
+a new file, an unknown name is an error listing the known ones, and a name is taken once. The package
+exports every decoder class."""
 
 from __future__ import annotations
 
 import inspect
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import pytest
 
 import fastforward as ff
+from fastforward.cli import build_parser
 from fastforward.decoding.decoders import registry as decoders
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.errors import FastForwardError
-from fastforward.training.objectives import NTP, OBJECTIVES, Objective, make_objective, register
+from fastforward.training.objectives import NTP, OBJECTIVES, MultiTF, Objective, make_objective, register
+from fastforward.training.objectives.registry import option, options
 
 
 def test_every_objective_module_registers_itself():
@@ -35,15 +38,24 @@ def test_an_unknown_decoder_is_an_error_that_lists_the_known_ones():
 
 
 def test_a_new_objective_is_one_class_and_its_registration(scratch_registries):
-
     @register("ntp-twice")
     @dataclass
     class Twice(NTP):
-        weight: float = 2.0
+        weight: float = option(2.0, "how much the NTP term counts")
 
     made = make_objective("ntp-twice", weight=3.0, max_block=4)  # options it lacks are ignored
     assert isinstance(made, Twice) and made.describe() == {"name": "ntp-twice", "weight": 3.0}
     assert "ntp-twice" in OBJECTIVES and list(OBJECTIVES)[-1] == "ntp-twice"  # this module sorts last
+    assert options()["weight"].objectives == ("ntp-twice",)
+    args = build_parser("train").parse_args(["train", "--objective", "ntp-twice", "--weight", "3", "--out", "x"])
+    assert (args.objective, args.weight, args.min_block) == ("ntp-twice", 3.0, 2)
+
+
+def test_objective_options_shared_by_name_are_one_flag():
+    assert options()["ntp_weight"].objectives == ("multitf", "sbd", "setdlm")
+    assert options()["layouts"].choices == ("systematic", "random", "both")
+    assert "suffix_share" not in {f.name for f in fields(MultiTF) if f.init}  # SBD's, fixed off in MultiTF
+    assert options()["suffix_share"].objectives == ("sbd",)
 
 
 def test_a_name_is_registered_by_one_module_only(scratch_registries):
