@@ -10,7 +10,7 @@ so a new objective is one new file.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
 
 from fastforward.registry import Registry
@@ -68,12 +68,10 @@ def options() -> dict[str, Option]:
             if not f.init:  # fixed by the objective (MultiTF's suffix_share)
                 continue
             seen = found.get(f.name)
-            if seen is None:
-                meta = f.metadata
-                found[f.name] = Option(
-                    f.name, type(f.default), f.default, meta.get("help", ""), meta.get("choices"), (name,)
-                )
-                continue
-            default = seen.default if seen.default == f.default else None
-            found[f.name] = Option(f.name, seen.type, default, seen.help, seen.choices, (*seen.objectives, name))
+            if seen is not None:
+                default = seen.default if seen.default == f.default else None
+                found[f.name] = replace(seen, default=default, objectives=(*seen.objectives, name))
+            else:
+                help, choices = f.metadata.get("help", ""), f.metadata.get("choices")
+                found[f.name] = Option(f.name, type(f.default), f.default, help, choices, (name,))
     return found
