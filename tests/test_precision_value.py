@@ -90,3 +90,10 @@ def test_load_model_takes_the_value_or_its_fields_by_name(tmp_path):
         load_model(path, dtype="float8")
     with pytest.raises(TypeError):
         load_model(path, dtypes="float32")  # a misspelt option is not silently dropped
+
+
+def test_commands_that_train_or_collect_take_precisions_dtype_and_adapter():
+    train = build_parser("train").parse_args(["train", "--out", "x"])
+    collect = build_parser("trajectories").parse_args(["trajectories", "--out", "x", "--adapter", "a"])
+    assert train.dtype == collect.dtype == Precision().dtype
+    assert precision(collect) == Precision(adapter="a")

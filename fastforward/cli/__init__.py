@@ -139,6 +139,13 @@ def add_precision_flags(p: argparse.ArgumentParser, attention_flag: bool = True,
     )
 
 
+def add_dtype_flag(p: argparse.ArgumentParser) -> None:
+    """--dtype at `Precision`'s default, for the commands that train or collect on any device."""
+    from fastforward.model import DTYPES, Precision
+
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=Precision().dtype, help="weight dtype")
+
+
 def add_adapter_flag(p: argparse.ArgumentParser) -> None:
     """--adapter, for every command that loads a model (`load_model(adapter=...)`)."""
     p.add_argument(

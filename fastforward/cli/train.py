@@ -9,9 +9,9 @@ import argparse
 
 import torch
 
-from fastforward.cli import add_command, add_threads_flag
+from fastforward.cli import add_command, add_dtype_flag, add_threads_flag
 from fastforward.errors import FastForwardError
-from fastforward.model import DTYPES, flex, load_model
+from fastforward.model import flex, load_model
 from fastforward.training.data import PackedData, load_examples, split_examples
 from fastforward.training.launch import reported_once, say, share_threads
 from fastforward.training.objectives import OBJECTIVES, make_objective
@@ -80,7 +80,7 @@ def add_optimizer_flags(p: argparse.ArgumentParser, seq_len: int) -> None:
     p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
     p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="latest checkpoints kept")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of initialisation, data order and masking")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
+    add_dtype_flag(p)
     p.add_argument(
         "--lora-rank",
         type=int,
