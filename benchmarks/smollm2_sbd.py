@@ -45,7 +45,8 @@ from fastforward.evaluation.evaluate import AR, EvalResult, compare, format_tabl
 from fastforward.model import Model, load_model
 from fastforward.tasks import PyCodeTask, get_task
 from fastforward.training.objectives import SBD
-from fastforward.training.trainer import RESUME_NEUTRAL, TrainConfig, latest_checkpoint, train
+from fastforward.training.run_dir import RESUME_NEUTRAL, latest_checkpoint
+from fastforward.training.trainer import TrainConfig, train
 
 HF = "hf-generate"
 

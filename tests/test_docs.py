@@ -5,6 +5,9 @@ import re
 import shlex
 from pathlib import Path
 
+from fastforward.decoding.decoders import registry
+from fastforward.training.objectives import OBJECTIVES
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 NOTES = DOCS / "notes"
@@ -111,3 +114,15 @@ def test_the_readme_documents_every_command_with_an_example_that_parses():
                 parser.parse_args(args)
             except SystemExit:
                 raise AssertionError(f"{path.relative_to(ROOT)}: fastforward {' '.join(args)}") from None
+
+
+DOC = DOCS / "extending.md"
+
+
+def test_extending_guide_examples_run(capsys, scratch_registries):
+    # the guide registers a sketch decoder and objective: `scratch_registries` keeps them from other tests
+    code = "\n".join(re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S))
+    exec(compile(code, str(DOC), "exec"), {"__name__": "docs_extending"})
+    out = capsys.readouterr().out
+    assert "torch.Size([1, 4," in out and "{'name': 'ntp-sketch', 'weight': 0.5} [" in out
+    assert "greedy-sketch" in registry.DECODERS and "ntp-sketch" in OBJECTIVES

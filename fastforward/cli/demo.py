@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", dest="json_path", metavar="PATH", help="also write every figure of the table here")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default", help="--quick's budget ('smoke': seconds)")
     p.add_argument("--n", type=int, default=None, help="test problems to evaluate (default 150)")
-    add_precision_flags(p, attention=False)  # the demo decodes on the CPU: SDPA
+    add_precision_flags(p, attention_flag=False)  # the demo decodes on the CPU: SDPA
     add_threads_flag(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=run)

@@ -97,7 +97,7 @@ def evaluate_command(args: argparse.Namespace, shard: tuple[int, int] = (0, 1)) 
         decoder = build_decoder(args.decoder, **knobs)
         greedy_ar = args.decoder == "ar" and knobs.get("temperature", 0) == 0
         decoders = {} if greedy_ar else {args.decoder: decoder}
-    model = load_model(args.model, device=args.device, **precision(args))
+    model = load_model(args.model, device=args.device, precision=precision(args))
     results = compare(
         model,
         task,

@@ -150,20 +150,20 @@ def run(args: argparse.Namespace) -> int:
     if args.warm_up_only:  # here, for this machine's store: replicas on it read the same
         if not args.compile:
             raise FastForwardError("--warm-up-only prepares compiled steps: leave out --no-compile")
-        _warm_up(load_model(args.model, device=args.device, **precision(args)), args)
+        _warm_up(load_model(args.model, device=args.device, precision=precision(args)), args)
         return 0
     if args.replicas:
         from fastforward.serving import replicas
 
         replicas.require_ray()  # before anything loads
         build_decoder(args.decoder, **knobs)  # bad settings fail here, not in every replica
-        load = {"name_or_path": args.model, "device": args.device, **precision(args)}
+        load = {"name_or_path": args.model, "device": args.device, "precision": precision(args)}
         build = replicas.app_builder(load, options, compile_warm_up=args.compile)
         replicas.serve_replicas(build, args.replicas, args.host, args.port, args.cpus_per_replica)
         print("fastforward serve: shut down", flush=True)
         return 0
     listening = listen(args.host, args.port)  # before the minutes of loading and warm-up: a taken port fails now
-    model = load_model(args.model, device=args.device, **precision(args))
+    model = load_model(args.model, device=args.device, precision=precision(args))
     if args.compile:
         _warm_up(model, args)
     server = Server(model, **options)

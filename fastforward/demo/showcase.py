@@ -109,7 +109,7 @@ def evaluate_checkpoints(
     options = dict(max_new_tokens=config.max_new_tokens, chat_template=False, progress=progress)
     rows, results = [], []
     for name, chosen in decoders(settings).items():
-        model = load_model(str(models / name), **config.precision())
+        model = load_model(str(models / name), precision=config.precision())
         measured = compare(model, task, chosen, examples, desc=f"eval {MODELS[name]} model", **options)
         for label, result in measured.items():
             gamma = next((g for g in settings.gammas if label == _gamma(g)), None)
