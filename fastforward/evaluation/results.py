@@ -10,7 +10,7 @@ from fastforward.decoding import metrics
 
 
 @dataclass
-class EvalResult:
+class EvalResult(metrics.Rates):
     """The figures of one decoder over a task's examples (defined in `evaluate`'s docstring)."""
 
     label: str
@@ -31,18 +31,6 @@ class EvalResult:
     tokens_per_step: dict[int, int] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list, repr=False)
     queries: int = 0  # tokens the decoding forwards ran, summed over examples (`runtime.Stats`)
-
-    @property
-    def tpf(self) -> float:
-        return metrics.tpf(self.tokens, self.nfe)
-
-    @property
-    def tps(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def queries_per_token(self) -> float:
-        return metrics.queries_per_token(self.queries, self.tokens)
 
     @property
     def nfe_mean(self) -> float:
