@@ -27,7 +27,8 @@ import transformers
 
 from fastforward.decoding.decoders import Decoder, Generation, Stats
 from fastforward.decoding.metrics import aup
-from fastforward.evaluation.evaluate import EvalResult, write_json
+from fastforward.evaluation.report import write_json
+from fastforward.evaluation.results import EvalResult
 from fastforward.model import PRESETS, Model, load_model
 from fastforward.tasks import get_task
 

@@ -166,7 +166,8 @@ def in_process(model, args: argparse.Namespace, knobs: dict, requests: list[dict
     jobs' event queues: the server without its HTTP layer (and with no load generator beside it).
     Returns the results and the CPU seconds this process (engine and clients) spent on them."""
     from fastforward.serving.app import CompletionRequest, Server
-    from fastforward.serving.engine import Engine, warm_up
+    from fastforward.serving.engine import Engine
+    from fastforward.serving.warm_up import warm_up
 
     if args.compile:  # as the server does before it listens
         warm_up(model, build_decoder(args.decoder, **knobs))

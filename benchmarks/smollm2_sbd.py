@@ -41,7 +41,9 @@ from fastforward.decoding.decoders import Decoder
 from fastforward.decoding.metrics import token_agreement
 from fastforward.demo.pipeline import pack_records
 from fastforward.errors import FastForwardError
-from fastforward.evaluation.evaluate import AR, EvalResult, compare, format_table, write_json, write_records
+from fastforward.evaluation.evaluate import AR, compare
+from fastforward.evaluation.report import format_table, write_json, write_records
+from fastforward.evaluation.results import EvalResult
 from fastforward.model import Model, load_model
 from fastforward.tasks import PyCodeTask, get_task
 from fastforward.training.objectives import SBD

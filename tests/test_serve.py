@@ -331,7 +331,7 @@ def test_replicas_without_ray_name_the_extra(monkeypatch, capsys):
 def test_the_warm_up_serves_through_an_engine_and_says_when_decoding_fails(tiny, monkeypatch):
     from fastforward.decoding.decoders.ar import ARDecoder
     from fastforward.errors import FastForwardError
-    from fastforward.serving.engine import warm_up
+    from fastforward.serving.warm_up import warm_up
 
     rows_seen = []
     forward = tiny.run

@@ -23,8 +23,8 @@ from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
 from fastforward.decoding.runtime import PREFILL_TOKENS
 from fastforward.errors import FastForwardError
 from fastforward.model import Model, check_device, load_model
-from fastforward.serving.engine import warm_up
 from fastforward.serving.limits import MAX_REQUEST_BYTES
+from fastforward.serving.warm_up import warm_up
 
 API_KEY_ENV = "FASTFORWARD_API_KEY"
 

@@ -155,7 +155,7 @@ class CompiledSteps:
         self.backend = torch._TorchCompileInductorWrapper("default", options, dynamic=True)
         self.modules: dict[str, str] = {}  # globals the graphs' code names a module by: name -> module
         self.failed = False  # a compile failed: steps no graph serves run eagerly from then on
-        # False once a server has prepared its kinds (`serving.engine.warm_up`): a step of a kind it did
+        # False once a server has prepared its kinds (`serving.warm_up`): a step of a kind it did
         # not meet runs eagerly (the same tokens) rather than hold every request for a minute's compile.
         self.compile_new_kinds = True
         self.said_eager = False
@@ -176,7 +176,7 @@ class CompiledSteps:
                 self.said_eager = True
                 print("fastforward: a kind of step the warm-up did not prepare runs eagerly", file=sys.stderr)
             return self.forward(self.hf, **inputs)
-        # A server compiles its kinds before its first request (`serving.engine.warm_up`); one compiled
+        # A server compiles its kinds before its first request (`serving.warm_up`); one compiled
         # later holds every request of the moment, so it is said, with what it is and how long it took.
         print(
             f"fastforward: compiling a new kind of decoding step ({_described(inputs)}; kept for later processes)"

@@ -19,7 +19,7 @@ from fastforward.errors import FastForwardError
 
 
 @dataclass
-class Stats:
+class Stats(metrics.Rates):
     """Per-prompt decoding figures. NFE counts decoding forwards only (prefill is separate).
 
     queries: the tokens those forwards ran through the model (AR: one per forward; drafts,
@@ -36,15 +36,9 @@ class Stats:
 
     @property
     def tpf(self) -> float:
+        """As `metrics.tpf`, but a row whose tokens all came from the prefill (no decoding forward)
+        counts them as one forward's, so a one-token answer reads 1.0 and not 0."""
         return self.tokens / self.nfe if self.nfe else float(self.tokens)
-
-    @property
-    def queries_per_token(self) -> float:
-        return metrics.queries_per_token(self.queries, self.tokens)
-
-    @property
-    def tps(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def as_dict(self) -> dict:
         return {

@@ -36,16 +36,10 @@ from fastforward.api import build_decoder
 from fastforward.cpu.threads import auto_threads
 from fastforward.decoding.decoders import Decoder
 from fastforward.errors import FastForwardError
-from fastforward.evaluation.evaluate import (
-    AR,
-    EvalResult,
-    compare,
-    format_table,
-    sweep_label,
-    write_json,
-    write_records,
-)
+from fastforward.evaluation.evaluate import AR, compare, sweep_label
 from fastforward.evaluation.plots import Mark, plot_methods
+from fastforward.evaluation.report import format_table, write_json, write_records
+from fastforward.evaluation.results import EvalResult
 from fastforward.model import Model, Precision, load_model
 from fastforward.model.tiny import tiny_model
 from fastforward.tasks import ArithmeticTask

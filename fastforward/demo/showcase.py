@@ -29,8 +29,9 @@ from typing import Any
 
 from fastforward.api import build_decoder
 from fastforward.demo.pipeline import DemoConfig, DemoResult, table_row
-from fastforward.evaluation.evaluate import AR, compare, format_table, write_json, write_records
+from fastforward.evaluation.evaluate import AR, compare
 from fastforward.evaluation.plots import Mark, plot_methods
+from fastforward.evaluation.report import format_table, write_json, write_records
 from fastforward.model import load_model
 
 

@@ -5,21 +5,17 @@ Jobs whose decoders have equal settings (temperature, top-p and seed aside) form
 `Session` whose rows are its jobs. Between two steps of a group, waiting jobs of its setting join it
 (`Session.join`, prefilled on their own) and finished or cancelled rows leave it (`Session.leave`),
 so rows with different budgets, prompt lengths and sampling knobs share forwards and nobody waits for
-a batch to drain. Groups of different settings take turns, one step each. Admission is bounded by
-`max_batch_size` rows and `max_batch_tokens` tokens in flight (prompt plus budget of every running
-row); a queue of more than `max_queue` waiting jobs refuses new ones (`QueueFull`: HTTP 503 with
-Retry-After). Between two steps at most `max_prefill_tokens` prompt tokens join (one job at least),
-so that a burst of long prompts prefills over several turns: the running rows keep streaming, and
-the first jobs of the burst get their first tokens before the last ones are prefilled.
+a batch to drain. Which jobs join and which group steps next is `scheduler`'s (rows, tokens in flight
+and prompt tokens per turn bounded; groups taking turns, one step each); a queue of more than
+`max_queue` waiting jobs refuses new ones (`QueueFull`: HTTP 503 with Retry-After).
 
 Each row samples with its own request's temperature, top-p and seed (`Job.row`), so a request gets
 the tokens it would get alone whatever shares its batch. After every step the session's rows turn
-their newly committed tokens into text deltas (`TextStream`: incremental, so a long stream costs no
-more per step than a short one), cut the text before a stop string (and cancel that row), cancel the
-rows whose clients left, and hand the deltas to the jobs' event queues, which the HTTP layer reads
-(`fastforward.serving.app`); a job's last event carries its token ids. A failure inside decoding fails
-only the jobs of that group. Other model work (scoring log-probabilities) runs on the same worker
-between two steps (`Engine.call`).
+their newly committed tokens into text deltas (`TextStream`), cut the text before a stop string (and
+cancel that row), cancel the rows whose clients left, and hand the deltas to the jobs' event queues,
+which the HTTP layer reads (`fastforward.serving.app`); a job's last event carries its token ids. A
+failure inside decoding fails only the jobs of that group. Other model work (scoring
+log-probabilities) runs on the same worker between two steps (`Engine.call`).
 """
 
 from __future__ import annotations
@@ -30,17 +26,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from fastforward.decoding.decoders import Decoder, registry
+from fastforward.decoding.decoders import Decoder
 from fastforward.decoding.runtime import PREFILL_TOKENS, Generation, Prompt, Session
-from fastforward.errors import FastForwardError
 from fastforward.model import Model
+from fastforward.serving import scheduler
 from fastforward.serving.metrics import Metrics
+from fastforward.serving.text_stream import TextStream
 
 _ids = itertools.count()
 
@@ -135,10 +132,8 @@ class Engine:
         max_prefill_tokens: int = PREFILL_TOKENS,
     ):
         self.model = model
-        self.max_prefill_tokens = max_prefill_tokens
+        self.limits = scheduler.Limits(max_batch_size, max_batch_tokens, max_prefill_tokens)
         self.max_step_tokens = max_step_tokens  # `Session.step_tokens` of every group
-        self.max_batch_size = max_batch_size
-        self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self._waiting: deque[Job] = deque()
@@ -224,8 +219,7 @@ class Engine:
             if not self._admit():
                 return
             if self._groups:
-                names = list(self._groups)
-                name = names[self._turn % len(names)]
+                name = scheduler.next_batch(list(self._groups), self._turn)
                 self._turn += 1
                 group = self._groups[name]
                 self._guarded([r.job for r in group.rows], lambda: self._step(name, group))  # noqa: B023
@@ -242,23 +236,12 @@ class Engine:
         with self._lock:
             if not self._waiting and not self._groups:
                 return bool(calls)
-            admitted: dict[str, list[Job]] = {}
             # Rows still decoding: retired ones leave in the join that admits their successors.
-            live = [r for g in self._groups.values() for i, r in enumerate(g.rows) if i not in g.retired]
-            rows, tokens = len(live), sum(len(r.job.prompt) + r.job.max_tokens for r in live)
-            prefill = 0  # prompt tokens admitted in this turn
-            for job in list(self._waiting):
-                size = len(job.prompt) + job.max_tokens
-                full = rows >= self.max_batch_size or (
-                    self.max_batch_tokens is not None and tokens + size > self.max_batch_tokens and rows > 0
-                )
-                # Past the prefill budget it waits for the next turn (a job alone always fits).
-                enough = prefill > 0 and prefill + len(job.prompt) > self.max_prefill_tokens
-                if full or enough:
-                    break
-                self._waiting.remove(job)
-                admitted.setdefault(job.setting, []).append(job)
-                rows, tokens, prefill = rows + 1, tokens + size, prefill + len(job.prompt)
+            live = [r.job for g in self._groups.values() for i, r in enumerate(g.rows) if i not in g.retired]
+            admitted = scheduler.admit(self._waiting, live, self.limits)
+            for jobs in admitted.values():
+                for job in jobs:
+                    self._waiting.remove(job)
             self.metrics.queue_depth.set(len(self._waiting))
         for setting, jobs in admitted.items():
             self._guarded(jobs, lambda: self._join(setting, jobs))  # noqa: B023
@@ -384,101 +367,3 @@ class Engine:
             "tpf": round(tokens / nfe, 4) if nfe else 0.0,
             "queries": queries,  # tokens the decoding forwards ran, drafts included (`runtime.Stats`)
         }
-
-
-class TextStream:
-    """A row's text as its tokens arrive: each push returns only the new, complete text, and nothing
-    from the first stop string on.
-
-    Incremental, so streaming n tokens costs O(n), not a decode of the whole text per step: a push
-    decodes a short window, the tokens not yet out plus those of the piece of text before them (so a
-    tokenizer that spaces a word by what precedes it decodes it as in the whole text), and sends what
-    the new tokens add. A window whose text ends in U+FFFD (a multi-byte character split across
-    tokens) waits for the tokens that complete it, until `final`; byte-level BPE text sent this way
-    concatenates to exactly the decode of all the tokens. Text that could begin a stop string waits
-    until it does not (or `final`), so the text is cut exactly before the first stop string, even
-    one that spans several steps.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
-        self.decode, self.stop = decode, [s for s in stop if s]
-        self.ids: list[int] = []
-        self.start = 0  # the window's first token: the piece of text before the tokens not yet out
-        self.out = 0  # tokens whose text is out (sent, or held for a stop string)
-        self.held = ""  # text out of the tokens but not sent: it may begin a stop string
-
-    def push(self, ids: list[int], final: bool = False) -> tuple[str, bool]:
-        """Add tokens; returns the text to send and whether a stop string ended the text."""
-        self.ids += ids
-        before = self.decode(self.ids[self.start : self.out])
-        text = self.decode(self.ids[self.start :])
-        new = ""
-        if final or not text.endswith("\ufffd"):
-            new = text[len(before) :]
-            self.start, self.out = self.out, len(self.ids)
-        pending = self.held + new
-        cut = min((i for i in (pending.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            return pending[:cut], True
-        wait = 0 if final else self._stop_start(pending)
-        self.held = pending[len(pending) - wait :] if wait else ""
-        return pending[: len(pending) - wait], False
-
-    def _stop_start(self, text: str) -> int:
-        """How many of the text's last characters begin a stop string (the longest such ending)."""
-        return max(
-            (n for s in self.stop for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])), default=0
-        )
-
-
-WARM_UP_TEXT = "one two three, one two three, one two three, one two three"  # repeats: drafting decoders draft
-
-
-# Requests may name another decoder than the server's: these make the kinds of step the decoders
-# run (one token, a causal block), so that such a request compiles nothing either.
-WARM_UP_DECODERS = ("ar", "jacobi")
-
-
-def warm_up(model: Model, decoder: Decoder) -> float:
-    """Serve a short prompt alone, then two (the second joining the first's running batch), through an
-    engine as the server's, with the server's decoder and with each of `WARM_UP_DECODERS`: so the kinds
-    of step a server runs are compiled before its first request. After it, compiled steps compile no new
-    kind: one compiled in the middle of serving would hold every request of the moment for a minute or
-    more, so a step of a kind the warm-up did not meet runs eagerly (the same tokens; said once).
-    Returns the seconds it took."""
-    started = time.perf_counter()
-    prompt = model.encode_prompt(WARM_UP_TEXT)
-    others = [registry.spec(name).create() for name in WARM_UP_DECODERS if name != decoder.name]
-
-    async def serve() -> None:
-        loop = asyncio.get_running_loop()
-        engine = Engine(model, max_batch_size=2)
-
-        def submit(each: Decoder, ids: list[int]) -> Job:
-            job = Job(ids, each, f"warm-up {each.name}", 24, [], loop)
-            engine.submit(job)
-            return job
-
-        async def finish(job: Job, first_event_only: bool = False) -> None:
-            while (event := await job.events.get()).finish_reason is None and not first_event_only:
-                pass
-            if event.error:
-                raise FastForwardError(f"the server's warm-up failed: {event.error}")
-
-        try:
-            for each in [decoder, *others]:
-                await finish(submit(each, prompt))
-                running = submit(each, prompt)
-                await finish(running, first_event_only=True)  # decoding: the next one joins its batch
-                joining = submit(each, prompt[1:])
-                await finish(running)
-                await finish(joining)
-        finally:
-            await asyncio.to_thread(engine.stop)
-
-    # On a thread of its own: a caller may be inside an event loop already (a Ray Serve replica's builder).
-    with ThreadPoolExecutor(1) as pool:
-        pool.submit(asyncio.run, serve()).result()
-    if model.compiled_forward is not None:  # from now on, what it did not prepare runs eagerly
-        model.compiled_forward.compile_new_kinds = False
-    return time.perf_counter() - started
