@@ -29,8 +29,9 @@ from common import RESULTS, machine_info, set_threads
 from fastforward.api import build_decoder
 from fastforward.decoding import metrics
 from fastforward.demo.pipeline import DemoConfig, finetune, pack_records
-from fastforward.evaluation.evaluate import AR, compare, results_table, sweep_label, write_json
+from fastforward.evaluation.evaluate import AR, compare, sweep_label
 from fastforward.evaluation.plots import plot_curves
+from fastforward.evaluation.report import results_table, write_json
 from fastforward.model import Model, load_model
 from fastforward.training.data import derive_seed
 from fastforward.training.objectives import NTP

@@ -27,7 +27,8 @@ import transformers
 
 from fastforward.decoding.decoders import Decoder, Generation, Stats
 from fastforward.decoding.metrics import aup
-from fastforward.evaluation.evaluate import EvalResult, write_json
+from fastforward.evaluation.report import write_json
+from fastforward.evaluation.results import EvalResult
 from fastforward.model import PRESETS, Model, load_model
 from fastforward.tasks import get_task
 
@@ -216,7 +217,10 @@ class HFGenerate(Decoder):
         for key, value in options.items():
             setattr(self, key, value)  # shown by evaluate.describe_decoder
 
-    def decode(self, session) -> None:  # not used: generate is overridden
+    def begin(self, session, rows) -> None:  # not used: generate is overridden
+        raise NotImplementedError
+
+    def step(self, session) -> None:  # not used: generate is overridden
         raise NotImplementedError
 
     def generate(self, model: Model, prompts: list[list[int]], max_new_tokens: int = 256) -> list[Generation]:

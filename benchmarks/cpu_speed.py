@@ -45,7 +45,7 @@ from common import (
 from fastforward.api import build_decoder
 from fastforward.decoding.decoders import Generation
 from fastforward.decoding.metrics import queries_per_token
-from fastforward.evaluation.evaluate import format_table
+from fastforward.evaluation.report import format_table
 
 # (label, model key, decoder name, knobs); the model keys are loaded once each.
 OURS = [

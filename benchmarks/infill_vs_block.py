@@ -39,7 +39,8 @@ from fastforward.decoding.decoders.sbd import SBDDecoder
 from fastforward.decoding.policies import make_policy
 from fastforward.decoding.runtime import Session
 from fastforward.demo.pipeline import DemoConfig
-from fastforward.evaluation.evaluate import compare, format_table, write_json
+from fastforward.evaluation.evaluate import compare
+from fastforward.evaluation.report import format_table, write_json
 from fastforward.model import load_model
 from fastforward.tasks import get_task
 
@@ -93,7 +94,7 @@ def main() -> None:
         }
         prefix_only = build_decoder("sbd", block_size=args.block, policy="threshold", gamma=0.9)
         block[f"sbd b={args.block} τ=0.9 (prefix only)"] = prefix_only
-        model = load_model(args.sbd, **config.precision())
+        model = load_model(args.sbd, precision=config.precision())
         for label, result in compare(model, task, block, examples, **options).items():
             rows.append({**result_row(result, task=task_name, model=Path(args.sbd).name, decoder=label),
                          "rouge_l": round(100 * result.score, 2)})  # fmt: skip
@@ -105,7 +106,7 @@ def main() -> None:
                 for w in windows
                 for mode in ("upfront", "promote")
             }
-            model = load_model(path, **config.precision())
+            model = load_model(path, precision=config.precision())
             for label, result in compare(model, task, sets, examples, **options).items():
                 rows.append({**result_row(result, task=task_name, model=Path(path).name, decoder=label),
                              "rouge_l": round(100 * result.score, 2)})  # fmt: skip

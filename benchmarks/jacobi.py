@@ -48,7 +48,8 @@ import torch
 from common import HFGenerate, load_average, log, machine_info, set_threads
 
 from fastforward.api import build_decoder
-from fastforward.evaluation.evaluate import AR, compare, write_json
+from fastforward.evaluation.evaluate import AR, compare
+from fastforward.evaluation.report import write_json
 from fastforward.model import load_model
 from fastforward.tasks import get_task, parse_options
 

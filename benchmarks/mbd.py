@@ -46,7 +46,8 @@ from common import (
 from fastforward.api import build_decoder
 from fastforward.demo.pipeline import DemoConfig
 from fastforward.demo.zoo import Stage
-from fastforward.evaluation.evaluate import AR, compare, format_table, write_json
+from fastforward.evaluation.evaluate import AR, compare
+from fastforward.evaluation.report import format_table, write_json
 from fastforward.model import load_model
 
 ABLATIONS = {

@@ -36,7 +36,8 @@ from common import log, machine_info, set_threads
 from fastforward.decoding.decoders.mbd import MultiBlockDiffusionDecoder
 from fastforward.demo.pipeline import DemoConfig, pack_records
 from fastforward.demo.showcase import Settings
-from fastforward.evaluation.evaluate import AR, compare, write_json
+from fastforward.evaluation.evaluate import AR, compare
+from fastforward.evaluation.report import write_json
 from fastforward.model import load_model
 from fastforward.training.objectives import MultiTF
 
@@ -258,7 +259,7 @@ def main() -> None:
     load_before = machine_info(load=True)["load_average"]
     started = time.perf_counter()
     config, settings = DemoConfig(), Settings()
-    model = load_model(args.model, **config.precision())
+    model = load_model(args.model, precision=config.precision())
     objective = MultiTF(
         min_block=args.min_block, max_block=args.max_block, max_group=args.max_group, layouts=args.layouts,
         schedule=args.schedule,

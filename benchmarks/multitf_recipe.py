@@ -32,7 +32,8 @@ from fastforward.api import build_decoder
 from fastforward.demo.pipeline import DemoConfig, finetune
 from fastforward.demo.showcase import Settings
 from fastforward.demo.zoo import Stage, write_provenance, write_task_options
-from fastforward.evaluation.evaluate import compare, format_table, write_json
+from fastforward.evaluation.evaluate import compare
+from fastforward.evaluation.report import format_table, write_json
 from fastforward.model import load_model
 
 SHIPPED = Path(__file__).resolve().parents[1] / "fastforward" / "demo" / "checkpoints"
@@ -123,7 +124,7 @@ def main() -> None:
     rows, correct = [], {}
     t0 = time.perf_counter()
     for name in names:
-        model = load_model(str(out / name), **config.precision())
+        model = load_model(str(out / name), precision=config.precision())
         results = compare(
             model, task, decoders(Settings(), accepts), examples, max_new_tokens=config.max_new_tokens,
             chat_template=False, desc=f"eval {name}",

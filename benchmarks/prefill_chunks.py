@@ -28,7 +28,7 @@ from unittest import mock
 import torch
 from common import CHAT, RESULTS, load_average, log, write_report
 
-from fastforward.decoding import runtime
+from fastforward.decoding import prefill
 from fastforward.decoding.runtime import Session
 from fastforward.model import load_model
 from fastforward.tasks import get_task
@@ -46,7 +46,7 @@ def prompts(model, rows: int) -> list[list[int]]:
 
 def prefill_seconds(model, batch: list[list[int]], one_forward: bool = False) -> float:
     """Seconds to open a session of `batch` (its prefill), in chunks or (`one_forward`) in one forward."""
-    one = mock.patch.object(runtime, "prefill_chunks", lambda lengths, budget: [list(range(len(lengths)))])
+    one = mock.patch.object(prefill, "prefill_chunks", lambda lengths, budget: [list(range(len(lengths)))])
     with torch.inference_mode(), one if one_forward else contextlib.nullcontext():
         started = time.perf_counter()
         Session(model, batch, 1)
@@ -66,7 +66,7 @@ def main() -> None:
     model = load_model(args.model, quantize=args.quantize, exact=args.exact)
     batch = prompts(model, args.rows)
     lengths = [len(b) for b in batch]
-    chunks = runtime.prefill_chunks(lengths, runtime.PREFILL_TOKENS)
+    chunks = prefill.prefill_chunks(lengths, prefill.PREFILL_TOKENS)
     log(f"{args.rows} prompts of {min(lengths)}-{max(lengths)} tokens ({sum(lengths)} in all): chunks {chunks}")
     longest = max(batch, key=len)
     sizes = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= args.rows]

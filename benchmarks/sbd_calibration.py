@@ -28,7 +28,7 @@ from common import RESULTS, machine_info, set_threads
 
 from fastforward.decoding.decoders import ARDecoder
 from fastforward.decoding.runtime import Session
-from fastforward.evaluation.evaluate import format_table, write_json
+from fastforward.evaluation.report import format_table, write_json
 from fastforward.model import load_model, visibility
 from fastforward.tasks import get_task
 

@@ -38,8 +38,9 @@ from fastforward.demo.pipeline import (
     sbd_decoders,
     table_row,
 )
-from fastforward.evaluation.evaluate import AR, compare, sweep_label, write_json
+from fastforward.evaluation.evaluate import AR, compare, sweep_label
 from fastforward.evaluation.plots import plot_curves
+from fastforward.evaluation.report import write_json
 from fastforward.model import load_model
 
 

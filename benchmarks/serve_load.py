@@ -8,8 +8,6 @@ Each scenario starts `fastforward serve` in a process of its own on 127.0.0.1, s
 and records, per request, the time to its first text and to its end:
 
   one-at-a-time  one client, each request after the previous one ended
-  static         --clients concurrent clients; the engine batches only requests with equal settings
-                 and budgets, and a batch decodes to its end (`fastforward serve --static-batches`)
   continuous     --clients concurrent clients, continuous batching (the default engine)
   poisson R      open loop: arrivals at R requests/s (exponential gaps), continuous batching
   in process     the continuous engine driven by --clients clients in this process, without HTTP
@@ -73,7 +71,7 @@ def main() -> int:
         "--server-threads", type=int, default=None, help="the server's torch threads (default: its own choice)"
     )
     p.add_argument(
-        "--skip", nargs="*", default=[], help="scenarios to leave out: one-at-a-time static continuous in-process"
+        "--skip", nargs="*", default=[], help="scenarios to leave out: one-at-a-time continuous poisson in-process"
     )
     p.add_argument("--prompts", choices=("task", "chat"), default=None, help="task problems (demo models) or chat")
     p.add_argument("--task", default="arithmetic", help="the task whose problems are prompts (--prompts task)")
@@ -85,13 +83,13 @@ def main() -> int:
     requests = workload(model, args)
     load_before = load_average()
     scenarios: dict[str, dict] = {}
-    plans = [("one-at-a-time", 1, None, False), ("static", args.clients, None, True)]
-    plans += [("continuous", args.clients, None, False)] + [(f"poisson {r:g}/s", None, r, False) for r in args.rates]
-    for name, clients, rate, static in plans:
+    plans = [("one-at-a-time", 1, None), ("continuous", args.clients, None)]
+    plans += [(f"poisson {r:g}/s", None, r) for r in args.rates]
+    for name, clients, rate in plans:
         if name.split()[0] in args.skip:
             continue
         log(f"== {name}")
-        results, cpu = serve(args, requests, clients, rate, static)
+        results, cpu = serve(args, requests, clients, rate)
         scenarios[name] = summarize(results, burst=clients or 0) | cpu
         log(json.dumps({k: v for k, v in scenarios[name].items() if k not in ("texts", "ttft_by_request")}))
     if "in-process" not in args.skip:  # the same engine without HTTP: what the server's layer costs
@@ -127,7 +125,7 @@ def workload(model, args: argparse.Namespace) -> list[dict]:
 
 
 def serve(
-    args: argparse.Namespace, requests: list[dict], clients: int | None, rate: float | None, static: bool
+    args: argparse.Namespace, requests: list[dict], clients: int | None, rate: float | None
 ) -> tuple[list[dict], dict]:
     """Start `fastforward serve` in its own process (so the load generator here takes none of its
     time), send the requests `clients` at a time or at Poisson `rate`, stop the server. Returns the
@@ -141,7 +139,6 @@ def serve(
     command += ["--compile" if args.compile else "--no-compile"]
     command += ["--block-size", str(args.block_size)] if args.block_size else []
     command += ["--max-step-tokens", str(args.max_step_tokens)] if args.max_step_tokens else []
-    command += ["--static-batches"] if static else []
     command += ["--threads", str(args.server_threads)] if args.server_threads else []
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -169,7 +166,8 @@ def in_process(model, args: argparse.Namespace, knobs: dict, requests: list[dict
     jobs' event queues: the server without its HTTP layer (and with no load generator beside it).
     Returns the results and the CPU seconds this process (engine and clients) spent on them."""
     from fastforward.serving.app import CompletionRequest, Server
-    from fastforward.serving.engine import Engine, warm_up
+    from fastforward.serving.engine import Engine
+    from fastforward.serving.warm_up import warm_up
 
     if args.compile:  # as the server does before it listens
         warm_up(model, build_decoder(args.decoder, **knobs))

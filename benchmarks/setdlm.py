@@ -44,7 +44,9 @@ from common import (
 from fastforward.api import build_decoder
 from fastforward.demo.pipeline import DemoConfig
 from fastforward.demo.zoo import Stage
-from fastforward.evaluation.evaluate import EvalResult, compare, format_table, write_json
+from fastforward.evaluation.evaluate import compare
+from fastforward.evaluation.report import format_table, write_json
+from fastforward.evaluation.results import EvalResult
 from fastforward.model import load_model
 from fastforward.tasks import get_task
 

@@ -44,7 +44,8 @@ from fastforward.model.adapters import ADAPTER_CONFIG, PROVENANCE
 from fastforward.tasks import get_task
 from fastforward.tasks.instructions import instruction_prompts
 from fastforward.training.objectives import JacobiForcing
-from fastforward.training.trainer import TrainConfig, finished_run, train
+from fastforward.training.run_dir import finished_run
+from fastforward.training.trainer import TrainConfig, train
 from fastforward.training.trajectories import TrajectoryData, collect
 
 BASE = "smollm2-135m"

@@ -41,11 +41,14 @@ from fastforward.decoding.decoders import Decoder
 from fastforward.decoding.metrics import token_agreement
 from fastforward.demo.pipeline import pack_records
 from fastforward.errors import FastForwardError
-from fastforward.evaluation.evaluate import AR, EvalResult, compare, format_table, write_json, write_records
+from fastforward.evaluation.evaluate import AR, compare
+from fastforward.evaluation.report import format_table, write_json, write_records
+from fastforward.evaluation.results import EvalResult
 from fastforward.model import Model, load_model
 from fastforward.tasks import PyCodeTask, get_task
 from fastforward.training.objectives import SBD
-from fastforward.training.trainer import RESUME_NEUTRAL, TrainConfig, latest_checkpoint, train
+from fastforward.training.run_dir import RESUME_NEUTRAL, latest_checkpoint
+from fastforward.training.trainer import TrainConfig, train
 
 HF = "hf-generate"
 

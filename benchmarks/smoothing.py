@@ -25,7 +25,7 @@ from common import RESULTS, load_average, log, set_threads, write_report
 
 from fastforward.cpu.quantize import quantize
 from fastforward.cpu.smoothing import calibration_ids
-from fastforward.evaluation.evaluate import format_table
+from fastforward.evaluation.report import format_table
 from fastforward.model import load_model
 from fastforward.tasks import get_task
 

@@ -8,75 +8,30 @@ transformers load is an interrupt, not a traceback.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-_EXPORTS = {
-    "build_decoder": "fastforward.api",
-    "generate": "fastforward.api",
-    "infill": "fastforward.api",
-    "ARDecoder": "fastforward.decoding.decoders",
-    "Decoder": "fastforward.decoding.decoders",
-    "JacobiDecoder": "fastforward.decoding.decoders",
-    "MultiBlockJacobiDecoder": "fastforward.decoding.decoders",
-    "SBDDecoder": "fastforward.decoding.decoders",
-    "VerifiedSBDDecoder": "fastforward.decoding.decoders",
-    "FastForwardError": "fastforward.errors",
-    "Layout": "fastforward.model",
-    "Model": "fastforward.model",
-    "load_model": "fastforward.model",
-    "ConfidenceBounded": "fastforward.decoding.policies",
-    "EntropyBounded": "fastforward.decoding.policies",
-    "Factor": "fastforward.decoding.policies",
-    "Threshold": "fastforward.decoding.policies",
-    "make_policy": "fastforward.decoding.policies",
-    "Generation": "fastforward.decoding.runtime",
-    "Prompt": "fastforward.decoding.runtime",
-    "Session": "fastforward.decoding.runtime",
-    "Stats": "fastforward.decoding.runtime",
-    "Sampler": "fastforward.decoding.sampling",
+# The public API, declared once: each module and the names it gives. `__all__`, attribute lookup and
+# `dir()` come from here. Every decoder class is public (tests/test_registries.py checks the registry's).
+_PUBLIC: dict[str, tuple[str, ...]] = {
+    "fastforward.api": ("build_decoder", "generate", "infill"),
+    "fastforward.errors": ("FastForwardError",),
+    "fastforward.model": ("Layout", "Model", "Precision", "load_model"),
+    "fastforward.decoding.runtime": ("Generation", "Prompt", "Session", "Stats"),
+    "fastforward.decoding.sampling": ("Sampler",),
+    "fastforward.decoding.policies": ("ConfidenceBounded", "EntropyBounded", "Factor", "Threshold", "make_policy"),
+    "fastforward.decoding.decoders.base": ("Decoder",),
+    "fastforward.decoding.decoders.ar": ("ARDecoder",),
+    "fastforward.decoding.decoders.jacobi": ("JacobiDecoder",),
+    "fastforward.decoding.decoders.lookup": ("PromptLookupDecoder",),
+    "fastforward.decoding.decoders.mbd": ("MultiBlockDiffusionDecoder",),
+    "fastforward.decoding.decoders.multiblock_jacobi": ("MultiBlockJacobiDecoder",),
+    "fastforward.decoding.decoders.sbd": ("SBDDecoder",),
+    "fastforward.decoding.decoders.sbd_slide": ("SlidingSBDDecoder",),
+    "fastforward.decoding.decoders.sbd_verified": ("VerifiedSBDDecoder",),
+    "fastforward.decoding.decoders.setdlm": ("SetDiffusionDecoder",),
 }
-
-__all__ = [
-    "ARDecoder",
-    "ConfidenceBounded",
-    "Decoder",
-    "EntropyBounded",
-    "Factor",
-    "FastForwardError",
-    "Generation",
-    "JacobiDecoder",
-    "Layout",
-    "Model",
-    "MultiBlockJacobiDecoder",
-    "Prompt",
-    "SBDDecoder",
-    "Sampler",
-    "Session",
-    "Stats",
-    "Threshold",
-    "VerifiedSBDDecoder",
-    "build_decoder",
-    "generate",
-    "infill",
-    "load_model",
-    "make_policy",
-]
-
-if TYPE_CHECKING:
-    from fastforward.api import build_decoder, generate, infill
-    from fastforward.decoding.decoders import (
-        ARDecoder,
-        Decoder,
-        JacobiDecoder,
-        MultiBlockJacobiDecoder,
-        SBDDecoder,
-        VerifiedSBDDecoder,
-    )
-    from fastforward.decoding.policies import ConfidenceBounded, EntropyBounded, Factor, Threshold, make_policy
-    from fastforward.decoding.runtime import Generation, Prompt, Session, Stats
-    from fastforward.decoding.sampling import Sampler
-    from fastforward.errors import FastForwardError
-    from fastforward.model import Layout, Model, load_model
+_EXPORTS = {name: module for module, names in _PUBLIC.items() for name in names}
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

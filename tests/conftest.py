@@ -224,3 +224,14 @@ def client(served):
     from openai import OpenAI
 
     return OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def scratch_registries(monkeypatch):
+    """The decoder and objective registries, complete, with what a test registers dropped after it."""
+    from fastforward.decoding.decoders.registry import DECODERS
+    from fastforward.training.objectives import OBJECTIVES
+
+    for registry in (DECODERS, OBJECTIVES):
+        list(registry)  # every module registered first: the copy restored afterwards lacks none
+        monkeypatch.setattr(registry, "entries", dict(registry.entries))

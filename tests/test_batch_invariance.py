@@ -125,7 +125,7 @@ def test_a_padded_prefill_gives_each_row_a_one_prompt_prefills_bits(saved, setti
         for row, prompt in enumerate(prompts):
             alone = Session(model, [prompt], 4)
             assert torch.equal(batch.next_logits[row], alone.next_logits[0])
-            valid = batch.key_valid[row]
+            valid = batch.cache.validity(batch.batch)[row]
             for mine, theirs in zip(batch.cache.layers, alone.cache.layers, strict=True):
                 assert torch.equal(mine.keys[row][:, valid], theirs.keys[0])
                 assert torch.equal(mine.values[row][:, valid], theirs.values[0])

@@ -6,15 +6,7 @@ import torch
 from transformers import DynamicCache, LlamaForCausalLM, MistralConfig
 
 from fastforward.model import Model
-from fastforward.model.cache import (
-    MIN_CAPACITY,
-    GrowingLayer,
-    gather_entries,
-    new_cache,
-    reserve,
-    track_positions,
-    truncate,
-)
+from fastforward.model.cache import MIN_CAPACITY, GrowingLayer, KVCache
 from fastforward.model.tiny import tiny_model
 
 
@@ -57,7 +49,7 @@ def test_batch_selection_and_reset():
 def test_cached_steps_equal_a_concatenating_cache_bit_for_bit(tiny, prompts, cached_step):
     """Prefill, one-token steps across two buffer growths, a rollback, a block: the same logits and
     entries as transformers' DynamicCache."""
-    growing, concatenating = tiny.new_cache(), DynamicCache(config=tiny.hf.config)
+    growing, concatenating = tiny.new_cache(), KVCache(DynamicCache(config=tiny.hf.config))
     assert all(type(layer) is GrowingLayer for layer in growing.layers)
     prompt = prompts[2]
 
@@ -68,8 +60,8 @@ def test_cached_steps_equal_a_concatenating_cache_bit_for_bit(tiny, prompts, cac
             token = int(pairs[-1][0][0, -1].argmax())
             pairs.append((run(growing, [token]), run(concatenating, [token])))
             if step == 70:
-                truncate(growing, growing.get_seq_length() - 5)
-                truncate(concatenating, concatenating.get_seq_length() - 5)
+                growing.truncate(growing.get_seq_length() - 5)
+                concatenating.truncate(concatenating.get_seq_length() - 5)
         pairs.append((run(growing, [3, 4, 5, 6]), run(concatenating, [3, 4, 5, 6])))
     assert growing.get_seq_length() == concatenating.get_seq_length() == len(prompt) + 140 - 5 + 4 > 2 * MIN_CAPACITY
     assert all(torch.equal(a, b) for a, b in pairs)
@@ -83,7 +75,7 @@ def test_gather_entries_moves_entries_within_the_buffers(tiny):
     for other in cache.layers:
         other.update(entries(6, 0), entries(6, 1))
     before = layer.keys.clone()
-    gather_entries(cache, 2, torch.tensor([[3, 1], [0, 2]]))  # row 0 keeps entries 5, 3; row 1 entries 2, 4
+    cache.gather_entries(2, torch.tensor([[3, 1], [0, 2]]))  # row 0 keeps entries 5, 3; row 1 entries 2, 4
     assert torch.equal(layer.keys[0, :, 2:4], before[0, :, [5, 3]])
     assert torch.equal(layer.keys[1, :, 2:4], before[1, :, [2, 4]])
 
@@ -92,7 +84,7 @@ def test_reserve_makes_room_in_every_growing_layer(tiny):
     cache = tiny.new_cache()
     for layer in cache.layers:
         layer.update(entries(3, 0), entries(3, 1))
-    reserve(cache, 200)
+    cache.reserve(200)
     assert all(layer.key_buffer.shape[2] > 200 for layer in cache.layers)
 
 
@@ -100,14 +92,14 @@ def test_sliding_window_layers_keep_every_entry_and_their_positions():
     """A sliding layer grows like a full one (its masks hide what the window no longer shows), so
     rolling back works; the positions of the entries follow every truncation and gather."""
     config = MistralConfig(num_hidden_layers=2, sliding_window=8, hidden_size=32, num_attention_heads=2)
-    cache = new_cache(config)
+    cache = KVCache.new(config)
     assert [type(layer) for layer in cache.layers] == [GrowingLayer] * 2
     kv = torch.zeros(2, 2, 5, 16)
-    assert track_positions(cache, torch.tensor([[0, 1, 2, 3, 4], [7, 9, 8, 3, 1]])).shape == (2, 5)
+    assert cache.track_positions(torch.tensor([[0, 1, 2, 3, 4], [7, 9, 8, 3, 1]])).shape == (2, 5)
     for i, layer in enumerate(cache.layers):
         layer.update(kv, kv, i)
-    gather_entries(cache, 1, torch.tensor([[2, 0], [3, 1]]))
-    truncate(cache, 3)
+    cache.gather_entries(1, torch.tensor([[2, 0], [3, 1]]))
+    cache.truncate(3)
     assert cache.key_positions.tolist() == [[0, 3, 1], [7, 1, 8]]
     assert cache.get_seq_length() == 3
 

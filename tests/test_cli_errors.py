@@ -10,13 +10,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers.utils import logging as hf_logging
 
-from fastforward import model as model_module
 from fastforward.cli import generate as generate_cli
 from fastforward.cli import main
 from fastforward.decoding.decoders import ARDecoder
 from fastforward.errors import FastForwardError
 from fastforward.evaluation.evaluate import compare
-from fastforward.model import load_model, resolve_model_path
+from fastforward.model import load_model, presets, resolve_model_path
 from fastforward.model.tiny import tiny_model
 from fastforward.tasks import get_task
 
@@ -181,8 +180,8 @@ def test_local_load_and_save_draw_no_bars(saved, tmp_path, capsys):
 def test_preset_conversion_says_so_once(tmp_path, monkeypatch, capsys):
     tiny = tiny_model()
     monkeypatch.setenv("FASTFORWARD_HOME", str(tmp_path))
-    monkeypatch.setattr(model_module, "_preset_gguf", lambda name: tmp_path / "Tiny.Q4.gguf")
-    monkeypatch.setattr(model_module, "_load_gguf", lambda path: (tiny.hf, tiny.tokenizer))
+    monkeypatch.setattr(presets, "_preset_gguf", lambda name: tmp_path / "Tiny.Q4.gguf")
+    monkeypatch.setattr(presets, "load_gguf", lambda path: (tiny.hf, tiny.tokenizer))
     target = resolve_model_path("smollm2-135m")
     assert (target / "config.json").exists()
     err = capsys.readouterr().err

@@ -21,7 +21,7 @@ from fastforward.decoding.decoders import ARDecoder, registry
 from fastforward.errors import FastForwardError
 from fastforward.model import load_model, store
 from fastforward.model.tiny import tiny_model
-from fastforward.serving.engine import warm_up
+from fastforward.serving.warm_up import warm_up
 
 WHY = f"--compile needs torch 2.13, not {torch.__version__}"
 needs_aot_compile = pytest.mark.skipif(not AOT_COMPILE_WORKS, reason=WHY)

@@ -1,54 +1,77 @@
 """Continuous batching: rows join a running session and leave it between steps (`Session.join`,
-`Session.leave`); a lossless decoder's outputs equal its outputs alone, and the cache equals a fresh
+`Session.leave`); every registered decoder's outputs equal its outputs alone, and the cache equals a fresh
 prefill of each running row's tokens after any sequence of joins and leaves."""
 
 import pytest
 import torch
 
 from fastforward.api import build_decoder
-from fastforward.decoding.decoders import ARDecoder, JacobiDecoder, Prompt, Session
+from fastforward.decoding.decoders import ARDecoder, JacobiDecoder, Prompt, registry
 from fastforward.decoding.decoders.lookup import PromptLookupDecoder
-from fastforward.decoding.decoders.sbd import SBDDecoder
-from fastforward.decoding.decoders.sbd_slide import SlidingSBDDecoder
 from fastforward.decoding.decoders.sbd_verified import VerifiedSBDDecoder
-from fastforward.decoding.decoders.setdlm import SetDiffusionDecoder
 from fastforward.decoding.policies import EntropyBounded
 from fastforward.decoding.sampling import Sampler
 from fastforward.model import Layout
+from fastforward.model.cache import KVCache
 
 # (step at which the request arrives, prompt index, budget): staggered, mixed budgets, two at once
 ARRIVALS = [(0, 0, 12), (0, 1, 5), (2, 2, 17), (3, 3, 9), (3, 0, 7), (9, 1, 14), (10, 2, 3)]
 
+# Knob values for the tiny model, given to every registered decoder that takes them: blocks of a few
+# tokens, and bounds loose enough that its untrained masks reveal or accept several tokens a forward.
+TINY_KNOBS = {
+    "block_size": 4,
+    "window": 3,
+    "threshold": 0.5,
+    "gamma": 1.0,
+    "lookup_tokens": 4,
+    "max_match": 2,
+    "min_match": 1,
+    "jacobi_drafts": 2,
+}
+
+
+def registered(**knobs) -> list:
+    """Every registered decoder, built with the `TINY_KNOBS` (and `knobs`) it takes: a new decoder is
+    held to these tests without editing them."""
+    params = []
+    for name, spec in registry.specs().items():
+        chosen = {k: v for k, v in {**TINY_KNOBS, **knobs}.items() if spec.knob(k)}
+        params.append(pytest.param(spec.create(**chosen), id=name))
+    return params
+
+
+# Settings of some decoders that take other paths: random drafts, first tokens from the NTP head, and
+# verified SBD drafts that keep failing (rows out of credit draft at once).
+VARIANTS = [
+    pytest.param(build_decoder("jacobi", block_size=3, draft_init="random"), id="jacobi-random"),
+    pytest.param(build_decoder("sbd-slide", block_size=4, gamma=3.0), id="sbd-slide-long-runs"),
+    pytest.param(build_decoder("setdlm", window=3, threshold=0.5, first_token_from_ntp=True), id="setdlm-ntp-first"),
+    pytest.param(build_decoder("sbd", block_size=3, gamma=0.5, first_token_from_ntp=True), id="sbd-ntp-first"),
+    pytest.param(build_decoder("sbd-verified", block_size=3, gamma=0.1), id="sbd-verified-broke"),
+]
+
 
 def _check_cache(tiny, session) -> None:
-    """Every running row's valid cache entries are a causal prefill of its prompt and committed tokens
-    (all but the last, which the next step feeds; for `sbd-slide`, all but the run it carries; for
-    `sbd`, those before its open block and the full block it carries; for `sbd-verified`, those
-    before its draft), and
-    the cache's buffers are laid out as fresh ones are: compiled steps guard on their strides (a view
-    past dropped entries ran eagerly)."""
+    """Every running row's valid cache entries are a causal prefill of its prompt and its first
+    committed tokens (as many as it has entries beyond the prompt; what it has not cached yet, the
+    next forward carries), and the cache's buffers are laid out as fresh ones are: compiled steps guard
+    on their strides (a view past dropped entries ran eagerly)."""
     for layer in session.cache.layers:
         assert layer.key_buffer.is_contiguous() and layer.value_buffer.is_contiguous()
-    for row in range(session.batch):
-        if session.finished_rows[row]:
+    valid = session.cache.validity(session.batch)
+    for index, row in enumerate(session.rows):
+        if row.finished:
             continue
-        carried = session.row_state.get("carried", [None] * session.batch)[row]
-        if "block" in session.row_state:  # sbd: what precedes the open block and the full one it carries
-            cached = session.canvas[row][: session.row_state["block"][row][0] - len(carried)]
-        elif "start" in session.row_state:  # sbd-verified: what precedes its draft (slot 0 committed, not cached)
-            cached = session.canvas[row][: session.row_state["start"][row]]
-        else:
-            cached = session.outputs[row][: -len(carried) if carried else -1]
-        ids = session.prefixes[row] + cached
+        cached = int(valid[index].sum()) - len(row.prefix)
+        assert 0 <= cached <= row.frontier
+        ids = row.prefix + row.canvas[:cached]
         fresh = tiny.new_cache()
         n = len(ids)
         with torch.inference_mode():
             tiny.run(Layout(torch.tensor([ids]), torch.arange(n)[None], None, keep=n), fresh)
-        valid = session.key_valid[row] if session.key_valid is not None else None
         for a, b in zip(fresh.layers, session.cache.layers, strict=True):
-            keys, values = b.keys[row], b.values[row]
-            if valid is not None:
-                keys, values = keys[:, valid], values[:, valid]
+            keys, values = b.keys[index][:, valid[index]], b.values[index][:, valid[index]]
             torch.testing.assert_close(keys, a.keys[0], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(values, a.values[0], rtol=1e-4, atol=1e-4)
 
@@ -64,9 +87,9 @@ def run_staggered(model, decoder, prompts, arrivals, check=None, fused=False, sa
         while pending or (session is not None and session.batch):
             arrived = [(i, a) for i, a in pending if a[0] <= step]
             pending = [(i, a) for i, a in pending if a[0] > step]
-            done = [] if session is None else [row for row in range(session.batch) if session.finished_rows[row]]
-            for row in done:
-                outputs[session.per_row("owner")[row]] = session.result(row).token_ids
+            done = [] if session is None else [index for index, row in enumerate(session.rows) if row.finished]
+            for index in done:
+                outputs[session.rows[index].owner] = session.result(index).token_ids
             if arrived:
                 rows = [
                     Prompt(prompts[index], seed=request, sampler=samplers[request] if samplers else None)
@@ -80,9 +103,8 @@ def run_staggered(model, decoder, prompts, arrivals, check=None, fused=False, sa
                 else:
                     new = session.join(rows, budgets)
                 decoder.begin(session, new)
-                owners = session.per_row("owner")  # session row → request: joins and leaves keep it in step
-                for row, (request, _) in zip(new, arrived, strict=True):
-                    owners[row] = request
+                for index, (request, _) in zip(new, arrived, strict=True):
+                    session.rows[index].owner = request  # the row's request: joins and leaves keep it
             if done:
                 session.leave(done)
             if session is not None and not session.finished:
@@ -90,51 +112,22 @@ def run_staggered(model, decoder, prompts, arrivals, check=None, fused=False, sa
                 if check:
                     check(session)
             elif session is not None and not pending:
-                for row in range(session.batch):
-                    outputs[session.per_row("owner")[row]] = session.result(row).token_ids
+                for index, row in enumerate(session.rows):
+                    outputs[row.owner] = session.result(index).token_ids
                 break
             step += 1
     return [outputs[i] for i in range(len(arrivals))]
 
 
-@pytest.mark.parametrize(
-    "decoder",
-    [
-        ARDecoder(),
-        JacobiDecoder(4),
-        JacobiDecoder(3, init="random"),
-        PromptLookupDecoder(4, 2, 1, jacobi_drafts=2),
-        SlidingSBDDecoder(4, 3.0),  # runs of 2-3 tokens a forward on this model
-        SetDiffusionDecoder(3, 0.5),  # reveals out of order, 1-3 tokens a forward on this model
-        SetDiffusionDecoder(3, 0.5, first_token_from_ntp=True),
-        SBDDecoder(4, EntropyBounded(1.0)),
-        SBDDecoder(3, EntropyBounded(0.5), first_token_from_ntp=True),
-        VerifiedSBDDecoder(4, EntropyBounded(1.0)),
-        VerifiedSBDDecoder(3, EntropyBounded(0.1)),  # drafts that fail: rows out of credit draft at once
-    ],
-    ids=[
-        "ar",
-        "jacobi",
-        "jacobi-random",
-        "lookup",
-        "sbd-slide",
-        "setdlm",
-        "setdlm-ntp-first",
-        "sbd",
-        "sbd-ntp-first",
-        "sbd-verified",
-        "sbd-verified-broke",
-    ],
-)
+@pytest.mark.parametrize("decoder", registered() + VARIANTS)
 @pytest.mark.parametrize("slack", [64, 0], ids=["holes-kept", "repacked"])
 @pytest.mark.parametrize("fused", [False, True], ids=["leave", "drop-on-join"])
 def test_staggered_rows_give_their_outputs_alone(tiny, prompts, decoder, slack, fused, monkeypatch):
     """With slack 0 every leave or join repacks the cache (each row's kept entries squeezed together).
-    Plain setdlm caches its tokens in reveal order, which no causal prefill does: only its outputs are
-    compared."""
-    monkeypatch.setattr(Session, "SQUEEZE_SLACK", slack)
-    causal = not isinstance(decoder, SetDiffusionDecoder) or decoder.first_token_from_ntp
-    check = (lambda s: _check_cache(tiny, s)) if causal else None
+    A decoder whose cache is not a causal prefill (plain setdlm caches its tokens in reveal order) has
+    only its outputs compared."""
+    monkeypatch.setattr(KVCache, "SQUEEZE_SLACK", slack)
+    check = (lambda s: _check_cache(tiny, s)) if decoder.causal_cache else None
     got = run_staggered(tiny, decoder, prompts, ARRIVALS, check=check, fused=fused)
     alone = [decoder.generate(tiny, [prompts[index]], budget)[0].token_ids for _, index, budget in ARRIVALS]
     assert got == alone
@@ -155,19 +148,7 @@ def test_sampled_rows_are_reproducible_whatever_joins(tiny, prompts):
 OWN_SAMPLERS = [Sampler(0.8), Sampler(), Sampler(1.3, 0.9), Sampler(0.8, 0.5), Sampler(), Sampler(1.0), Sampler(2.0)]
 
 
-@pytest.mark.parametrize(
-    "decoder",
-    [
-        ARDecoder(),
-        JacobiDecoder(4),
-        PromptLookupDecoder(4, 2, 1),
-        SlidingSBDDecoder(4, 3.0),
-        SetDiffusionDecoder(3, 0.5),
-        SBDDecoder(4, EntropyBounded(1.0)),
-        VerifiedSBDDecoder(4, EntropyBounded(1.0)),
-    ],
-    ids=["ar", "jacobi", "lookup", "sbd-slide", "setdlm", "sbd", "sbd-verified"],
-)
+@pytest.mark.parametrize("decoder", registered())
 def test_rows_with_their_own_samplers_sample_as_alone(tiny, prompts, decoder):
     got = run_staggered(tiny, decoder, prompts, ARRIVALS, samplers=OWN_SAMPLERS)
     alone = [
@@ -177,16 +158,6 @@ def test_rows_with_their_own_samplers_sample_as_alone(tiny, prompts, decoder):
     assert got == [generation.token_ids for generation in alone]
     mixed = run_staggered(tiny, decoder, prompts, ARRIVALS)  # the session's sampler (greedy) for every row
     assert mixed != got  # the rows' own samplers were used
-
-
-@pytest.mark.parametrize("name", ["jacobi-mr", "mbd"])
-def test_static_batches_sample_each_row_with_its_own_sampler(tiny, prompts, name):
-    decoder = build_decoder(name, block_size=4)
-    rows = [Prompt(p, seed=i, sampler=OWN_SAMPLERS[i]) for i, p in enumerate(prompts)]
-    together = decoder.generate(tiny, rows, 9)
-    assert [g.token_ids for g in together] == [decoder.generate(tiny, [row], 9)[0].token_ids for row in rows]
-    greedy = decoder.generate(tiny, [Prompt(p, seed=i) for i, p in enumerate(prompts)], 9)
-    assert [g.token_ids for g in greedy] != [g.token_ids for g in together]  # the rows' own samplers were used
 
 
 @pytest.mark.parametrize("joining", [1, 2], ids=["one-for-one", "fewer-than-dropped"])
@@ -200,7 +171,7 @@ def test_rows_joining_in_dropped_rows_places_write_only_their_own_entries(tiny, 
         session = decoder.open_session(tiny, [prompts[0], prompts[2], prompts[1]], [4, 30, 30])  # the longest stays
         decoder.begin(session, range(3))
         session.cancel(2)
-        while not session.finished_rows[0]:
+        while not session.rows[0].finished:
             decoder.step(session)
         done = session.result(0).token_ids
         buffers = [layer.key_buffer.data_ptr() for layer in session.cache.layers]
@@ -227,12 +198,12 @@ def test_leave_drops_padding_no_row_needs(tiny, prompts):
         session = decoder.open_session(tiny, [prompts[2]], 4)  # the longest prompt
         decoder.begin(session, range(1))
         decoder.begin(session, session.join([prompts[3]], 20))  # the shortest: left-padded
-        assert session.key_valid is not None and not session.key_valid[1, 0]
-        while not session.finished_rows[0]:
+        assert session.cache.key_valid is not None and not session.cache.key_valid[1, 0]
+        while not session.rows[0].finished:
             decoder.step(session)
         session.leave([0])
         # its padding went with the other row; alone, it needs no mask (its steps are a lone prompt's)
-        assert session.batch == 1 and session.key_valid is None
+        assert session.batch == 1 and session.cache.key_valid is None
         assert session.cache.get_seq_length() == len(prompts[3]) + len(session.outputs[0]) - 1
 
 
@@ -244,12 +215,12 @@ def test_leading_entries_no_staying_row_sees_are_dropped(tiny, prompts):
         session = decoder.open_session(tiny, [prompts[2]], 4)  # the longest prompt
         decoder.begin(session, range(1))
         decoder.begin(session, session.join([prompts[3], prompts[1]], 20))
-        while not session.finished_rows[0]:
+        while not session.rows[0].finished:
             decoder.step(session)
         width = session.cache.get_seq_length()
         session.leave([0])
         assert session.batch == 2 and session.cache.get_seq_length() < width
-        assert bool(session.key_valid[:, 0].any())
+        assert bool(session.cache.key_valid[:, 0].any())
         _check_cache(tiny, session)
         while not session.finished:
             decoder.step(session)
@@ -262,11 +233,11 @@ def test_a_row_left_alone_keeps_only_its_valid_entries_and_no_mask(tiny, prompts
     with torch.inference_mode():
         session = decoder.open_session(tiny, [prompts[0], prompts[1]], [6, 20])
         decoder.begin(session, range(2))
-        while not session.finished_rows[0]:
+        while not session.rows[0].finished:
             decoder.step(session)
-        holes = int((~session.key_valid[1]).sum())
+        holes = int((~session.cache.key_valid[1]).sum())
         session.leave([0])
-        assert holes > 0 and session.key_valid is None
+        assert holes > 0 and session.cache.key_valid is None
         _check_cache(tiny, session)
         while not session.finished:
             decoder.step(session)

@@ -173,7 +173,7 @@ class _OracleDrafts(VerifiedSBDDecoder):
         self.truth = truth
 
     def _reveal(self, session, logits, candidates, own):
-        start, draft = session.per_row("start")[0], session.per_row("draft")[0]  # draft[0]: the last token output
+        start, draft = session.rows[0].state.start, session.rows[0].state.draft  # draft[0]: the last token output
         for j, candidate in enumerate(candidates[0][: len(draft)]):
             if candidate and start + j < len(self.truth):
                 draft[j] = self.truth[start + j]
@@ -236,9 +236,9 @@ def test_multiblock_jacobi_never_drafts_fewer_than_plain_jacobi(tiny, prompts, b
     lengths: list[int] = []
     original = multiblock_jacobi.verify
 
-    def recording(session, last, drafts, cands, tail):
-        lengths.append(len(drafts))
-        return original(session, last, drafts, cands, tail)
+    def recording(session, lasts, drafts, cands, tail):
+        lengths.extend(len(d) for d in drafts if d)  # the running rows' (a finished row's are empty)
+        return original(session, lasts, drafts, cands, tail)
 
     plain = JacobiDecoder(block).generate(tiny, prompts, max_new_tokens=40)
     monkeypatch.setattr(multiblock_jacobi, "verify", recording, raising=True)

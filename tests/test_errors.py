@@ -28,7 +28,7 @@ def test_unknown_model(capsys):
 @pytest.mark.parametrize("size", [0, -3])
 def test_block_size_must_be_positive(size, capsys):
     with pytest.raises(FastForwardError, match="block size must be > 0"):
-        SBDDecoder(block_size=size)
+        build_decoder("sbd", block_size=size)
     assert main(["generate", "--decoder", "sbd", "--block-size", str(size), "hi"]) == 2
     assert "block size must be > 0" in capsys.readouterr().err
 

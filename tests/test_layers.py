@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fastforward"
 
 # lowest first; each entry is a top-level module or folder of the package
 LAYERS = [
-    {"errors", "jsonl"},
+    {"errors", "jsonl", "registry"},
     {"tasks"},
     {"cpu"},
     {"model"},
@@ -61,3 +61,16 @@ def test_the_two_layers_that_share_a_rank_do_not_import_each_other():
     for a, b in (("training", "evaluation"), ("demo", "serving")):
         for path in (PACKAGE / a).rglob("*.py"):
             assert not {t for t in imported_modules(path) if part_of(t) == b}, f"{path} imports {b}"
+
+
+def test_decoders_share_code_through_steps_never_through_each_other():
+    """A decoder imports no other decoder: what two decoders share lives in `decoding/steps.py`."""
+    shared = {"fastforward.decoding.decoders.base", "fastforward.decoding.decoders.registry"}
+    crossing = []
+    for path in (PACKAGE / "decoding" / "decoders").glob("*.py"):
+        if path.stem in ("__init__", "base", "registry"):
+            continue
+        for target in imported_modules(path):
+            if target.startswith("fastforward.decoding.decoders") and target not in shared:
+                crossing.append(f"{path.stem} imports {target}")
+    assert crossing == []

@@ -58,7 +58,7 @@ def test_good_drafts_are_committed_losslessly_and_bad_ones_cost_a_forward(
     assert session.nfe.item() < len(truth) / 2
     # every draft token was a query of some forward, the rejected ones included
     decoding = ran[1:-1]  # not the prefill, nor the fresh prefill the cache is checked against
-    assert session.queries == [sum(decoding)] and sum(decoding) > len(truth)
+    assert session.rows[0].queries == sum(decoding) and sum(decoding) > len(truth)
 
 
 def test_bad_knobs_are_refused():

@@ -24,13 +24,15 @@ class _Recording(MultiBlockDiffusionDecoder):
         original = session.forward
 
         def forward(tokens, positions, rule, read, rows=None):
-            sizes, i = [], read.start
-            while i < rule.shape[0]:  # a block's first token sees up to the end of its block
-                end = i + int(rule[i, i:].sum())
-                sizes.append(end - i)
-                i = end
-            self.forwards.append(tuple(sizes))
-            self.last_position = max(self.last_position, int(positions.max()) - session.origins[0])
+            if rule.dim() == 2:  # one row: its running blocks start where the read starts
+                sizes, i = [], read.start
+                while i < rule.shape[0]:  # a block's first token sees up to the end of its block
+                    end = i + int(rule[i, i:].sum())
+                    sizes.append(end - i)
+                    i = end
+                self.forwards.append(tuple(sizes))
+            for row, places in zip(session.rows, positions, strict=True):
+                self.last_position = max(self.last_position, int(places.max()) - row.origin)
             return original(tokens, positions, rule, read, rows)
 
         session.forward = forward

@@ -152,15 +152,15 @@ def step_figures(record: dict) -> dict[str, float]:
 KILL_AFTER_FIRST_CHECKPOINT = """
 import os, sys
 from fastforward.cli import main
-from fastforward.training import trainer
+from fastforward.training import run_dir
 
-save = trainer.save_checkpoint
+save = run_dir.save_checkpoint
 
 def save_then_die(*args, **kwargs):
     save(*args, **kwargs)
     os._exit(137)  # as if killed right after the checkpoint: no cleanup runs
 
-trainer.save_checkpoint = save_then_die
+run_dir.save_checkpoint = save_then_die
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -190,7 +190,8 @@ def test_a_run_directory_refused_by_process_0_is_reported_once(inputs, tmp_path)
     assert failed.returncode != 0
     assert failed.stderr.count("fastforward train: error:") == 1
     assert "not a fastforward run directory" in failed.stderr
-    assert "trainer.py" not in failed.stderr  # no traceback from any process (torchrun adds its own summary)
+    # no traceback from any process (torchrun adds its own summary)
+    assert "trainer.py" not in failed.stderr and "run_dir.py" not in failed.stderr
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
 
 

@@ -13,7 +13,6 @@ from fastforward.cpu.quantize import DENSE_ROWS, Int4Linear, Int8Linear, prefill
 from fastforward.decoding.decoders import ARDecoder, registry
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout
-from fastforward.model.cache import truncate
 from fastforward.model.tiny import tiny_model
 
 LOSSLESS = sorted(name for name, spec in registry.specs().items() if spec.lossless)
@@ -78,7 +77,7 @@ def test_lossless_decoders_equal_ar_after_a_bfloat16_prefill(monkeypatch):
     with torch.inference_mode():
         run_cache, kernel_cache = model.new_cache(), model.new_cache()
         model.run(layout, run_cache)
-        model.hf(input_ids=ids, **{model.cache_argument: kernel_cache}, use_cache=True)
+        model.hf(input_ids=ids, **{model.cache_argument: kernel_cache.hf}, use_cache=True)
     assert not torch.equal(run_cache.layers[0].keys, kernel_cache.layers[0].keys)  # the prefill took the other path
     ar = ARDecoder().generate(model, [prompt], max_new_tokens=30)[0]
     for name in LOSSLESS:
@@ -134,11 +133,11 @@ def test_exact_attention_makes_block_logits_equal_one_token_logits(dtype, scheme
     prompt, block = list(range(3, 43)), torch.tensor([[5, 17, 99, 3, 42, 7, 8, 120]])
     with torch.inference_mode():
         cache = model.new_cache()
-        model.hf(input_ids=torch.tensor([prompt]), **{model.cache_argument: cache}, use_cache=True)
-        together = model.hf(input_ids=block, **{model.cache_argument: cache}, use_cache=True).logits[0]
-        truncate(cache, len(prompt))
+        model.hf(input_ids=torch.tensor([prompt]), **{model.cache_argument: cache.hf}, use_cache=True)
+        together = model.hf(input_ids=block, **{model.cache_argument: cache.hf}, use_cache=True).logits[0]
+        cache.truncate(len(prompt))
         alone = [
-            model.hf(input_ids=block[:, i : i + 1], **{model.cache_argument: cache}, use_cache=True).logits[0, 0]
+            model.hf(input_ids=block[:, i : i + 1], **{model.cache_argument: cache.hf}, use_cache=True).logits[0, 0]
             for i in range(8)
         ]
     if exact:

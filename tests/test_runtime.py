@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from fastforward.api import build_decoder
-from fastforward.decoding import runtime
+from fastforward.decoding import prefill
 from fastforward.decoding.decoders import ARDecoder
-from fastforward.decoding.runtime import Prompt, Session, prefill_chunks
+from fastforward.decoding.prefill import prefill_chunks
+from fastforward.decoding.runtime import Prompt, Session
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, visibility
 
@@ -55,7 +56,7 @@ def test_a_stop_token_ends_a_row_only_once_everything_before_it_is_committed(tin
     _commit(session, [b], [1])
     assert session.finished and session.outputs == [[a, b, stop]]  # cut at the stop token
     _commit(session, [c], [3])  # a finished row takes no more tokens
-    assert session.outputs == [[a, b, stop]] and session.canvas[0][3] is None
+    assert session.outputs == [[a, b, stop]] and session.rows[0].canvas[3] is None
 
 
 def test_the_budget_ends_a_row_and_nothing_is_written_past_it(tiny, prompts):
@@ -90,14 +91,14 @@ def test_infilling_prefill_equals_a_causal_prefill_of_prefix_and_suffix(tiny, pr
     prefix, suffix, gap = prompts[0], prompts[1], 5
     rows = [Prompt(prefix, suffix, gap), Prompt(prompts[3], prompts[2][:3], 2)]  # different lengths: padded
     session = _session(tiny, rows)
-    assert session.max_new_tokens == gap and session.limits == [gap, 2]
+    assert session.max_new_tokens == gap and [row.limit for row in session.rows] == [gap, 2]
     for r, row in enumerate(rows):
         tokens = [*row.prefix, *row.suffix]
         p = len(row.prefix)
         positions = [*range(p), *range(p + row.gap, p + row.gap + len(row.suffix))]
         fresh, logits = _causal_cache(tiny, tokens, positions)
         n = len(tokens)
-        real = session.key_valid[r].nonzero()[:, 0]
+        real = session.cache.key_valid[r].nonzero()[:, 0]
         assert len(real) == n
         for a, b in zip(fresh.layers, session.cache.layers, strict=True):
             torch.testing.assert_close(b.keys[r : r + 1, :, real], a.keys, rtol=1e-4, atol=1e-4)
@@ -114,11 +115,11 @@ def test_prefill_chunks_group_similar_lengths_within_a_budget():
     assert prefill_chunks([100, 5], 64) == [[1], [0]]  # a prompt over the budget alone
 
 
-@pytest.mark.parametrize("budget", [runtime.PREFILL_TOKENS, 24])
+@pytest.mark.parametrize("budget", [prefill.PREFILL_TOKENS, 24])
 def test_prompts_of_very_different_lengths_prefill_in_chunks_as_they_would_alone(tiny, prompts, budget, monkeypatch):
     """Chunks (by the lengths, and by the budget) are separate forwards whose caches are stacked back
     in row order: each row's logits and valid cache entries are its prompt's alone, and so is its output."""
-    monkeypatch.setattr(runtime, "PREFILL_TOKENS", budget)
+    monkeypatch.setattr(prefill, "PREFILL_TOKENS", budget)
     rows = [prompts[3], prompts[2] * 2, prompts[0], prompts[1] * 2, prompts[3] + prompts[0]]
     chunks = prefill_chunks([len(r) for r in rows], budget)
     assert len(chunks) > 1
@@ -130,7 +131,7 @@ def test_prompts_of_very_different_lengths_prefill_in_chunks_as_they_would_alone
     for r, row in enumerate(rows):
         alone = _session(tiny, [row])
         torch.testing.assert_close(session.next_logits[r], alone.next_logits[0], rtol=1e-5, atol=1e-5)
-        valid = session.key_valid[r]
+        valid = session.cache.key_valid[r]
         assert int(valid.sum()) == len(row)
         for mine, theirs in zip(session.cache.layers, alone.cache.layers, strict=True):
             torch.testing.assert_close(mine.keys[r][:, valid], theirs.keys[0], rtol=1e-5, atol=1e-5)
@@ -218,7 +219,7 @@ def test_stats_count_forwards_per_row_and_tokens_per_step(tiny, prompts):
         session.advance(0)
     assert session.nfe.tolist() == [1, 0]
     assert session.histograms() == [{3: 1}, {}]  # the second row took no part in that forward
-    assert session.queries == [2, 0]  # the two tokens of the forward it took part in
+    assert [row.queries for row in session.rows] == [2, 0]  # the two tokens of the forward it took part in
 
 
 def test_ar_runs_one_query_per_forward(tiny, prompts):

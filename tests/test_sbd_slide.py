@@ -53,4 +53,4 @@ def test_bad_settings_are_clear(tiny):
     with pytest.raises(FastForwardError, match="at least 2"):
         build_decoder("sbd-slide", block_size=1)
     with pytest.raises(FastForwardError, match="gamma"):
-        SlidingSBDDecoder(4, -1.0)
+        build_decoder("sbd-slide", block_size=4, gamma=-1.0)

@@ -226,25 +226,21 @@ def test_a_burst_joins_over_several_turns_within_the_prefill_budget(tiny, serve_
     assert texts == [alone(tiny, p, "jacobi", n=12, block_size=3) for p in prompts]
 
 
-@pytest.mark.parametrize(
-    "decoder, knobs, continuous",
-    [("sbd-verified", {"block_size": 3}, False), ("mbd", {"block_size": 3}, True), ("jacobi-mr", {}, True)],
-    ids=["static-batches", "mbd", "jacobi-mr"],
-)
-def test_static_batches_give_each_request_its_output_alone(tiny, decoder, knobs, continuous, serve_at_once):
-    """The static path: every decoder under `--static-batches`, and the `rows_apart` decoders (which
-    cannot join a running batch) always: requests with equal settings and budgets decode together."""
+@pytest.mark.parametrize("decoder, knobs", [("mbd", {"block_size": 3}), ("jacobi-mr", {})], ids=["mbd", "jacobi-mr"])
+def test_multi_block_decoders_batch_requests_as_alone(tiny, decoder, knobs, serve_at_once):
+    """Decoders whose rows lay out forwards of their own (a buffer of blocks, recycled candidates) share
+    one batch too: each request gets its output alone."""
     from fastforward.serving.app import CompletionRequest
 
     server = Server(tiny, "tiny", decoder, knobs, max_batch_size=8)
     bodies = [CompletionRequest(model="tiny", prompt=prompt) for prompt in PROMPTS[:3]]
-    texts = serve_at_once(server, bodies, 10, continuous=continuous)
+    texts = serve_at_once(server, bodies, 10)
     assert texts == [alone(tiny, p, decoder, n=10, **knobs) for p in PROMPTS[:3]]
 
 
-def test_a_long_static_decode_holds_up_no_continuous_request(tiny, job_texts):
-    """Requests of continuous decoders arriving while a long `mbd` request decodes (rows_apart: a static
-    batch of its own) join and finish between its steps, each with its output alone."""
+def test_a_long_request_of_one_decoder_holds_up_no_other(tiny, job_texts):
+    """Requests of another decoder arriving while a long `mbd` request decodes form a batch of their
+    own, which takes turns with it step by step: they finish first, each with its output alone."""
     import asyncio
 
     from fastforward.serving.app import CompletionRequest
@@ -335,7 +331,7 @@ def test_replicas_without_ray_name_the_extra(monkeypatch, capsys):
 def test_the_warm_up_serves_through_an_engine_and_says_when_decoding_fails(tiny, monkeypatch):
     from fastforward.decoding.decoders.ar import ARDecoder
     from fastforward.errors import FastForwardError
-    from fastforward.serving.engine import warm_up
+    from fastforward.serving.warm_up import warm_up
 
     rows_seen = []
     forward = tiny.run

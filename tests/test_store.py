@@ -28,7 +28,7 @@ def quantizations(monkeypatch) -> list[str]:
         ran.append(scheme)
         return real(hf, scheme, *args, **kwargs)
 
-    monkeypatch.setattr("fastforward.model.quantize_linears", counted)
+    monkeypatch.setattr("fastforward.model.loading.quantize_linears", counted)
     return ran
 
 

@@ -17,7 +17,8 @@ from fastforward.model.tiny import tiny_model
 from fastforward.training.data import PackedData, encode_record
 from fastforward.training.jacobi_trajectories import Block, Trajectory
 from fastforward.training.objectives import NTP, SBD, JacobiForcing, MultiTF, SetDLM
-from fastforward.training.trainer import TrainConfig, checkpoints, train
+from fastforward.training.run_dir import checkpoints
+from fastforward.training.trainer import TrainConfig, train
 from fastforward.training.trajectories import TrajectoryBatch
 
 TEXTS = [

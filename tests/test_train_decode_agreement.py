@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from fastforward.model import Layout, Model, visibility
+from fastforward.model.cache import KVCache
 from fastforward.training.data import Batch
 from fastforward.training.jacobi_trajectories import jacobi_trajectories
 from fastforward.training.objectives.jacobi_forcing import pack
@@ -59,7 +59,7 @@ def responses(tiny, prompts):
     return out
 
 
-def prefill(model: Model, context: list[list[int]]) -> DynamicCache:
+def prefill(model: Model, context: list[list[int]]) -> KVCache:
     """A fresh cache holding a causal prefill of `context` (equal-length rows), as every decoder starts."""
     ids = torch.tensor(context)
     batch, length = ids.shape
@@ -69,7 +69,7 @@ def prefill(model: Model, context: list[list[int]]) -> DynamicCache:
 
 
 def decode(
-    model: Model, cache: DynamicCache, tokens: torch.Tensor, rule: torch.Tensor | None, keep: int = 0
+    model: Model, cache: KVCache, tokens: torch.Tensor, rule: torch.Tensor | None, keep: int = 0
 ) -> torch.Tensor:
     """A decoding forward: `tokens` [B, T] at the positions after the cache, under `rule` over the new tokens
     (None: causal, the model's own path) and seeing the whole cache; logits of every new token."""
@@ -82,7 +82,7 @@ def decode(
 
 def decode_after(
     model: Model, context: list[list[int]], tokens: torch.Tensor, rule: torch.Tensor | None, keep: int = 0
-) -> tuple[torch.Tensor, DynamicCache]:
+) -> tuple[torch.Tensor, KVCache]:
     cache = prefill(model, context)
     return decode(model, cache, tokens, rule, keep), cache
 

@@ -20,7 +20,8 @@ from fastforward.model import Model, load_model
 from fastforward.model.tiny import fit_tokenizer, tiny_model
 from fastforward.training.data import PackedData, encode_record
 from fastforward.training.objectives import NTP, SBD
-from fastforward.training.trainer import LOCK, TrainConfig, checkpoint_problem, checkpoints, lock_run_dir, train
+from fastforward.training.run_dir import LOCK, checkpoint_problem, checkpoints, lock_run_dir
+from fastforward.training.trainer import TrainConfig, train
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",
@@ -112,7 +113,7 @@ def test_no_valid_checkpoint_starts_over_and_keeps_the_damaged_until_replaced(tm
 HOLDER = """
 import sys
 from pathlib import Path
-from fastforward.training.trainer import lock_run_dir
+from fastforward.training.run_dir import lock_run_dir
 with lock_run_dir(Path(sys.argv[1])):
     print("locked", flush=True)
     sys.stdin.read()

@@ -6,8 +6,12 @@ import argparse
 import gc
 import importlib
 import sys
+from typing import TYPE_CHECKING, Any
 
 from fastforward.errors import FastForwardError
+
+if TYPE_CHECKING:  # the model package imports torch: a command imports it only when it loads a model
+    from fastforward.model import Precision
 
 # Every subcommand: its module in this package and its one-line help. `fastforward --help` lists them
 # from here, and a command line imports only the module of the command it names (with what that module
@@ -85,7 +89,7 @@ def named_command(argv: list[str]) -> str:
 
 
 def positive_int(text: str) -> int:
-    """argparse type for counts that must be at least 1 (0 or less used to run silently as 1)."""
+    """argparse type for counts that must be at least 1 (0 or less is an error, never a silent 1)."""
     try:
         value = int(text)
     except ValueError:
@@ -102,41 +106,44 @@ def add_threads_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_precision_flags(
-    p: argparse.ArgumentParser,
-    dtype: str = "float32",
-    quantize: str = "none",
-    exact: bool = False,
-    attention: bool = True,
-) -> None:
-    """--dtype, --quantize, --exact / --no-exact and (`attention`) --attention, for every command that loads
-    a model to decode."""
+def add_precision_flags(p: argparse.ArgumentParser, attention_flag: bool = True, **defaults: Any) -> None:
+    """The flags of `fastforward.model.Precision` that every command loading a model to decode takes: --dtype,
+    --quantize, --exact / --no-exact, --adapter and (`attention_flag`) --attention. defaults: the command's
+    own defaults on a CPU, as Precision fields (the rest are Precision's); `precision(args)` reads them back."""
     from fastforward.cpu.quantize import QUANTIZATIONS
-    from fastforward.model import DTYPES
+    from fastforward.model import DTYPES, Precision, flex
 
-    # The defaults are the CPU's; a command run with a CUDA --device gets GPU_PRECISION (`resolve_precision`).
-    p.set_defaults(cpu_precision={"dtype": dtype, "quantize": quantize, "exact": exact})
-    p.add_argument("--dtype", choices=sorted(DTYPES), help=f"weight dtype (default: {dtype}; bfloat16 on a GPU)")
+    cpu = Precision(**defaults)
+    # A command run with a CUDA --device gets ON_GPU's dtype, quantization and --exact (`resolve_precision`).
+    p.set_defaults(cpu_precision=cpu)
+    p.add_argument("--dtype", choices=sorted(DTYPES), help=f"weight dtype (default: {cpu.dtype}; bfloat16 on a GPU)")
     p.add_argument(
         "--quantize",
         choices=QUANTIZATIONS,
-        help=f"quantized linear layers on the CPU (default: {quantize}; none on a GPU); see docs/precision.md",
+        help=f"quantized linear layers on the CPU (default: {cpu.quantize}; none on a GPU); see docs/precision.md",
     )
     p.add_argument(
         "--exact",
         action=argparse.BooleanOptionalAction,
         help="row-invariant attention on the CPU: verifying decoders give greedy AR's tokens bit for bit "
-        f"(with int8, int4 or bfloat16 weights; default: {'on' if exact else 'off'}; off on a GPU)",
+        f"(with int8, int4 or bfloat16 weights; default: {'on' if cpu.exact else 'off'}; off on a GPU)",
     )
     add_adapter_flag(p)
-    if not attention:
+    if not attention_flag:
         return
     p.add_argument(
         "--attention",
-        choices=("sdpa", "flex"),  # fastforward.model.flex.CHOICES, without importing torch here
-        default="sdpa",
+        choices=flex.CHOICES,
+        default=cpu.attention,
         help="sdpa, or flex (FlexAttention: a new BlockMask each step, slower to decode; see docs/precision.md)",
     )
+
+
+def add_dtype_flag(p: argparse.ArgumentParser) -> None:
+    """--dtype at `Precision`'s default, for the commands that train or collect on any device."""
+    from fastforward.model import DTYPES, Precision
+
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=Precision().dtype, help="weight dtype")
 
 
 def add_adapter_flag(p: argparse.ArgumentParser) -> None:
@@ -168,17 +175,20 @@ def add_compile_flag(p: argparse.ArgumentParser, compile: bool = False) -> None:
     )
 
 
-GPU_PRECISION = {"dtype": "bfloat16", "quantize": "none", "exact": False}
+# The flags whose default depends on the device: unset (None) until `resolve_precision`.
+DEVICE_DEFAULTS = ("dtype", "quantize", "exact")
 
 
 def resolve_precision(args: argparse.Namespace) -> None:
-    """Fill the precision flags left unset: the command's CPU defaults, or on a CUDA --device bfloat16
-    weights without quantization (a CPU kernel) or --exact (a CPU attention)."""
+    """Fill the precision flags left unset: the command's CPU defaults, or on a CUDA --device ON_GPU's
+    (bfloat16 weights without quantization, a CPU kernel, or --exact, a CPU attention)."""
+    from fastforward.model import ON_GPU
+
     on_gpu = str(getattr(args, "device", None) or "").startswith("cuda")
-    defaults = GPU_PRECISION if on_gpu else args.cpu_precision
-    for name, value in defaults.items():
+    defaults = ON_GPU if on_gpu else args.cpu_precision
+    for name in DEVICE_DEFAULTS:
         if getattr(args, name) is None:
-            setattr(args, name, value)
+            setattr(args, name, getattr(defaults, name))
     if "cpu_compile" in vars(args) and args.compile is None:
         args.compile = not on_gpu and args.cpu_compile and _compiles_here(args.command)
 
@@ -196,17 +206,13 @@ def _compiles_here(command: str) -> bool:
     return reason is None
 
 
-def precision(args: argparse.Namespace) -> dict:
-    """load_model's arguments from the flags of `add_precision_flags` and `add_compile_flag`."""
-    return {
-        "dtype": args.dtype,
-        "quantize": args.quantize,
-        "exact": args.exact,
-        "compile": args.compile,
-        "attention": args.attention,
-        "cuda_graphs": args.cuda_graphs,
-        "adapter": args.adapter,
-    }
+def precision(args: argparse.Namespace) -> Precision:
+    """The `Precision` the flags of `add_precision_flags` and `add_compile_flag` ask for (each flag is the
+    field of its name; a field without its flag in this command keeps its default)."""
+    from fastforward.model import Precision
+    from fastforward.model.precision import FIELDS
+
+    return Precision(**{name: getattr(args, name) for name in FIELDS if name in vars(args)})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,9 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:] if argv is None else argv
         args = build_parser(named_command(argv)).parse_args(argv)
         if the_process:
-            # The imports' objects (torch, transformers: 370k) live as long as the process. A full collection
-            # walks them in 0.14 s, and loading a tokenizer and a model set off several: frozen, they are
-            # skipped (`generate` from a fresh process: 0.65 s less, docs/results.md "From a fresh process").
+            # The imports' objects (torch, transformers) live as long as the process, yet every full
+            # collection walks them again, and loading a tokenizer and a model sets off several: frozen,
+            # they are skipped (what that saves: docs/notes/2026-11-28-cpu-speed-and-start-up.md).
             gc.freeze()
         command = f"fastforward {args.command}"
         if "cpu_precision" in vars(args):

@@ -4,8 +4,8 @@ By default it evaluates the checkpoints shipped with fastforward (a small llama 
 arithmetic word problems with NTP, SBD, MultiTF and SetDLM; see `fastforward/demo/checkpoints/*/provenance.json`)
 on held-out problems and prints one table: accuracy, NFE, TPF, TPS and wall speedup against AR of
 the same model, measured in the same run. `--retrain` trains every checkpoint again from scratch
-with the recorded recipe (about 85 min on 2 cores) and evaluates those; `--quick` runs the old
-few-minute train-and-evaluate pipeline (SBD vs NTP only) to watch training happen."""
+with the recorded recipe (the README gives its time) and evaluates those; `--quick` runs a short
+train-and-evaluate pipeline (SBD vs NTP only) to watch training happen."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", dest="json_path", metavar="PATH", help="also write every figure of the table here")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default", help="--quick's budget ('smoke': seconds)")
     p.add_argument("--n", type=int, default=None, help="test problems to evaluate (default 150)")
-    add_precision_flags(p, attention=False)  # the demo decodes on the CPU: SDPA
+    add_precision_flags(p, attention_flag=False)  # the demo decodes on the CPU: SDPA
     add_threads_flag(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=run)

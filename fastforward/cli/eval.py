@@ -22,15 +22,8 @@ from fastforward.cli import (
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
 from fastforward.decoding.decoders import registry
 from fastforward.demo import zoo
-from fastforward.evaluation.evaluate import (
-    AR,
-    compare,
-    parse_sweep,
-    results_table,
-    sweep_label,
-    write_json,
-    write_records,
-)
+from fastforward.evaluation.evaluate import AR, compare, parse_sweep, sweep_label
+from fastforward.evaluation.report import results_table, write_json, write_records
 from fastforward.model import check_device, load_model, resolve_model_path
 from fastforward.tasks import get_task, parse_options
 from fastforward.training.launch import launched_processes, local_rank, reported_once, share_threads
@@ -97,7 +90,7 @@ def evaluate_command(args: argparse.Namespace, shard: tuple[int, int] = (0, 1)) 
         decoder = build_decoder(args.decoder, **knobs)
         greedy_ar = args.decoder == "ar" and knobs.get("temperature", 0) == 0
         decoders = {} if greedy_ar else {args.decoder: decoder}
-    model = load_model(args.model, device=args.device, **precision(args))
+    model = load_model(args.model, device=args.device, precision=precision(args))
     results = compare(
         model,
         task,
@@ -126,8 +119,8 @@ def evaluate_command(args: argparse.Namespace, shard: tuple[int, int] = (0, 1)) 
         "results": [r.summary() for r in ordered],
     }
     if sweep_spec:
-        from fastforward.evaluation.evaluate import SweepResult
         from fastforward.evaluation.plots import plot_sweep
+        from fastforward.evaluation.results import SweepResult
 
         name, values = sweep_spec
         curve = SweepResult(name, values, [results[label] for label in decoders], results[AR])

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     knobs = decoder_knobs(args)
     args.decoder = args.decoder or default_decoder(knobs)  # named as chosen in each report
     decoder = build_decoder(args.decoder, **knobs)
-    model = load_model(args.model, device=args.device, **precision(args))
+    model = load_model(args.model, device=args.device, precision=precision(args))
     encoded = [model.encode_prompt(p, chat_template=not args.no_chat_template) for p in prompts]
     for start in range(0, len(encoded), args.batch_size):
         batch = encoded[start : start + args.batch_size]

@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     check_device(args.device)
     decoder = build_decoder(args.decoder, **decoder_knobs(args))
-    model = load_model(args.model, device=args.device, **precision(args))
+    model = load_model(args.model, device=args.device, precision=precision(args))
     gen = infill(model, args.prefix, args.suffix, args.middle_tokens, decoder)[0]
     if args.json:
         record = {"middle": gen.text, "token_ids": gen.token_ids, "finish_reason": gen.finish_reason}

@@ -155,7 +155,7 @@ def _measure(args: argparse.Namespace) -> roofline.BlockCost:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model(args.model, device=args.device, **precision(args))
+    model = load_model(args.model, device=args.device, precision=precision(args))
     try:
         return roofline.measure_block_cost(
             model, args.measure_blocks, args.cache_len, args.repeats, dense_mask=not args.causal

@@ -23,8 +23,8 @@ from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
 from fastforward.decoding.runtime import PREFILL_TOKENS
 from fastforward.errors import FastForwardError
 from fastforward.model import Model, check_device, load_model
-from fastforward.serving.engine import warm_up
 from fastforward.serving.limits import MAX_REQUEST_BYTES
+from fastforward.serving.warm_up import warm_up
 
 API_KEY_ENV = "FASTFORWARD_API_KEY"
 
@@ -81,11 +81,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=PREFILL_TOKENS,
         help="prompt tokens that may join the running batch between two steps (at least one request): a burst of "
         "long prompts prefills over several steps, so running requests keep streaming (default: %(default)s)",
-    )
-    p.add_argument(
-        "--static-batches",
-        action="store_true",
-        help="no continuous batching: a batch of requests with equal settings and budgets decodes to its end",
     )
     p.add_argument(
         "--max-tokens",
@@ -147,7 +142,6 @@ def run(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "max_batch_tokens": args.max_batch_tokens,
         "max_queue": args.max_queue,
-        "continuous": not args.static_batches,
         "max_step_tokens": args.max_step_tokens,
         "max_prefill_tokens": args.max_prefill_tokens,
         "api_key": args.api_key or None,
@@ -156,20 +150,20 @@ def run(args: argparse.Namespace) -> int:
     if args.warm_up_only:  # here, for this machine's store: replicas on it read the same
         if not args.compile:
             raise FastForwardError("--warm-up-only prepares compiled steps: leave out --no-compile")
-        _warm_up(load_model(args.model, device=args.device, **precision(args)), args)
+        _warm_up(load_model(args.model, device=args.device, precision=precision(args)), args)
         return 0
     if args.replicas:
         from fastforward.serving import replicas
 
         replicas.require_ray()  # before anything loads
         build_decoder(args.decoder, **knobs)  # bad settings fail here, not in every replica
-        load = {"name_or_path": args.model, "device": args.device, **precision(args)}
+        load = {"name_or_path": args.model, "device": args.device, "precision": precision(args)}
         build = replicas.app_builder(load, options, compile_warm_up=args.compile)
         replicas.serve_replicas(build, args.replicas, args.host, args.port, args.cpus_per_replica)
         print("fastforward serve: shut down", flush=True)
         return 0
     listening = listen(args.host, args.port)  # before the minutes of loading and warm-up: a taken port fails now
-    model = load_model(args.model, device=args.device, **precision(args))
+    model = load_model(args.model, device=args.device, precision=precision(args))
     if args.compile:
         _warm_up(model, args)
     server = Server(model, **options)

@@ -9,19 +9,19 @@ import argparse
 
 import torch
 
-from fastforward.cli import add_command, add_threads_flag
+from fastforward.cli import add_command, add_dtype_flag, add_threads_flag
 from fastforward.errors import FastForwardError
-from fastforward.model import DTYPES, flex, load_model
+from fastforward.model import flex, load_model
 from fastforward.training.data import PackedData, load_examples, split_examples
 from fastforward.training.launch import reported_once, say, share_threads
-from fastforward.training.objectives import OBJECTIVES, SBD, JacobiForcing, MultiTF, SetDLM, make_objective
-from fastforward.training.objectives.multitf import LAYOUTS, SCHEDULES
+from fastforward.training.objectives import OBJECTIVES, make_objective
+from fastforward.training.objectives.registry import options
 from fastforward.training.trainer import TrainConfig, train
 from fastforward.training.trajectories import trajectory_datasets
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    d, sbd, jf, mtf, sd = TrainConfig(), SBD(), JacobiForcing(), MultiTF(), SetDLM()
+    d = TrainConfig()
     p = add_command(sub, "train", description=__doc__)
     p.add_argument("--objective", choices=sorted(OBJECTIVES), default="sbd", help="what the model learns")
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
@@ -33,38 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-fraction", type=float, default=0.0, help="hold out this share of --data instead")
     p.add_argument("--no-chat-template", action="store_true", help="join prompt and completion as raw text")
     add_optimizer_flags(p, seq_len=TrainConfig().seq_len)
-    p.add_argument("--min-block", type=int, default=sbd.min_block, help="smallest block size drawn (sbd, multitf)")
-    p.add_argument("--max-block", type=int, default=sbd.max_block, help="largest block size drawn (sbd, multitf)")
-    p.add_argument(
-        "--ntp-weight",
-        type=float,
-        default=None,
-        help=f"weight of the NTP term (sbd, multitf: default {sbd.ntp_weight:g}; setdlm: {sd.ntp_weight:g})",
-    )
-    p.add_argument(
-        "--suffix-share",
-        type=float,
-        default=sbd.suffix_share,
-        help="share of rows whose blocks are masked from a random cut to their end (sbd)",
-    )
-    p.add_argument("--max-group", type=int, default=mtf.max_group, help="most blocks in a noise-group (multitf)")
-    p.add_argument("--layouts", choices=LAYOUTS, default=mtf.layouts, help="noise-group layouts (multitf)")
-    p.add_argument("--schedule", choices=SCHEDULES, default=mtf.schedule, help="mask ratios in a group (multitf)")
-    p.add_argument("--set-size", type=float, default=sd.set_size, help="desired tokens per reveal set (setdlm)")
-    p.add_argument("--max-set", type=float, default=sd.max_set, help="reveal window width s_max (setdlm)")
-    p.add_argument(
-        "--infill-share",
-        type=float,
-        default=sd.infill_share,
-        help="share of rows trained to fill a middle span between known text (setdlm)",
-    )
-    p.add_argument("--max-span", type=int, default=sd.max_span, help="longest middle of an infilling row (setdlm)")
-    p.add_argument(
-        "--noise-schedule", default=jf.noise_schedule, help="progressive, random or reverse (jacobi_forcing)"
-    )
-    p.add_argument("--noise-window", type=int, default=jf.noise_window, help="window w of eq. 7 (jacobi_forcing)")
-    p.add_argument("--noisy-context", default=jf.noisy_context, help="noisy blocks see earlier noisy or clean blocks")
-    p.add_argument("--ar-weight", type=float, default=jf.ar_weight, help="weight of the AR loss (jacobi_forcing)")
+    add_objective_flags(p)
     add_only_correct_flag(p)
     p.add_argument(
         "--attention",
@@ -76,6 +45,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-eval-batches", type=int, default=d.max_eval_batches, help="batches per evaluation")
     add_threads_flag(p)
     p.set_defaults(run=run)
+
+
+def add_objective_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per option of the registered objectives (`objectives.registry.options`), naming the
+    objectives that take it."""
+    for option in options().values():
+        kind = {"action": argparse.BooleanOptionalAction} if option.type is bool else {"type": option.type}
+        used_by = ", ".join(option.objectives)
+        p.add_argument(option.flag, default=option.default, choices=option.choices, help=f"{option.help} ({used_by})",
+                       **kind)  # fmt: skip
 
 
 def add_only_correct_flag(p: argparse.ArgumentParser) -> None:
@@ -101,7 +80,7 @@ def add_optimizer_flags(p: argparse.ArgumentParser, seq_len: int) -> None:
     p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
     p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="latest checkpoints kept")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of initialisation, data order and masking")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
+    add_dtype_flag(p)
     p.add_argument(
         "--lora-rank",
         type=int,
@@ -157,25 +136,8 @@ def train_config(args: argparse.Namespace, **overrides) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     share_threads(args.threads)
     config = train_config(args, eval_every=args.eval_every, max_eval_batches=args.max_eval_batches)
-    weight = {} if args.ntp_weight is None else {"ntp_weight": args.ntp_weight}
-    objective = make_objective(
-        args.objective,
-        **weight,
-        min_block=args.min_block,
-        max_block=args.max_block,
-        suffix_share=args.suffix_share,
-        set_size=args.set_size,
-        max_set=args.max_set,
-        infill_share=args.infill_share,
-        max_span=args.max_span,
-        max_group=args.max_group,
-        layouts=args.layouts,
-        schedule=args.schedule,
-        noise_schedule=args.noise_schedule,
-        noise_window=args.noise_window,
-        noisy_context=args.noisy_context,
-        ar_weight=args.ar_weight,
-    )
+    chosen = {name: getattr(args, name) for name in options() if getattr(args, name) is not None}
+    objective = make_objective(args.objective, **chosen)  # the options it does not take are left out
     on_trajectories = args.objective == "jacobi_forcing"
     if on_trajectories != bool(args.trajectories) or not (on_trajectories or args.data):
         raise FastForwardError(

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-from fastforward.cli import add_adapter_flag, add_command, add_threads_flag
+from fastforward.cli import add_adapter_flag, add_command, add_dtype_flag, add_threads_flag, precision
 from fastforward.errors import FastForwardError
-from fastforward.model import DTYPES, load_model
+from fastforward.model import load_model
 from fastforward.tasks import parse_options
 from fastforward.training.launch import launched_processes, local_rank, reported_once, say, share_threads
 from fastforward.training.trajectories import (
@@ -60,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per Jacobi block (n)")
     add_collect_flags(p)
     p.add_argument("--seed", type=int, default=0, help="seed of random draft initialisation")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
+    add_dtype_flag(p)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     add_adapter_flag(p)
     add_threads_flag(p)
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     source = load_prompt_source(args)
     sharded = launched_processes() > 1
     device = f"cuda:{local_rank()}" if sharded and args.device == "cuda" else args.device
-    model = load_model(args.model, dtype=args.dtype, device=device, adapter=args.adapter)
+    model = load_model(args.model, device=device, precision=precision(args))  # --dtype and --adapter
     collect_all = collect_shards if sharded else collect_from
     summary = collect_all(model, source, collection(args), args.out, args.block_size)
     say(

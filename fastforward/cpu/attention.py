@@ -4,8 +4,8 @@ queries of its forward.
 A fused attention kernel computes a query's result differently depending on how many queries share
 the call (block sizes, a different path for one query than for several), so a token's logits in a
 16-token forward differ in the last bits from the same token's logits in a 1-token forward. With
-int8 activations such a difference can flip a rounding and grow (measured on SmolLM2-135M: logits
-up to 5.9 apart, a different argmax).
+int8 activations such a difference can flip a rounding and grow into a different argmax
+(docs/notes/2026-11-28-precision-and-batch-invariance.md).
 
 Here a query's computation is fixed by its own visible keys alone. Where fastforward's native
 kernels run (`fastforward.cpu.native`: x86 with AVX2 or AVX-512), `fastforward::exact_attention` computes

@@ -4,15 +4,15 @@ On a CPU at a few tokens per forward, a small model spends much of a step on hun
 operations per layer (norms, rotary embeddings, casts, cache appends) rather than on its weights;
 inductor fuses them into a few kernels (docs/notes/2026-11-compiled-steps.md; today's figures:
 docs/results.md, "From a fresh process"). The price is compiling: tracing a 30-layer model and
-generating its kernels takes about a minute per kind of step on a 2-core CPU, and `torch.compile` pays
-the tracing again in every process.
+generating its kernels is slow for every kind of step, and `torch.compile` pays the tracing again in
+every process.
 
 So each kind of step (one token or a block; one row or several; with or without a dense mask; at
 one torch thread count, which inductor writes into its kernels) is compiled ahead of time with
 dynamo's AOT compile (`torch._dynamo.aot_compile`): one graph per kind serves every length (dynamic
 shapes), and the graphs are kept as an entry of `fastforward.model.store` (keyed by the model's
 files, the setting, this code and the torch version), with inductor's kernels under
-$FASTFORWARD_HOME/inductor. A later process reads them back in about 2 s instead of tracing.
+$FASTFORWARD_HOME/inductor. A later process reads them back instead of tracing again.
 Each graph keeps the guards that tell the kinds apart (the inputs' shapes, dtypes and strides, the
 cache's layout), checked before each step; a step no graph accepts compiles a new kind.
 
@@ -106,7 +106,7 @@ def compile_forward(hf: torch.nn.Module, store: GraphEntry | None = None) -> Com
         attention.native_kernel()
     if store is not None and os.environ.get(INDUCTOR_CACHE, default_cache_dir()) == default_cache_dir():
         # The kernels a kept graph loads are compiled C++ in inductor's cache, by default in /tmp (where
-        # they may be gone: then reading the graphs back compiles them again, 15 s for SmolLM2).
+        # they may be gone: then reading the graphs back compiles those kernels again).
         os.environ[INDUCTOR_CACHE] = str(store.directory.parent / "inductor")
     return CompiledSteps(hf, store)
 
@@ -120,8 +120,8 @@ EAGER_ROUNDING_OPS = ("mean", "sum", "var", "var_mean", "cos", "sin", "tanh", "e
 def eager_rounding() -> None:
     """Make inductor call PyTorch's own kernels for `EAGER_ROUNDING_OPS` (for every graph this process
     compiles), and round a fused bfloat16 or float16 operation's intermediates as eager's separate
-    kernels do, so compiled steps give eager steps' tokens. Cost about 8 % of compiled `ar`'s speed on
-    SmolLM2-135M in one measurement (docs/notes/2026-11-26-kept-compiled-steps.md)."""
+    kernels do, so compiled steps give eager steps' tokens, at a small cost in speed
+    (docs/notes/2026-11-26-kept-compiled-steps.md)."""
     for name in EAGER_ROUNDING_OPS:
         packet = getattr(torch.ops.aten, name)
         for overload in packet.overloads():
@@ -155,7 +155,7 @@ class CompiledSteps:
         self.backend = torch._TorchCompileInductorWrapper("default", options, dynamic=True)
         self.modules: dict[str, str] = {}  # globals the graphs' code names a module by: name -> module
         self.failed = False  # a compile failed: steps no graph serves run eagerly from then on
-        # False once a server has prepared its kinds (`serving.engine.warm_up`): a step of a kind it did
+        # False once a server has prepared its kinds (`serving.warm_up`): a step of a kind it did
         # not meet runs eagerly (the same tokens) rather than hold every request for a minute's compile.
         self.compile_new_kinds = True
         self.said_eager = False
@@ -176,7 +176,7 @@ class CompiledSteps:
                 self.said_eager = True
                 print("fastforward: a kind of step the warm-up did not prepare runs eagerly", file=sys.stderr)
             return self.forward(self.hf, **inputs)
-        # A server compiles its kinds before its first request (`serving.engine.warm_up`); one compiled
+        # A server compiles its kinds before its first request (`serving.warm_up`); one compiled
         # later holds every request of the moment, so it is said, with what it is and how long it took.
         print(
             f"fastforward: compiling a new kind of decoding step ({_described(inputs)}; kept for later processes)"
@@ -278,7 +278,7 @@ def _signature(inputs: dict[str, Any]) -> tuple:
     as a constant); and the global state every graph is guarded on, the thread count among it (inductor
     writes it into its kernels). Without the state in it, a process with another thread count found
     every kept kind refused by its guards and compiled them all again beside them. Kinds of another
-    signature are not even read back from the store (each takes 0.3-0.9 s on a 2-core Xeon)."""
+    signature are not even read back from the store (reading one back is not free)."""
     shapes = tuple(
         (name, tuple(size == 1 for size in value.shape) if isinstance(value, torch.Tensor) else type(value).__name__)
         for name, value in sorted(inputs.items())
@@ -353,7 +353,7 @@ class _KeptKind(AOTCompiledFunction):
 
 def vector_isas() -> list[str]:
     """The vector instruction sets inductor found it can build and load kernels for here (it compiles and
-    loads a probe for each: 1.2 s in every process that loads a graph, on a 2-core Xeon)."""
+    loads a probe for each, in every process that loads a graph: start-up worth skipping)."""
     return [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
 
 
@@ -369,7 +369,7 @@ def trust_vector_isas(found: list[str]) -> None:
 def _kept_guards(entries: Sequence[Any]) -> list[bool]:
     """The guards a kept graph checks: those on the step's inputs (tensors' shapes, dtypes and strides,
     the cache's layout) and on global state (grad mode, ...). Not those on the model's modules and
-    parameters (thousands, checked before each step, 12-15 % of a one-token int4 step:
+    parameters (thousands, checked before each step, a large share of a one-token step:
     docs/notes/2026-11-avx2-kernels.md; a graph is used with the model it was compiled for), nor on
     module globals and closures, which cannot be kept across processes (the store's key stands for them)."""
     on_modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)

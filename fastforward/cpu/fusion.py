@@ -3,12 +3,10 @@
 A decoder layer reads one normalised hidden state into its query, key and value projections, and
 another into its gate and up projections: seven matmuls per layer where three calls would do. On a
 CPU decoding one token at a time each call has a fixed cost, and the int8 and native int4 paths
-quantize the input again for every one. Measured with `benchmarks/step_overhead.py` (removed after
-commit 5ed3e50; docs/notes/2026-11-smoothing-and-fused-projections.md and
-docs/notes/2026-11-avx2-kernels.md): fused, an eager int8 forward of SmolLM2-135M took 4-8 % less
-time at 1 token, and a compiled native int4 one 19-23 % less (an eager int4 one no less), so
-`load_model` fuses int8 layers in eager steps and native int4 layers in compiled ones. PyTorch's
-int4 kernel's layers are never fused (no faster either way).
+quantize the input again for every one. Fusing made eager int8 steps and compiled native int4
+steps faster, and eager native int4 steps no faster (docs/notes/2026-11-smoothing-and-fused-projections.md,
+docs/notes/2026-11-avx2-kernels.md), so `load_model` fuses int8 layers in eager steps and native int4
+layers in compiled ones. PyTorch's int4 kernel's layers are never fused (no faster either way).
 
 `shared_input_groups` finds the groups by running a three-token forward and noting which linear
 layers receive the very same input tensor. `fuse` quantizes a group's concatenated weights as one

@@ -61,8 +61,8 @@ def instruction_set() -> str | None:
 
 @functools.cache
 def available() -> bool:
-    """Whether the `fastforward::` operators run here: builds them on first call (about 20 s, then
-    kept: `_build_directory`). A failed build is said once per machine, with its first error and its
+    """Whether the `fastforward::` operators run here: builds them on first call (once, then kept:
+    `_build_directory`). A failed build is said once per machine, with its first error and its
     log, and not tried again until the sources change or `python -m fastforward.cpu.native` asks for it."""
     isa = instruction_set()
     if isa is None:
@@ -97,8 +97,7 @@ def available() -> bool:
 FAILED = "build-failed.txt"  # the first error of the failed build
 BUILT = "built.txt"  # the name of the library in a complete build (written last)
 ABANDONED_AFTER = 3600  # seconds after which an unfinished build folder is a stopped process's, not a running one's
-# What the fallback costs, measured (docs/results.md, "Precision and exactness"): compiled int4 `ar` ran
-# 1.7-1.8x faster on the native kernel than on PyTorch's on a 2-core AVX2 EPYC.
+# What the fallback costs is measured in docs/notes/2026-11-avx2-kernels.md: the user is told it is slower.
 FALLBACK = (
     "PyTorch's kernels serve meanwhile (int4 decoding about 1.7x slower, `--exact` attention on chunked SDPA calls)"
 )
@@ -138,8 +137,8 @@ def _say_once(marker: Path, message: str) -> None:
 
 def _build(isa: str) -> None:
     """Load the kernels, building them first unless their folder holds a complete build: then the
-    library is loaded directly, without torch's extension builder, whose imports and checks cost a
-    fresh process about 0.07 s."""
+    library is loaded directly, without torch's extension builder, whose imports and checks would
+    cost every fresh process start-up time."""
     build = _build_directory(isa)
     library = _built_library(build)
     if library is not None:

@@ -8,11 +8,10 @@ accumulation) and the two scales applied after it. Integer sums are exact and ev
 to one token, so a token's result does not depend on how many tokens share the forward: the linear
 layers give the same bits in a 1-token and a 16-token forward (tested). This is the scheme of
 torchao's `Int8DynamicActivationInt8WeightConfig`, written out here in five tensor operations:
-torchao's own version of it ran a 1-token forward of SmolLM2-135M in 62 ms against fp32's 35 ms on
-the 2-core Xeon of docs/results.md, its per-token quantization costing more than the matmul saves
-(a one-off probe, docs/results.md). `load_model` first smooths the activations' outlier
-channels into the weights (`fastforward.cpu.smoothing`, calibrated on built-in text), which brings the
-int8 model's greedy choices much closer to fp32's.
+torchao's own version made a 1-token forward slower than fp32's, its per-token quantization costing
+more than the matmul saves (docs/notes/2026-11-torchao-vs-our-kernels.md). `load_model` first smooths
+the activations' outlier channels into the weights (`fastforward.cpu.smoothing`, calibrated on built-in
+text), which brings the int8 model's greedy choices much closer to fp32's.
 
 `int4`: int4 weights in groups of 32 with a scale and offset each (asymmetric). On x86 CPUs with
 AVX2 or AVX-512, `fastforward.cpu.w4a8.W4A8Linear`: activations quantized to int8 per block of 32 and an
@@ -50,7 +49,7 @@ from fastforward.errors import FastForwardError
 
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32
-DENSE_ROWS = 16  # fewer rows keep the int4 kernel: it was faster below about 8-16 rows on a 2-core AMD EPYC
+DENSE_ROWS = 16  # fewer rows keep the int4 kernel, which is the faster one for a few rows
 
 
 class _Prefill(threading.local):

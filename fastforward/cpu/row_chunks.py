@@ -1,23 +1,22 @@
 """bfloat16 linear layers whose rows do not depend on each other: calls of fixed row counts.
 
 oneDNN picks its bfloat16 GEMM kernel by the number of rows, so a row's result changes with how many
-rows share the call (on the 2-core Xeon here, AVX-512 BF16 and AMX: from 33 rows on for some of
-SmolLM2-135M's shapes). A decoding step of a batch runs rows × block tokens through every layer, so a
+rows share the call (past a few dozen rows for some of SmolLM2-135M's shapes on the CPUs here). A
+decoding step of a batch runs rows × block tokens through every layer, so a
 row's logits moved with what shared its batch. With `--exact`, bfloat16 and float16 linear layers run
 in calls whose row counts come from one set per layer, all of whose sizes compute a row to the same
 bits wherever the row sits in the call. Which sizes do depends on the CPU, the thread count and the
 shape, so each shape is probed when the model loads (`call_sizes`): it tries `SIZES` and keeps the
-largest group that agrees. On the Xeon here at 2 threads, 40 to 256 rows agree at most of
-SmolLM2-135M's shapes (at 576 → 192 all but 96 and 192), 16 and 32 rows form the other group; on the
-16-core Xeon beside the H100 (torch 2.11) 16 and 32 rows differed at most of those shapes.
-`python benchmarks/batch_invariance.py --gemm` measures them. A step's rows go in the calls `plan`
+largest group that agrees; the groups found on the CPUs here differ from one CPU to the next
+(docs/notes/2026-11-28-precision-and-batch-invariance.md). `python benchmarks/batch_invariance.py --gemm`
+measures them. A step's rows go in the calls `plan`
 picks: few calls (each reads all the weights), few rows computed twice or on zeros.
 
 The calls go to oneDNN with the weights packed once at load (`_reorder_linear_weight`): an `nn.Linear`
 call packs them again every time, which costs more than the product itself at a few rows, so a
 one-row step's padded call on packed weights costs about what `nn.Linear`'s one row does (figures:
-`--gemm` in docs/results.md). The packed copy is memory beside the weights, which stay (the state
-dict, tied embeddings): SmolLM2-135M in bfloat16 holds 1100 MB with it, 808 MB without. The probe
+`--gemm` in docs/notes/2026-11-28-precision-and-batch-invariance.md). The packed copy is memory beside
+the weights, which stay (the state dict, tied embeddings; docs/precision.md gives its size). The probe
 runs at the thread count of the load; change threads before loading, not after.
 """
 
@@ -108,9 +107,9 @@ def call_sizes(
     weight: torch.Tensor, packed: torch.Tensor | None, candidates: tuple[int, ...] = SIZES
 ) -> tuple[int, ...]:
     """The largest group of `candidates` that compute random rows to the same bits, in calls of that
-    size and shifted by a few rows (ties: the group with the larger sizes). Two kernels differ in 1 to
-    10 % of rows of SmolLM2-135M's shapes (their float32 sums mostly round to the same bfloat16 value,
-    fewer rows the fewer outputs a row has), so the probe takes hundreds of rows."""
+    size and shifted by a few rows (ties: the group with the larger sizes). Two kernels differ in only
+    a few rows in a hundred (their float32 sums mostly round to the same bfloat16 value, fewer rows the
+    fewer outputs a row has), so the probe takes hundreds of rows."""
     rows = min(1024, max(64, PROBE_VALUES // weight.shape[0]))
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(rows, weight.shape[1], generator=generator).to(weight.device, weight.dtype)

@@ -5,17 +5,17 @@ the rest. Quantizing each token's activations with one int8 scale then leaves th
 handful of levels. Smoothing moves that range into the weights: an input channel j is divided by
 s_j and the weight column j multiplied by it, s_j = max|x_j|^α / max|W_j|^(1-α) with α = 0.5, the
 maxima of x taken over calibration text. The product is unchanged in exact arithmetic; the int8
-rounding error is spread over both factors. On SmolLM2-135M it raised the share of `pycode`
-reference tokens where the int8 model's argmax equals the fp32 model's from 0.90 to 0.96 and cut the
-mean KL divergence from 0.038 to 0.014 (`benchmarks/smoothing.py`, docs/results.md).
+rounding error is spread over both factors. On SmolLM2-135M it brings the int8 model's next-token
+choices closer to the fp32 model's (`benchmarks/smoothing.py`,
+docs/notes/2026-11-28-precision-and-batch-invariance.md).
 
 Layers that read the same input share one s, computed over all their weights, so fused and separate
 projections (`fastforward.cpu.fusion`) quantize identically. The division is one elementwise product
 per token: a token's result still does not depend on what else shares its forward.
 
 Calibration text: cuts of the Python standard library (the `pycode` task's train split, on every
-machine with Python), prompt and continuation, eight of them, 128 tokens each. Quantizing with it
-took 4.2 s instead of 1.3 s on the 2-core AMD EPYC of docs/results.md (`benchmarks/smoothing.py`).
+machine with Python), prompt and continuation, eight of them, 128 tokens each: enough to find the
+outlier channels, few enough to keep quantizing at load quick (`benchmarks/smoothing.py` times it).
 """
 
 from __future__ import annotations

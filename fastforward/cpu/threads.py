@@ -1,9 +1,8 @@
 """How many torch threads to use: the cores other work leaves free.
 
 On a shared machine extra threads make small-matrix work many times slower (they wait on each other
-for cores that are busy): two torch jobs on 2 cores with 2 threads each fell to 0.52 tok/s, where
-one thread each gave 34 tok/s. Every command therefore picks its thread count from the free cores
-unless `--threads` says otherwise.
+for cores that are busy; docs/notes/2026-11-threads-on-a-busy-machine.md). Every command therefore
+picks its thread count from the free cores unless `--threads` says otherwise.
 """
 
 from __future__ import annotations

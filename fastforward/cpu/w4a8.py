@@ -8,7 +8,7 @@ activations to int8 in blocks of 32 and takes an exact integer dot product with 
 and unpacked once per call, and each further row costs a fraction of the first. A row's result is
 the same bits whatever the number of rows (tested), so every lossless decoder equals greedy AR at
 int4; and it needs no bfloat16 copy of the weights for prefills, which it runs faster than a
-bfloat16 GEMM (docs/results.md).
+bfloat16 GEMM (docs/notes/2026-11-native-int4-kernel.md).
 
 Weights: groups of 32 inputs, w ≈ s · c + m with codes c in 0..15 and float16 s, m per group.
 

@@ -29,6 +29,29 @@ def queries_per_token(queries: int, tokens: int) -> float:
     return queries / tokens if tokens else 0.0
 
 
+class Rates:
+    """TPF, TPS and queries per token of anything that counts its generated tokens, decoding forwards,
+    wall seconds and queries: a row's `Stats` and an evaluation's `EvalResult` read them from here, so
+    the two report the same figure the same way."""
+
+    tokens: int
+    nfe: int
+    seconds: float
+    queries: int
+
+    @property
+    def tpf(self) -> float:
+        return tpf(self.tokens, self.nfe)
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def queries_per_token(self) -> float:
+        return queries_per_token(self.queries, self.tokens)
+
+
 def speedup(tps: float, tps_ar: float) -> float:
     """Throughput relative to AR decoding measured in the same run; 0 when the AR figure is missing."""
     return tps / tps_ar if tps_ar > 0 else 0.0

@@ -37,17 +37,11 @@ from fastforward.cpu.threads import auto_threads
 from fastforward.decoding.decoders import Decoder
 from fastforward.decoding.metrics import aup
 from fastforward.errors import FastForwardError
-from fastforward.evaluation.evaluate import (
-    AR,
-    EvalResult,
-    compare,
-    format_table,
-    sweep_label,
-    write_json,
-    write_records,
-)
+from fastforward.evaluation.evaluate import AR, compare, sweep_label
 from fastforward.evaluation.plots import Mark, plot_methods
-from fastforward.model import Model, load_model
+from fastforward.evaluation.report import format_table, write_json, write_records
+from fastforward.evaluation.results import EvalResult
+from fastforward.model import Model, Precision, load_model
 from fastforward.model.tiny import tiny_model
 from fastforward.tasks import ArithmeticTask
 from fastforward.training.data import PackedData, encode_record
@@ -99,9 +93,9 @@ class DemoConfig:
     eval_exact: bool = False  # row-invariant attention (fastforward.cpu.attention)
     seed: int = 0
 
-    def precision(self) -> dict[str, Any]:
-        """load_model's precision arguments for evaluation."""
-        return {"dtype": self.eval_dtype, "quantize": self.eval_quantize, "exact": self.eval_exact}
+    def precision(self) -> Precision:
+        """How the evaluated models compute (`load_model(..., precision=...)`)."""
+        return Precision(dtype=self.eval_dtype, quantize=self.eval_quantize, exact=self.eval_exact)
 
     def task(self) -> ArithmeticTask:
         return ArithmeticTask(
@@ -338,9 +332,9 @@ def evaluate_models(
     options = dict(
         max_new_tokens=config.max_new_tokens, batch_size=config.eval_batch_size, chat_template=False, progress=progress
     )
-    ntp_model = load_model(str(out / "ntp"), **config.precision())
+    ntp_model = load_model(str(out / "ntp"), precision=config.precision())
     ntp = compare(ntp_model, task, {}, examples, desc="eval NTP model: AR", **options)[AR]
-    sbd_model = load_model(str(out / "sbd"), **config.precision())
+    sbd_model = load_model(str(out / "sbd"), precision=config.precision())
     values = config.sweep_values()
     results = compare(
         sbd_model,

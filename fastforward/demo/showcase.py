@@ -33,8 +33,9 @@ from typing import Any
 from fastforward.api import build_decoder
 from fastforward.decoding.metrics import aup
 from fastforward.demo.pipeline import DemoConfig, DemoResult, table_row
-from fastforward.evaluation.evaluate import AR, compare, format_table, write_json, write_records
+from fastforward.evaluation.evaluate import AR, compare
 from fastforward.evaluation.plots import Mark, plot_methods
+from fastforward.evaluation.report import format_table, write_json, write_records
 from fastforward.model import load_model
 
 
@@ -113,7 +114,7 @@ def evaluate_checkpoints(
     options = dict(max_new_tokens=config.max_new_tokens, chat_template=False, progress=progress)
     rows, results = [], []
     for name, chosen in decoders(settings).items():
-        model = load_model(str(models / name), **config.precision())
+        model = load_model(str(models / name), precision=config.precision())
         measured = compare(model, task, chosen, examples, desc=f"eval {MODELS[name]} model", **options)
         for label, result in measured.items():
             gamma = next((g for g in settings.gammas if label == _gamma(g)), None)

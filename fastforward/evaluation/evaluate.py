@@ -23,6 +23,8 @@ them alike; each decoder also runs one untimed warm-up batch first. With `batch_
 time of a batch is shared by its rows (a batch runs until its slowest row stops), so TPS and speedup
 are throughput figures at that batch size; TPF and NFE are per row whatever the batch size.
 
+The results are `results.EvalResult` and `results.SweepResult`; `report` writes them out.
+
     model = load_model("runs/demo/sbd")
     task = get_task("arithmetic", max_number=20)
     result = evaluate(model, task, build_decoder("sbd", gamma=0.1), n=100)
@@ -31,11 +33,9 @@ are throughput figures at that batch size; TPF and NFE are per row whatever the 
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import asdict, replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -44,124 +44,13 @@ from fastforward.api import build_decoder
 from fastforward.decoding import metrics
 from fastforward.decoding.decoders import ARDecoder, Decoder, Generation, Prompt, registry
 from fastforward.errors import FastForwardError
+from fastforward.evaluation.results import EvalResult, SweepResult
 from fastforward.model import Model
 from fastforward.tasks import Example, Task
 
 AR = "ar"
 
 
-@dataclass
-class EvalResult:
-    """The figures of one decoder over a task's examples (see the module docstring)."""
-
-    label: str
-    decoder: str
-    knobs: dict[str, Any]
-    n: int
-    accuracy: float  # percent
-    score: float  # mean grader score in [0, 1]
-    nfe: int  # decoding forwards, summed over examples
-    tokens: int  # generated tokens, summed over examples
-    seconds: float  # wall seconds of generation (prefill included)
-    prefill_seconds: float
-    batch_size: int = 1
-    ar_tps: float | None = None
-    ar_tpf: float | None = None
-    agree_exact: float | None = None  # percent of outputs identical to the same model's greedy AR output
-    agree_tokens: float | None = None  # mean token match rate with it, in [0, 1]
-    tokens_per_step: dict[int, int] = field(default_factory=dict)
-    records: list[dict] = field(default_factory=list, repr=False)
-    queries: int = 0  # tokens the decoding forwards ran, summed over examples (`runtime.Stats`)
-
-    @property
-    def tpf(self) -> float:
-        return metrics.tpf(self.tokens, self.nfe)
-
-    @property
-    def tps(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def queries_per_token(self) -> float:
-        return metrics.queries_per_token(self.queries, self.tokens)
-
-    @property
-    def nfe_mean(self) -> float:
-        return self.nfe / self.n if self.n else 0.0
-
-    @property
-    def speedup(self) -> float | None:
-        return None if self.ar_tps is None else metrics.speedup(self.tps, self.ar_tps)
-
-    @property
-    def nfe_speedup(self) -> float | None:
-        return None if not self.ar_tpf else self.tpf / self.ar_tpf
-
-    def summary(self) -> dict[str, Any]:
-        """Every figure (no per-example records), JSON-ready."""
-
-        def r(x: float | None, digits: int = 4) -> float | None:
-            return None if x is None else round(x, digits)
-
-        return {
-            "label": self.label,
-            "decoder": self.decoder,
-            "knobs": self.knobs,
-            "n": self.n,
-            "batch_size": self.batch_size,
-            "accuracy": r(self.accuracy, 3),
-            "score": r(self.score),
-            "nfe": self.nfe,
-            "nfe_mean": r(self.nfe_mean, 3),
-            "tokens": self.tokens,
-            "tpf": r(self.tpf),
-            "queries": self.queries,
-            "queries_per_token": r(self.queries_per_token),
-            "seconds": r(self.seconds),
-            "prefill_seconds": r(self.prefill_seconds),
-            "tps": r(self.tps, 3),
-            "ar_tps": r(self.ar_tps, 3),
-            "speedup": r(self.speedup),
-            "nfe_speedup": r(self.nfe_speedup),
-            "agree_exact": r(self.agree_exact, 3),
-            "agree_tokens": r(self.agree_tokens),
-            "tokens_per_step": {str(k): v for k, v in sorted(self.tokens_per_step.items())},
-        }
-
-
-@dataclass
-class SweepResult:
-    """A decoder knob swept over values: one EvalResult per value, the AR baseline, and AUP."""
-
-    knob: str
-    values: list[Any]
-    points: list[EvalResult]
-    baseline: EvalResult
-
-    @property
-    def curve(self) -> list[tuple[float, float]]:
-        """(TPF, accuracy %) of each swept value, in the order given."""
-        return [(p.tpf, p.accuracy) for p in self.points]
-
-    @property
-    def aup(self) -> float | None:
-        """metrics.aup over the swept points (y_max: their best accuracy); None if a point has TPF 0."""
-        curve = self.curve
-        if not curve or any(tpf <= 0 for tpf, _ in curve):
-            return None
-        return metrics.aup(curve)
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "knob": self.knob,
-            "values": self.values,
-            "aup": None if self.aup is None else round(self.aup, 4),
-            "baseline": self.baseline.summary(),
-            "points": [p.summary() for p in self.points],
-        }
-
-
-# ---- running decoders -----------------------------------------------------------------------------
 def describe_decoder(decoder: Decoder) -> dict[str, Any]:
     """The knobs of a decoder instance, for result files (public attributes that are plain values)."""
     knobs: dict[str, Any] = {}
@@ -419,57 +308,3 @@ def parse_sweep(spec: str) -> tuple[str, list[Any]]:
     if name not in knobs:
         raise FastForwardError(f"cannot sweep {name!r}: not a decoder knob; choose one of {', '.join(knobs)}")
     return name, [knobs[name].parse(item) for item in raw.split(",") if item.strip()]
-
-
-# ---- writing results ------------------------------------------------------------------------------
-def write_records(path: str | Path, results: Sequence[EvalResult]) -> Path:
-    """Per-example records of every result, one JSON object a line."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for result in results:
-            for record in result.records:
-                f.write(json.dumps(record) + "\n")
-    return path
-
-
-def write_json(path: str | Path, value: Any) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(value, indent=2) + "\n")
-    return path
-
-
-def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, Callable[[Any], str]]]) -> str:
-    """A plain-text table: columns are (header, key, formatter)."""
-    cells = [[h for h, _, _ in columns]]
-    for row in rows:
-        cells.append([fmt(row.get(key)) if row.get(key) is not None else "-" for _, key, fmt in columns])
-    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    lines = [
-        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-        for r in cells
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def results_table(results: Sequence[EvalResult]) -> str:
-    """accuracy, mean score (partial credit: pycode's lines, ROUGE-L for infilling), NFE per example,
-    TPF, TPS, speedup (and agreement with AR) of each result."""
-    rows = [{**r.summary(), "label": r.label} for r in results]
-    return format_table(
-        rows,
-        [
-            ("decoder", "label", str),
-            ("acc %", "accuracy", lambda x: f"{x:.1f}"),
-            ("score", "score", lambda x: f"{x:.3f}"),
-            ("NFE/ex", "nfe_mean", lambda x: f"{x:.1f}"),
-            ("TPF", "tpf", lambda x: f"{x:.2f}"),
-            ("queries/tok", "queries_per_token", lambda x: f"{x:.2f}"),
-            ("TPS", "tps", lambda x: f"{x:.1f}"),
-            ("speedup", "speedup", lambda x: f"{x:.2f}x"),
-            ("same as AR %", "agree_exact", lambda x: f"{x:.1f}"),
-            ("AR token match", "agree_tokens", lambda x: f"{x:.3f}"),
-        ],
-    )

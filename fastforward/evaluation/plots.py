@@ -315,7 +315,7 @@ def plot_curves(
 def plot_sweep(
     path: str | Path, sweep, title: str | None = None, name: str | None = None, model: str = "model"
 ) -> Path:
-    """The accuracy-vs-TPF curve of a `fastforward.evaluation.evaluate.SweepResult` (one decoder over
+    """The accuracy-vs-TPF curve of a `fastforward.evaluation.results.SweepResult` (one decoder over
     a knob's values on `model`), with that model's AR baseline as a horizontal line."""
     label = name or sweep.points[0].decoder
     aup = sweep.aup

@@ -27,9 +27,8 @@ import torch
 from fastforward.model import visibility
 
 if TYPE_CHECKING:
-    from transformers import DynamicCache
-
     from fastforward.model import Model
+    from fastforward.model.cache import KVCache
 
 # The grids the paper prints.
 PAPER_BLOCKS = (1, 2, 4, 8, 16, 32, 64)
@@ -328,7 +327,7 @@ def measure_block_cost(
     warmup: int = 2,
     batch: int = 1,
     read_logits: bool = True,
-    cache: DynamicCache | None = None,
+    cache: KVCache | None = None,
     seed: int = 0,
     dense_mask: bool = True,
 ) -> BlockCost:

@@ -1,13 +1,18 @@
 """KV caches that append in place, and rolling entries back without copying.
 
 transformers' `DynamicLayer` appends by concatenation: every forward copies the layer's whole cache
-into a new tensor, so a decoding step's cost grows with the context (about 1 ms per 100 cached
-tokens in a compiled step of SmolLM2-135M on a 2-core CPU, docs/results.md). `GrowingLayer` keeps
-its entries at the front of buffers with room to spare: an append writes only the new entries, and
-the buffers double when they fill (`reserve`). `new_cache` gives every attention layer one, sliding
-layers included: they keep every entry, and their masks hide what the window no longer shows
-(`fastforward.model.windows`), for which the cache records each entry's RoPE position
-(`track_positions`; `truncate` and `gather_entries` keep them in step).
+into a new tensor, so a decoding step's cost grows with the context
+(docs/notes/2026-11-in-place-kv-cache.md). `GrowingLayer` keeps its
+entries at the front of buffers with room to spare: an append writes only the new entries, and the
+buffers double when they fill (`reserve`).
+
+`KVCache` is a batch's cache as one object of ours: transformers' cache (`hf`, whose attention
+layers, sliding ones included, are growing layers) together with what a batch of rows needs beside
+it: which entries each row sees (`key_valid`: left padding and the holes of entries a row did not
+keep) and, for sliding-window models, each entry's RoPE position (`key_positions`: their masks hide
+what the window no longer shows, `fastforward.model.windows`). Every operation on rows or entries
+(truncating, keeping some of a step's entries, stacking, overwriting, selecting, squeezing and
+repacking rows) keeps the three in step, so nothing is attached to transformers' objects.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers import Cache, DynamicCache, PreTrainedConfig
+from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 MIN_CAPACITY = 64  # entries a buffer holds at first; it doubles from there
@@ -120,127 +125,268 @@ class GrowingLayer(CacheLayerMixin):
             self._select(torch.arange(self.key_buffer.shape[0], device=self.device).repeat_interleave(repeats))
 
 
-def new_cache(config: PreTrainedConfig) -> DynamicCache:
-    """A `DynamicCache` whose attention layers, full and sliding, append in place (`GrowingLayer`);
-    other kinds of layer (linear attention) stay transformers' own."""
-    cache = DynamicCache(config=config)
-    attention = (DynamicLayer, DynamicSlidingWindowLayer)
-    cache.layers = [GrowingLayer() if type(layer) in attention else layer for layer in cache.layers]
-    cache.key_positions = None  # [B, entries] once tracked (`track_positions`)
-    return cache
+class KVCache:
+    """A batch's KV cache: transformers' cache `hf`, the validity of each row's entries [B, entries]
+    (None: every entry real) and their RoPE positions [B, entries] (None: not tracked)."""
 
+    # entries a cache may hold beyond twice its longest row before `squeeze` repacks it
+    SQUEEZE_SLACK = 64
 
-def track_positions(cache: Cache, positions: torch.Tensor) -> torch.Tensor:
-    """Record the RoPE positions [B, T] of the entries a forward is about to append; returns the positions
-    of every key that forward sees [B, entries + T] (the cache's, then the new ones)."""
-    known = getattr(cache, "key_positions", None)
-    if known is None:
-        known = positions.new_zeros(positions.shape[0], cache.get_seq_length())
-        if known.shape[1]:
-            raise ValueError("the cache holds entries whose positions were not recorded")
-    cache.key_positions = torch.cat([known, positions], dim=1)
-    return cache.key_positions
+    def __init__(self, hf: DynamicCache):
+        self.hf = hf
+        self.key_valid: torch.Tensor | None = None
+        self.key_positions: torch.Tensor | None = None
 
+    @classmethod
+    def new(cls, config: PreTrainedConfig) -> KVCache:
+        """An empty cache whose attention layers, full and sliding, append in place (`GrowingLayer`);
+        other kinds of layer (linear attention) stay transformers' own."""
+        hf = DynamicCache(config=config)
+        attention = (DynamicLayer, DynamicSlidingWindowLayer)
+        hf.layers = [GrowingLayer() if type(layer) in attention else layer for layer in hf.layers]
+        return cls(hf)
 
-def reserve(cache: Cache, entries: int) -> None:
-    """Room for `entries` in every growing layer, before a compiled forward appends to it."""
-    for layer in cache.layers:
-        if isinstance(layer, GrowingLayer):
-            layer.reserve(entries)
+    @property
+    def layers(self) -> list[CacheLayerMixin]:
+        return self.hf.layers
 
+    def get_seq_length(self) -> int:
+        return self.hf.get_seq_length()
 
-def truncate(cache: Cache, length: int) -> None:
-    """Keep the first `length` entries of every layer (no copy).
+    def validity(self, rows: int) -> torch.Tensor:
+        """Which entries each of the `rows` rows sees [rows, entries] (all, where untracked)."""
+        if self.key_valid is not None:
+            return self.key_valid
+        return torch.ones(rows, self.get_seq_length(), dtype=torch.bool, device=self._device())
 
-    transformers 5.x `crop` takes a negative count of entries to drop; 5.17 accepts the same.
-    """
-    extra = cache.get_seq_length() - length
-    if extra < 0:
-        raise ValueError(f"cannot truncate a cache of {cache.get_seq_length()} entries to {length}")
-    if extra:
-        cache.crop(-extra)
-    if getattr(cache, "key_positions", None) is not None:
-        cache.key_positions = cache.key_positions[:, :length]
+    def _device(self) -> torch.device:
+        return next(layer.keys.device for layer in self.layers if layer.keys is not None)
 
+    # ---- entries ------------------------------------------------------------------------------
+    def track_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Record the RoPE positions [B, T] of the entries a forward is about to append; returns the
+        positions of every key that forward sees [B, entries + T] (the cache's, then the new ones)."""
+        known = self.key_positions
+        if known is None:
+            known = positions.new_zeros(positions.shape[0], self.get_seq_length())
+            if known.shape[1]:
+                raise ValueError("the cache holds entries whose positions were not recorded")
+        self.key_positions = torch.cat([known, positions], dim=1)
+        return self.key_positions
 
-def drop_leading(cache: Cache, count: int) -> None:
-    """Drop the first `count` entries of every row and layer (entries no query sees any more, after the
-    rows that needed them left). Growing layers move what stays to the front of fresh buffers of the
-    same capacity: a view past the dropped entries would keep the old strides, which compiled steps
-    guard on, so a batch after a join or leave would run eagerly."""
-    for layer in cache.layers:
-        if isinstance(layer, GrowingLayer):
-            kept = layer.length - count
-            for name in ("key_buffer", "value_buffer"):
-                old = getattr(layer, name)
-                new = torch.empty_like(old, memory_format=torch.contiguous_format)
-                new[:, :, :kept] = old[:, :, count : layer.length]
-                setattr(layer, name, new)
-            layer.length = kept
+    def extend_valid(self, length: int) -> None:
+        """`length` new entries that every row sees, where validity is tracked (a step's, until it keeps some)."""
+        if self.key_valid is not None:
+            fresh = self.key_valid.new_ones(self.key_valid.shape[0], length)
+            self.key_valid = torch.cat([self.key_valid, fresh], dim=1)
+
+    def reserve(self, entries: int) -> None:
+        """Room for `entries` in every growing layer, before a compiled forward appends to it."""
+        for layer in self.layers:
+            if isinstance(layer, GrowingLayer):
+                layer.reserve(entries)
+
+    def prepare(self, entries: int) -> None:
+        """Get ready for a compiled step that leaves the cache `entries` long: room in its growing layers
+        (a graph cannot grow them without a branch it would guard on), and the keys and values of
+        transformers' own layers stored contiguously (a prefill's come out of a transpose and a
+        truncated cache is a view; a new memory layout would compile a new graph)."""
+        self.reserve(entries)
+        for layer in self.layers:
+            if not isinstance(layer, GrowingLayer) and not layer.keys.is_contiguous():
+                layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` entries of every layer (no copy).
+
+        transformers 5.x `crop` takes a negative count of entries to drop; 5.17 accepts the same.
+        """
+        extra = self.get_seq_length() - length
+        if extra < 0:
+            raise ValueError(f"cannot truncate a cache of {self.get_seq_length()} entries to {length}")
+        if extra:
+            self.hf.crop(-extra)
+        if self.key_positions is not None:
+            self.key_positions = self.key_positions[:, :length]
+        if self.key_valid is not None:
+            self.key_valid = self.key_valid[:, :length]
+
+    def gather_entries(self, base: int, order: torch.Tensor) -> None:
+        """Move each row's entries `base + order[r]` (order [B, L]) to slots base..base+L-1 of that row.
+
+        Used when a row keeps new entries that are not a prefix of what a forward appended (a winning
+        candidate further along): only those entries are copied, in place; the caller then cuts the cache.
+        """
+        for layer in self.layers:
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name)
+                index = (base + order)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+                tensor[:, :, base : base + order.shape[1]] = tensor.gather(2, index)
+        if self.key_positions is not None:
+            self.key_positions[:, base : base + order.shape[1]] = self.key_positions.gather(1, base + order)
+
+    def keep(self, base: int, rows: int, keep: list[int] | list[list[int]]) -> None:
+        """Keep, of the entries from `base` on (one step's), per row a count of leading ones or the
+        ascending slots to keep (moved into place). Entries a row keeps fewer of than another become
+        holes: from then on validity is tracked per entry."""
+        if keep and isinstance(keep[0], list):  # slot lists: move the kept entries into place
+            counts = [len(slots) for slots in keep]
+            high = max(counts)
+            if any(slots != list(range(len(slots))) for slots in keep):
+                order = [slots + [0] * (high - len(slots)) for slots in keep]
+                self.gather_entries(base, torch.tensor(order, device=self._device()))
         else:
-            layer.keys, layer.values = layer.keys[:, :, count:], layer.values[:, :, count:]
-    if getattr(cache, "key_positions", None) is not None:
-        cache.key_positions = cache.key_positions[:, count:]
+            counts = list(keep)
+            high = max(counts)
+        if min(counts) < high and self.key_valid is None:  # the first hole
+            self.key_valid = self.validity(rows)
+        self.truncate(base + high)
+        if min(counts) == high:
+            return
+        device = self.key_valid.device
+        kept = torch.arange(high, device=device)[None] < torch.tensor(counts, device=device)[:, None]
+        self.key_valid = torch.cat([self.key_valid[:, :base], kept & self.key_valid[:, base:]], dim=1)
 
+    # ---- rows ---------------------------------------------------------------------------------
+    def select(self, index: torch.Tensor) -> None:
+        """Keep the rows `index` (in that order), entries as they are."""
+        self.hf.batch_select_indices(index)
+        if self.key_positions is not None:
+            self.key_positions = self.key_positions[index]
+        if self.key_valid is not None:
+            self.key_valid = self.key_valid[index]
 
-def repack(cache: Cache, order: torch.Tensor) -> None:
-    """Keep, for each row r, the entries `order[r]` ([B, W], ascending) as its W entries: the holes that
-    rows leave behind (entries a decoder did not keep) and padding no row needs are squeezed out."""
-    for layer in cache.layers:
-        keys, values = layer.keys, layer.values
-        index = order[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
-        keys, values = keys.gather(2, index), values.gather(2, index)
-        if isinstance(layer, GrowingLayer):
-            layer.key_buffer, layer.value_buffer, layer.length = keys, values, order.shape[1]
-        else:
-            layer.keys, layer.values = keys, values
-    if getattr(cache, "key_positions", None) is not None:
-        cache.key_positions = cache.key_positions.gather(1, order)
+    def overwrite_rows(self, rows: list[int], source: KVCache, batch: int) -> bool:
+        """Write every row of `source` over the rows `rows` of this cache (of `batch` rows), left-padded
+        to its length with zero entries that no query sees, in place: the other rows are not copied.
+        Returns False, and changes nothing, where that cannot be done in place: a layer that is not a
+        `GrowingLayer`, or a source longer than the cache."""
+        length, theirs = self.get_seq_length(), source.get_seq_length()
+        layers = list(zip(self.layers, source.layers, strict=True))
+        if theirs > length or not all(isinstance(a, GrowingLayer) and isinstance(b, GrowingLayer) for a, b in layers):
+            return False
+        at = torch.tensor(rows, device=self._device())
+        for mine, new in layers:
+            for buffer, entries in ((mine.key_buffer, new.keys), (mine.value_buffer, new.values)):
+                buffer[at, :, :length] = F.pad(entries, (0, 0, length - theirs, 0))
+        if self.key_positions is not None:
+            self.key_positions[at] = F.pad(source.key_positions, (length - theirs, 0))
+        valid = F.pad(source.validity(len(rows)), (length - theirs, 0), value=False)
+        self.key_valid = self.validity(batch).index_put((at,), valid)
+        return True
 
+    @classmethod
+    def stack(cls, config: PreTrainedConfig, parts: list[tuple[KVCache, int, Sequence[int] | None]]) -> KVCache:
+        """One batched cache from (cache, its rows, the rows of it to take (ascending; None: all)) parts
+        of growing layers, each left-padded to the longest with zero entries that no query sees: each
+        row holds exactly the entries it held. Every entry is copied once, into buffers with room to grow."""
+        widths = [cache.get_seq_length() for cache, _, _ in parts]
+        width = max(widths)
+        pads = [width - w for w in widths]
+        selections = [[slice(None)] if rows is None else _runs(rows) for _, _, rows in parts]
 
-def gather_entries(cache: Cache, base: int, order: torch.Tensor) -> None:
-    """Move each row's entries `base + order[r]` (order [B, L]) to slots base..base+L-1 of that row.
+        def pieces(index: int, name: str) -> list[tuple[torch.Tensor, int]]:
+            """(rows of one part's tensor, their padding), in the stacked order."""
+            found = [getattr(cache.layers[index], name) for cache, _, _ in parts]
+            return [(t[run], pad) for t, runs, pad in zip(found, selections, pads, strict=True) for run in runs]
 
-    Used when a row keeps new entries that are not a prefix of what a forward appended (a winning
-    candidate further along): only those entries are copied, in place; the caller then cuts the cache.
-    """
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name)
-            index = (base + order)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
-            tensor[:, :, base : base + order.shape[1]] = tensor.gather(2, index)
-    positions = getattr(cache, "key_positions", None)
-    if positions is not None:
-        positions[:, base : base + order.shape[1]] = positions.gather(1, base + order)
+        stacked = cls.new(config)
+        for index, layer in enumerate(stacked.layers):
+            keys, values = pieces(index, "keys"), pieces(index, "values")
+            if not isinstance(layer, GrowingLayer):  # transformers' own layers: stacked as they are
+                layer.update(*(torch.cat([F.pad(p, (0, 0, pad, 0)) for p, pad in t]) for t in (keys, values)))
+                continue
+            first = keys[0][0]
+            like = first.new_empty(sum(k.shape[0] for k, _ in keys), first.shape[1], 1, first.shape[3])
+            layer.lazy_initialization(like, like)
+            layer.reserve(width, like)
+            for buffer, pieced in ((layer.key_buffer, keys), (layer.value_buffer, values)):
+                start = 0
+                for piece, pad in pieced:
+                    end = start + piece.shape[0]
+                    buffer[start:end, :, :pad].zero_()  # padding: finite, so that masked attention stays finite
+                    buffer[start:end, :, pad:width] = piece
+                    start = end
+            layer.length = width
 
+        def taken(tensor: torch.Tensor, rows: Sequence[int] | None) -> torch.Tensor:
+            return tensor if rows is None else tensor[list(rows)]
 
-def prepare_cache(cache: Cache, entries: int) -> None:
-    """Get a cache ready for a compiled step that leaves it `entries` long: room in its growing
-    layers (`cache.reserve`: a graph cannot grow them without a branch it would guard on), and the
-    keys and values of transformers' own layers stored contiguously (a prefill's come out of a
-    transpose and a truncated cache is a view; a new memory layout would compile a new graph)."""
-    reserve(cache, entries)
-    for layer in cache.layers:
-        if not isinstance(layer, GrowingLayer) and not layer.keys.is_contiguous():
-            layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+        if all(cache.key_positions is not None for cache, _, _ in parts):
+            stacked.key_positions = torch.cat(
+                [F.pad(taken(c.key_positions, r), (pad, 0)) for (c, _, r), pad in zip(parts, pads, strict=True)]
+            )
+        if any(pads) or any(cache.key_valid is not None for cache, _, _ in parts):
+            stacked.key_valid = torch.cat(
+                [
+                    F.pad(taken(c.validity(n), r), (pad, 0), value=False)
+                    for (c, n, r), pad in zip(parts, pads, strict=True)
+                ]
+            )
+        return stacked
 
+    def squeeze(self, rows: int) -> None:
+        """Drop the entries none of the `rows` rows sees: leading padding, and once holes (entries rows
+        did not keep) make up most of the cache, every hole: each row's valid entries are packed to the
+        right. A batch that rows keep joining would otherwise grow by the longest step of any row,
+        forever. A single row keeps only its valid entries, and no validity."""
+        if self.key_valid is None:
+            return
+        valid, length = self.key_valid, self.key_valid.shape[1]
+        if not rows:  # every row left: nothing to keep
+            self._drop_leading(length)
+            self.key_valid = valid[:, :0]
+            return
+        if rows == 1:
+            # One row needs no mask once its holes are gone: its steps then run as a prompt's alone do
+            # (with compiled steps, one kind of step fewer for a server to compile).
+            if not bool(valid.all()):
+                self._repack(valid[0].nonzero().reshape(1, -1))
+            self.key_valid = None
+            return
+        width = int(valid.sum(dim=1).max())
+        if length > 2 * width + self.SQUEEZE_SLACK:  # amortised: each repack at least halves the cache
+            slots = torch.arange(length, device=valid.device).expand(rows, -1)
+            # each row's valid slots in order, right-aligned into `width` (the left filled with slot 0)
+            ranked = torch.where(valid, slots, -1).sort(dim=1).values[:, length - width :]
+            self._repack(ranked.clamp(min=0))
+            self.key_valid = ranked >= 0
+            return
+        lead = int(valid.any(dim=0).long().argmax())
+        if lead:
+            self._drop_leading(lead)
+            self.key_valid = valid[:, lead:]
 
-def overwrite_rows(cache: Cache, rows: torch.Tensor, source: Cache) -> bool:
-    """Write every row of `source` over the rows `rows` of `cache`, left-padded to its length with zero
-    entries (which the caller's masks hide), in place: the other rows are not copied. Returns False,
-    and changes nothing, where that cannot be done in place: a layer that is not a `GrowingLayer`, or
-    a source longer than the cache."""
-    length, theirs = cache.get_seq_length(), source.get_seq_length()
-    layers = list(zip(cache.layers, source.layers, strict=True))
-    if theirs > length or not all(isinstance(a, GrowingLayer) and isinstance(b, GrowingLayer) for a, b in layers):
-        return False
-    for mine, new in layers:
-        for buffer, entries in ((mine.key_buffer, new.keys), (mine.value_buffer, new.values)):
-            buffer[rows, :, :length] = F.pad(entries, (0, 0, length - theirs, 0))
-    positions = getattr(cache, "key_positions", None)
-    if positions is not None:
-        positions[rows] = F.pad(source.key_positions, (length - theirs, 0))
-    return True
+    def _drop_leading(self, count: int) -> None:
+        """Drop the first `count` entries of every row and layer. Growing layers move what stays to the
+        front of fresh buffers of the same capacity: a view past the dropped entries would keep the old
+        strides, which compiled steps guard on, so a batch after a join or leave would run eagerly."""
+        for layer in self.layers:
+            if isinstance(layer, GrowingLayer):
+                kept = layer.length - count
+                for name in ("key_buffer", "value_buffer"):
+                    old = getattr(layer, name)
+                    new = torch.empty_like(old, memory_format=torch.contiguous_format)
+                    new[:, :, :kept] = old[:, :, count : layer.length]
+                    setattr(layer, name, new)
+                layer.length = kept
+            else:
+                layer.keys, layer.values = layer.keys[:, :, count:], layer.values[:, :, count:]
+        if self.key_positions is not None:
+            self.key_positions = self.key_positions[:, count:]
+
+    def _repack(self, order: torch.Tensor) -> None:
+        """Keep, for each row r, the entries `order[r]` ([B, W], ascending) as its W entries."""
+        for layer in self.layers:
+            keys, values = layer.keys, layer.values
+            index = order[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
+            keys, values = keys.gather(2, index), values.gather(2, index)
+            if isinstance(layer, GrowingLayer):
+                layer.key_buffer, layer.value_buffer, layer.length = keys, values, order.shape[1]
+            else:
+                layer.keys, layer.values = keys, values
+        if self.key_positions is not None:
+            self.key_positions = self.key_positions.gather(1, order)
 
 
 def _runs(rows: Sequence[int]) -> list[slice]:
@@ -253,43 +399,3 @@ def _runs(rows: Sequence[int]) -> list[slice]:
         else:
             runs.append(slice(row, row + 1))
     return runs
-
-
-def stack_rows(
-    config: PreTrainedConfig, caches: list[Cache], pads: list[int], rows: list[Sequence[int] | None] | None = None
-) -> DynamicCache:
-    """One batched cache from caches of growing layers, the rows of cache i (`rows[i]`, ascending,
-    default all) left-padded by `pads[i]` zero entries (which the caller's masks hide): each row holds
-    exactly the entries it held. Every entry is copied once, into buffers with room to grow."""
-    rows = rows or [None] * len(caches)
-    selections = [[slice(None)] if r is None else _runs(r) for r in rows]
-
-    def parts(index: int, name: str) -> list[tuple[torch.Tensor, int]]:
-        """(rows of one cache's tensor, their padding), in the stacked order."""
-        found = [getattr(c.layers[index], name) for c in caches]
-        return [(t[run], pad) for t, runs, pad in zip(found, selections, pads, strict=True) for run in runs]
-
-    cache = new_cache(config)
-    for index, layer in enumerate(cache.layers):
-        keys, values = parts(index, "keys"), parts(index, "values")
-        width = keys[0][0].shape[2] + keys[0][1]
-        if not isinstance(layer, GrowingLayer):  # transformers' own layers: stacked as they are
-            layer.update(*(torch.cat([F.pad(p, (0, 0, pad, 0)) for p, pad in t]) for t in (keys, values)))
-            continue
-        first = keys[0][0]
-        like = first.new_empty(sum(k.shape[0] for k, _ in keys), first.shape[1], 1, first.shape[3])
-        layer.lazy_initialization(like, like)
-        layer.reserve(width, like)
-        for buffer, stacked in ((layer.key_buffer, keys), (layer.value_buffer, values)):
-            start = 0
-            for part, pad in stacked:
-                end = start + part.shape[0]
-                buffer[start:end, :, :pad].zero_()  # padding: finite, so that masked attention stays finite
-                buffer[start:end, :, pad:width] = part
-                start = end
-        layer.length = width
-    positions = [getattr(c, "key_positions", None) for c in caches]
-    if all(p is not None for p in positions):
-        selected = [p if r is None else p[list(r)] for p, r in zip(positions, rows, strict=True)]
-        cache.key_positions = torch.cat([F.pad(p, (pad, 0)) for p, pad in zip(selected, pads, strict=True)])
-    return cache

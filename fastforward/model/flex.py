@@ -7,10 +7,10 @@ rest in one fused kernel. Any rule of `fastforward.model.visibility` (training o
 without a cache) reaches it the same way: its dense visibility [B, T, P + T] is looked up by the
 `mask_mod`, so a new rule needs nothing here.
 
-Measured on an H200 (benchmarks/gpu_check.py, docs/results.md "GPU"): training SmolLM2-135M at
-2 × 2048 tokens per row, FlexAttention runs at SDPA's speed with 13-17 % less memory; a decoding
-step, which builds a new BlockMask each time, is several times slower than SDPA's. So training on
-CUDA takes it by default (`for_training`) and decoding only when asked (`--attention flex`).
+Measured on an H200 (benchmarks/gpu_check.py, docs/results.md "GPU"): training SmolLM2-135M,
+FlexAttention runs at SDPA's speed with less memory; a decoding step, which builds a new BlockMask
+each time, is slower than SDPA's. So training on CUDA takes it by default (`for_training`) and
+decoding only when asked (`--attention flex`).
 
 On CUDA the kernel is compiled (Triton); elsewhere flex_attention runs its unfused reference
 implementation, which has a forward but no backward on the CPU in torch 2.13 (tests compare it
@@ -47,8 +47,8 @@ def implementation(attention: str) -> str:
 
 def for_training(attention: str, objective: str) -> str:
     """`fastforward train --attention auto`: flex on a CUDA GPU for the objectives whose layouts are masks
-    (the same speed as SDPA's dense masks and 13-17 % less memory on an H200, docs/results.md "GPU"),
-    SDPA for NTP (its causal flash kernel is 18 % faster) and on every other device, the CPU that
+    (the same speed as SDPA's dense masks and less memory, docs/results.md "GPU"), SDPA for NTP (its
+    causal flash kernel is faster there) and on every other device, the CPU that
     ACCELERATE_USE_CPU asks for beside a GPU included."""
     if attention != "auto":
         return attention

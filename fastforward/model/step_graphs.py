@@ -1,8 +1,7 @@
 """Decoding steps replayed as CUDA graphs.
 
-On a GPU a decoding step of a small model costs the host far more than the device: SmolLM2-135M
-took 51 ms a token in eager bf16 on an H200, transformers' own `generate` 41 ms
-(docs/notes/2026-11-26-first-gpu-run.md), while its kernels take a few. A CUDA graph launches a
+On a GPU a decoding step of a small model costs the host far more than the device: launching its
+kernels one by one takes longer than running them (docs/notes/2026-11-26-first-gpu-run.md). A CUDA graph launches a
 whole step's kernels at once. It fixes every shape and address it was captured with, so a graphed
 step is a fixed-shape forward:
 
@@ -42,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, PreTrainedModel
 
-from fastforward.model.cache import GrowingLayer
+from fastforward.model.cache import GrowingLayer, KVCache
 
 MIN_CAPACITY = 256  # cache slots of the smallest buffers; they double from there
 CAPTURE_AFTER = 2  # a shape is captured when seen this many times
@@ -87,12 +86,12 @@ def capacity_for(entries: int) -> int:
     return capacity
 
 
-def supports(cache: Cache | None) -> bool:
+def supports(cache: KVCache | None) -> bool:
     """Whether a cache can be bound: growing layers only, holding entries already (a step, not a
     prefill), and no recorded key positions (sliding-window masks are built per step from them)."""
     return (
         cache is not None
-        and getattr(cache, "key_positions", None) is None
+        and cache.key_positions is None
         and all(isinstance(layer, GrowingLayer) and layer.key_buffer is not None for layer in cache.layers)
     )
 

@@ -10,8 +10,8 @@ made it and the torch and transformers versions; so a stale entry is never found
 Each entry carries the CRC-32 of its own bytes, checked before it is read: a corrupt entry is
 reported in one line, removed and made again, never loaded. Only files this module wrote are read.
 An entry is read memory-mapped (its tensors are the page cache's until written to): with the
-CRC-32 this made `load_model` of SmolLM2-135M's int4 entry (198 MB) 0.2 s faster than a SHA-256 and
-a copying `torch.load` (docs/results.md, "From a fresh process").
+CRC-32, cheaper at load than a SHA-256 and a copying `torch.load`
+(docs/notes/2026-11-28-cpu-speed-and-start-up.md, "From a fresh process").
 """
 
 from __future__ import annotations

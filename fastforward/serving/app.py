@@ -62,9 +62,8 @@ __all__ = ["ApiError", "ChatRequest", "CompletionRequest", "Server", "error_body
 
 SAMPLING_KNOBS = {knob.name for knob in registry.SAMPLING}  # per row: not part of a batch's setting
 # The tokens of one forward over a batch's rows, by default on a CPU, where a forward's cost grows with
-# them: `jacobi` at block 16 and 32 rows ran 544 a forward, most of them drafts it rejected. Bounded at
-# 128, the shipped Jacobi Forcing model served 1.1-1.2x the tokens/s with 32 clients over HTTP and
-# 1.2-1.3x in process, p99 latency 0.8 s against 1.2 s (docs/results.md, "Serving under load").
+# them: unbounded, `jacobi` with many rows runs hundreds a forward, most of them drafts it rejects.
+# Bounded, the server gave more tokens/s at a lower p99 latency (docs/notes/2026-11-28-serving-history.md).
 CPU_STEP_TOKENS = 128
 
 
@@ -83,7 +82,6 @@ class Server:
         max_tokens: int = 256,
         max_batch_tokens: int | None = None,
         max_queue: int = 256,
-        continuous: bool = True,
         max_step_tokens: int | None = None,
         max_prefill_tokens: int = PREFILL_TOKENS,
         api_key: str | None = None,
@@ -106,7 +104,7 @@ class Server:
         self.max_batch_size, self.max_batch_tokens, self.max_queue = max_batch_size, max_batch_tokens, max_queue
         if max_step_tokens is None and model.device.type == "cpu":
             max_step_tokens = CPU_STEP_TOKENS
-        self.continuous, self.max_step_tokens = continuous, max_step_tokens
+        self.max_step_tokens = max_step_tokens
         self.max_prefill_tokens = max_prefill_tokens
         self.api_key, self.max_request_bytes = api_key, max_request_bytes
 
@@ -300,7 +298,6 @@ class Server:
                 self.metrics,
                 self.max_batch_tokens,
                 self.max_queue,
-                self.continuous,
                 self.max_step_tokens,
                 self.max_prefill_tokens,
             )

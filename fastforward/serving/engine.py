@@ -5,26 +5,17 @@ Jobs whose decoders have equal settings (temperature, top-p and seed aside) form
 `Session` whose rows are its jobs. Between two steps of a group, waiting jobs of its setting join it
 (`Session.join`, prefilled on their own) and finished or cancelled rows leave it (`Session.leave`),
 so rows with different budgets, prompt lengths and sampling knobs share forwards and nobody waits for
-a batch to drain. Groups of different settings take turns, one step each. Admission is bounded by
-`max_batch_size` rows and `max_batch_tokens` tokens in flight (prompt plus budget of every running
-row); a queue of more than `max_queue` waiting jobs refuses new ones (`QueueFull`: HTTP 503 with
-Retry-After). Between two steps at most `max_prefill_tokens` prompt tokens join (one job at least),
-so that a burst of long prompts prefills over several turns: the running rows keep streaming, and
-the first jobs of the burst get their first tokens before the last ones are prefilled.
-
-Decoders that cannot decode step by step (`Decoder.continuous` false: the `rows_apart` ones, `mbd`
-and `jacobi-mr`) run in static batches: waiting jobs with the same setting and budget decode to
-their end in one turn (one row at a time), and between its steps the continuous groups admit their
-waiting jobs and take a step each, so a long static decode holds up nobody.
+a batch to drain. Which jobs join and which group steps next is `scheduler`'s (rows, tokens in flight
+and prompt tokens per turn bounded; groups taking turns, one step each); a queue of more than
+`max_queue` waiting jobs refuses new ones (`QueueFull`: HTTP 503 with Retry-After).
 
 Each row samples with its own request's temperature, top-p and seed (`Job.row`), so a request gets
 the tokens it would get alone whatever shares its batch. After every step the session's rows turn
-their newly committed tokens into text deltas (`TextStream`: incremental, so a long stream costs no
-more per step than a short one), cut the text before a stop string (and cancel that row), cancel the
-rows whose clients left, and hand the deltas to the jobs' event queues, which the HTTP layer reads
-(`fastforward.serving.app`); a job's last event carries its token ids. A failure inside decoding fails
-only the jobs of that group. Other model work (scoring log-probabilities) runs on the same worker
-between two steps (`Engine.call`).
+their newly committed tokens into text deltas (`TextStream`), cut the text before a stop string (and
+cancel that row), cancel the rows whose clients left, and hand the deltas to the jobs' event queues,
+which the HTTP layer reads (`fastforward.serving.app`); a job's last event carries its token ids. A
+failure inside decoding fails only the jobs of that group. Other model work (scoring
+log-probabilities) runs on the same worker between two steps (`Engine.call`).
 """
 
 from __future__ import annotations
@@ -35,17 +26,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from fastforward.decoding.decoders import Decoder, registry
+from fastforward.decoding.decoders import Decoder
 from fastforward.decoding.runtime import PREFILL_TOKENS, Generation, Prompt, Session
-from fastforward.errors import FastForwardError
 from fastforward.model import Model
+from fastforward.serving import scheduler
 from fastforward.serving.metrics import Metrics
+from fastforward.serving.text_stream import TextStream
 
 _ids = itertools.count()
 
@@ -117,13 +109,13 @@ class _Group:
 
     @property
     def rows(self) -> list[_Row]:
-        """Row r's job: a per-row list of the session, so that joins and leaves keep it in step."""
-        return self.session.per_row("serving")
+        """Row r's job: each session row owns its own, so that joins and leaves keep them together."""
+        return [row.owner for row in self.session.rows]
 
     def start(self, rows: list[int], jobs: list[Job], decode: Callable[[list[int]], str]) -> None:
         """The jobs now in session rows `rows` (just joined or opened)."""
         for index, job in zip(rows, jobs, strict=True):
-            self.rows[index] = _Row(job, TextStream(decode, job.stop))
+            self.session.rows[index].owner = _Row(job, TextStream(decode, job.stop))
 
 
 class Engine:
@@ -136,16 +128,12 @@ class Engine:
         metrics: Metrics | None = None,
         max_batch_tokens: int | None = None,
         max_queue: int = 256,
-        continuous: bool = True,
         max_step_tokens: int | None = None,
         max_prefill_tokens: int = PREFILL_TOKENS,
     ):
         self.model = model
-        self.max_prefill_tokens = max_prefill_tokens
+        self.limits = scheduler.Limits(max_batch_size, max_batch_tokens, max_prefill_tokens)
         self.max_step_tokens = max_step_tokens  # `Session.step_tokens` of every group
-        self.continuous = continuous  # False: every decoder in static batches (the old scheduling, for comparison)
-        self.max_batch_size = max_batch_size
-        self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self._waiting: deque[Job] = deque()
@@ -228,68 +216,36 @@ class Engine:
     def _schedule(self) -> None:
         while True:
             self._flush()
-            static = self._admit()
-            if static is None:
+            if not self._admit():
                 return
-            if static:
-                self._guarded(static, lambda: self._decode_static(static))  # noqa: B023
-            elif self._groups:
-                names = list(self._groups)
-                name = names[self._turn % len(names)]
+            if self._groups:
+                name = scheduler.next_batch(list(self._groups), self._turn)
                 self._turn += 1
                 group = self._groups[name]
                 self._guarded([r.job for r in group.rows], lambda: self._step(name, group))  # noqa: B023
             self.metrics.batch_size.set(sum(len(g.rows) - len(g.retired) for g in self._groups.values()))
 
-    def _admit(self, static_allowed: bool = True) -> list[Job] | None:
+    def _admit(self) -> bool:
         """Move waiting jobs into their groups (opening groups as needed), as far as the limits allow.
-        Work handed to `call` runs first. Returns a static batch to decode now, [] to step the groups
-        (or after such work alone), or None to stop. Without
-        `static_allowed` (between the steps of a static batch) jobs of static decoders keep waiting
-        and nothing blocks."""
+        Work handed to `call` runs first. Returns False when there is nothing left to do: stop."""
         with self._lock:
-            while static_allowed and not (self._waiting or self._groups or self._calls or self._stopping):
+            while not (self._waiting or self._groups or self._calls or self._stopping):
                 self._lock.wait()
             calls, self._calls = self._calls, []
         self._run_calls(calls)
         with self._lock:
             if not self._waiting and not self._groups:
-                return [] if calls else None
-            admitted: dict[str, list[Job]] = {}
+                return bool(calls)
             # Rows still decoding: retired ones leave in the join that admits their successors.
-            live = [r for g in self._groups.values() for i, r in enumerate(g.rows) if i not in g.retired]
-            rows, tokens = len(live), sum(len(r.job.prompt) + r.job.max_tokens for r in live)
-            prefill = 0  # prompt tokens admitted in this turn
-            static: list[Job] = []
-            for job in list(self._waiting):
-                if not (self.continuous and job.decoder.continuous) or job.decoder.rows_apart:
-                    if static_allowed and not static and not admitted:  # its turn: alone, or with its kind
-                        static = [job]
-                        self._waiting.remove(job)
-                    continue
-                size = len(job.prompt) + job.max_tokens
-                full = rows >= self.max_batch_size or (
-                    self.max_batch_tokens is not None and tokens + size > self.max_batch_tokens and rows > 0
-                )
-                # Past the prefill budget it waits for the next turn (a job alone always fits).
-                enough = prefill > 0 and prefill + len(job.prompt) > self.max_prefill_tokens
-                if full or enough or static:
-                    break
-                self._waiting.remove(job)
-                admitted.setdefault(job.setting, []).append(job)
-                rows, tokens, prefill = rows + 1, tokens + size, prefill + len(job.prompt)
-            if static and not static[0].decoder.rows_apart:
-                first = static[0]
-                for job in list(self._waiting):
-                    if len(static) >= self.max_batch_size:
-                        break
-                    if job.setting == first.setting and job.max_tokens == first.max_tokens:
-                        self._waiting.remove(job)
-                        static.append(job)
+            live = [r.job for g in self._groups.values() for i, r in enumerate(g.rows) if i not in g.retired]
+            admitted = scheduler.admit(self._waiting, live, self.limits)
+            for jobs in admitted.values():
+                for job in jobs:
+                    self._waiting.remove(job)
             self.metrics.queue_depth.set(len(self._waiting))
         for setting, jobs in admitted.items():
             self._guarded(jobs, lambda: self._join(setting, jobs))  # noqa: B023
-        return static
+        return True
 
     @staticmethod
     def _run_calls(calls: list[tuple[Callable[[], Any], Future]]) -> None:
@@ -355,17 +311,17 @@ class Engine:
                 row.job.done = True
                 continue
             if lengths[index] > row.sent:
-                ids = session.canvas[index][row.sent : lengths[index]]
+                ids = session.rows[index].canvas[row.sent : lengths[index]]
                 row.sent = lengths[index]
                 self._emit(session, index, row.job, row.stream.push(ids))
-        self._flush()  # once a step, static batches too (they stream from inside their decode)
+        self._flush()  # once a step
 
     def _retire(self, setting: str, group: _Group) -> None:
         """Finished rows end their jobs at once, and leave the session at the next join (one cache copy
         for both), or now once they are a quarter of it; a group whose rows have all finished closes."""
         session = group.session
         for index in range(session.batch):
-            if session.finished_rows[index] and index not in group.retired:
+            if session.rows[index].finished and index not in group.retired:
                 group.retired.append(index)
                 self._finish(group.rows[index], session.result(index))
         if len(group.retired) == session.batch:
@@ -389,28 +345,6 @@ class Engine:
         usage = self._usage(job, len(generation.token_ids), generation.stats.nfe, generation.stats.queries)
         self._post(job, Event(finish_reason=reason, usage=usage, token_ids=list(generation.token_ids)))
 
-    def _decode_static(self, batch: list[Job]) -> None:
-        """A decoder that cannot decode step by step: the batch decodes to its end in one turn."""
-        decoder = batch[0].decoder
-        rows = [job.row() for job in batch]
-        session = decoder.open_session(self.model, rows, batch[0].max_tokens)
-        group = _Group(decoder, session)
-        group.start(list(range(len(batch))), batch, self.model.decode)
-        session.on_step = lambda s: self._between_static_steps(group)
-        decoder.decode(session)
-        for row, generation in zip(group.rows, session.results(), strict=True):
-            self._finish(row, generation)
-
-    def _between_static_steps(self, group: _Group) -> None:
-        """After each step of a static batch: stream it, then let the continuous groups take their
-        turns (waiting jobs of theirs join; one step each), so a long `mbd` or `jacobi-mr` decode
-        holds up no other request. (Under `--static-batches` there are no continuous groups.)"""
-        self._stream(group)
-        if self.continuous:
-            self._admit(static_allowed=False)
-            for name, other in list(self._groups.items()):
-                self._guarded([r.job for r in other.rows], lambda: self._step(name, other))  # noqa: B023
-
     def _emit(self, session: Session, row: int, job: Job, pushed: tuple[str, bool]) -> None:
         """Send a row's new text (`TextStream.push`); after a stop string, end the job and cancel the row."""
         delta, stopped = pushed
@@ -419,9 +353,9 @@ class Engine:
         if stopped:
             session.cancel(row)
             job.done = True
-            length = session.lengths[row]
-            usage = self._usage(job, length, session.forwards[row], session.queries[row])
-            self._post(job, Event(finish_reason="stop", usage=usage, token_ids=session.canvas[row][:length]))
+            ended = session.rows[row]
+            usage = self._usage(job, ended.length, ended.forwards, ended.queries)
+            self._post(job, Event(finish_reason="stop", usage=usage, token_ids=ended.output))
 
     @staticmethod
     def _usage(job: Job, tokens: int, nfe: int, queries: int) -> dict[str, Any]:
@@ -433,101 +367,3 @@ class Engine:
             "tpf": round(tokens / nfe, 4) if nfe else 0.0,
             "queries": queries,  # tokens the decoding forwards ran, drafts included (`runtime.Stats`)
         }
-
-
-class TextStream:
-    """A row's text as its tokens arrive: each push returns only the new, complete text, and nothing
-    from the first stop string on.
-
-    Incremental, so streaming n tokens costs O(n), not a decode of the whole text per step: a push
-    decodes a short window, the tokens not yet out plus those of the piece of text before them (so a
-    tokenizer that spaces a word by what precedes it decodes it as in the whole text), and sends what
-    the new tokens add. A window whose text ends in U+FFFD (a multi-byte character split across
-    tokens) waits for the tokens that complete it, until `final`; byte-level BPE text sent this way
-    concatenates to exactly the decode of all the tokens. Text that could begin a stop string waits
-    until it does not (or `final`), so the text is cut exactly before the first stop string, even
-    one that spans several steps.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
-        self.decode, self.stop = decode, [s for s in stop if s]
-        self.ids: list[int] = []
-        self.start = 0  # the window's first token: the piece of text before the tokens not yet out
-        self.out = 0  # tokens whose text is out (sent, or held for a stop string)
-        self.held = ""  # text out of the tokens but not sent: it may begin a stop string
-
-    def push(self, ids: list[int], final: bool = False) -> tuple[str, bool]:
-        """Add tokens; returns the text to send and whether a stop string ended the text."""
-        self.ids += ids
-        before = self.decode(self.ids[self.start : self.out])
-        text = self.decode(self.ids[self.start :])
-        new = ""
-        if final or not text.endswith("\ufffd"):
-            new = text[len(before) :]
-            self.start, self.out = self.out, len(self.ids)
-        pending = self.held + new
-        cut = min((i for i in (pending.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            return pending[:cut], True
-        wait = 0 if final else self._stop_start(pending)
-        self.held = pending[len(pending) - wait :] if wait else ""
-        return pending[: len(pending) - wait], False
-
-    def _stop_start(self, text: str) -> int:
-        """How many of the text's last characters begin a stop string (the longest such ending)."""
-        return max(
-            (n for s in self.stop for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])), default=0
-        )
-
-
-WARM_UP_TEXT = "one two three, one two three, one two three, one two three"  # repeats: drafting decoders draft
-
-
-# Requests may name another decoder than the server's: these make the kinds of step the continuous
-# decoders run (one token, a causal block), so that such a request compiles nothing either.
-WARM_UP_DECODERS = ("ar", "jacobi")
-
-
-def warm_up(model: Model, decoder: Decoder) -> float:
-    """Serve a short prompt alone, then two (the second joining the first's running batch), through an
-    engine as the server's, with the server's decoder and with each of `WARM_UP_DECODERS`: so the kinds
-    of step a server runs are compiled before its first request. After it, compiled steps compile no new
-    kind: one compiled in the middle of serving would hold every request of the moment for a minute or
-    more, so a step of a kind the warm-up did not meet runs eagerly (the same tokens; said once).
-    Returns the seconds it took."""
-    started = time.perf_counter()
-    prompt = model.encode_prompt(WARM_UP_TEXT)
-    others = [registry.spec(name).create() for name in WARM_UP_DECODERS if name != decoder.name]
-
-    async def serve() -> None:
-        loop = asyncio.get_running_loop()
-        engine = Engine(model, max_batch_size=2)
-
-        def submit(each: Decoder, ids: list[int]) -> Job:
-            job = Job(ids, each, f"warm-up {each.name}", 24, [], loop)
-            engine.submit(job)
-            return job
-
-        async def finish(job: Job, first_event_only: bool = False) -> None:
-            while (event := await job.events.get()).finish_reason is None and not first_event_only:
-                pass
-            if event.error:
-                raise FastForwardError(f"the server's warm-up failed: {event.error}")
-
-        try:
-            for each in [decoder, *others]:
-                await finish(submit(each, prompt))
-                running = submit(each, prompt)
-                await finish(running, first_event_only=True)  # decoding: the next one joins its batch
-                joining = submit(each, prompt[1:])
-                await finish(running)
-                await finish(joining)
-        finally:
-            await asyncio.to_thread(engine.stop)
-
-    # On a thread of its own: a caller may be inside an event loop already (a Ray Serve replica's builder).
-    with ThreadPoolExecutor(1) as pool:
-        pool.submit(asyncio.run, serve()).result()
-    if model.compiled_forward is not None:  # from now on, what it did not prepare runs eagerly
-        model.compiled_forward.compile_new_kinds = False
-    return time.perf_counter() - started

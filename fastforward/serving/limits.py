@@ -2,8 +2,8 @@
 tokens plus budget against the model's context (as vLLM answers), the number of choices.
 
 A prompt of more characters than the context's tokens times the longest token of the vocabulary (in
-characters) cannot fit, whatever it says: refused before the tokenizer spends seconds on it (a 20 MB
-prompt took 19.5 s to tokenize before being refused on its token count).
+characters) cannot fit, whatever it says: refused before the tokenizer spends seconds on it (a very
+large prompt once took that long to tokenize before being refused on its token count).
 """
 
 from __future__ import annotations

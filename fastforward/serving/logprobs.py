@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fastforward.model import Model
+from fastforward.model.cache import KVCache
 
 
 @dataclass
@@ -60,11 +61,11 @@ def score(model: Model, ids: list[int], start: int, top: int) -> Scores:
     return Scores(ids[start:], chosen, tops)
 
 
-def _forward(model: Model, tokens: list[int], begin: int, cache, keep: int) -> torch.Tensor | None:
+def _forward(model: Model, tokens: list[int], begin: int, cache: KVCache | None, keep: int) -> torch.Tensor | None:
     """The logits [keep, V] of the last `keep` of `tokens` (at positions from `begin`), after `cache`'s."""
     ids = torch.tensor([tokens], device=model.device)
     positions = torch.arange(begin, begin + len(tokens), device=model.device)[None]
-    cached = {model.cache_argument: cache, "use_cache": True} if cache is not None else {"use_cache": False}
+    cached = {model.cache_argument: cache.hf, "use_cache": True} if cache is not None else {"use_cache": False}
     out = model.hf(input_ids=ids, position_ids=positions, logits_to_keep=max(keep, 1), **cached)
     return out.logits[0] if keep else None
 

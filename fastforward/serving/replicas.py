@@ -35,7 +35,7 @@ def app_builder(load: dict[str, Any], server: dict[str, Any], compile_warm_up: b
         from fastforward.api import build_decoder
         from fastforward.model import load_model
         from fastforward.serving.app import Server
-        from fastforward.serving.engine import warm_up
+        from fastforward.serving.warm_up import warm_up
 
         model = load_model(**load)
         if compile_warm_up:

@@ -1,6 +1,6 @@
 """A LoRA run's model: PEFT LoRA layers added before training, taken off again if the run fails.
 
-The trainer saves the adapter itself (`trainer._save_final`); loading and merging are in
+The trainer saves the adapter itself (`run_dir.save_final`); loading and merging are in
 `fastforward.model.adapters`.
 """
 

@@ -18,7 +18,8 @@ from fastforward.errors import FastForwardError
 from fastforward.model import load_model
 from fastforward.training.launch import launched_processes
 from fastforward.training.objectives import JacobiForcing
-from fastforward.training.trainer import TrainConfig, finished_run, train
+from fastforward.training.run_dir import finished_run
+from fastforward.training.trainer import TrainConfig, train
 from fastforward.training.trajectories import Collection, PromptSource, TrajectoryData, collect_from, describe
 
 

@@ -2,37 +2,19 @@
 launched by `torchrun --nproc_per_node N` or `accelerate launch --multi_gpu --num_processes N` (DDP over
 NCCL on GPUs, gloo on CPUs; FSDP through an accelerate config).
 
-A run directory holds everything about a run:
-
-    out/train_config.json        what was asked (a resumed run must ask the same)
-    out/metrics.jsonl            one JSON record per step, and one per evaluation
-    out/checkpoints/step-NNNNNN  accelerate state: weights, optimizer, scheduler, RNG, step; manifest.json
-    out/config.json, *.safetensors, tokenizer files   the final model (`--model out` loads it)
-    out/.lock                    flock'ed by the run in progress (holds its pid)
+Its run directory (`run_dir`) holds the run's record, metrics, checkpoints and final model.
 
 Resuming is exact: the rows of a step are a function of (seed, step), every random draw a function
 of (seed, step, row), and a checkpoint holds the rest of the state. How a step's rows are split across
 processes and micro-batches changes neither the draws nor the loss (each term is divided by its token
 count over the whole step), so N processes × batch B/N train the model 1 process × batch B does, up to
 float summation order, and a run may resume with another split of the same rows per step.
-
-Checkpoints are written to a hidden temporary directory and renamed into place, so a crash never
-leaves a half-written `step-*` behind; their manifest (sizes and sha256 of every file, written last)
-catches what a rename cannot, such as files truncated by a lost write, and a resume falls back to
-the newest checkpoint that matches its manifest.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
-import json
-import logging
 import os
-import re
-import shutil
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -42,26 +24,17 @@ from typing import Any, Protocol
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import DistributedType, broadcast_object_list, parse_flag_from_env
+from accelerate.utils import DistributedType, parse_flag_from_env
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from fastforward.errors import FastForwardError
-from fastforward.model import MASK_CONFIG_KEY, PRESETS, Model, adapters, quiet_progress
-from fastforward.training import lora
+from fastforward.model import Model, adapters
+from fastforward.training import lora, run_dir
 from fastforward.training.data import derive_seed
 from fastforward.training.launch import launched_processes
 from fastforward.training.objectives import Objective
-
-RUN_CONFIG = "train_config.json"
-METRICS = "metrics.jsonl"
-MANIFEST = "manifest.json"
-LOCK = ".lock"
-CHECKPOINT = re.compile(r"step-(\d+)")
-# Options that do not change the trained weights: a resumed run may change them. (batch_size and grad_accum
-# only split a step's rows, whose number, rows_per_step, the run record holds.)
-RESUME_NEUTRAL = {"eval_every", "save_every", "keep_checkpoints", "max_eval_batches", "batch_size", "grad_accum"}
 
 Callback = Callable[[int, dict], None]
 
@@ -178,275 +151,6 @@ def _accelerator(mixed_precision: str) -> Accelerator:
             "To train in one process, run `fastforward train` (or unset MASTER_ADDR)"
         )
     return accelerator
-
-
-# ---- the run directory --------------------------------------------------------------------------
-def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def lock_run_dir(out: Path) -> Iterator[None]:
-    """Hold an exclusive flock on `out/.lock` so that two runs cannot share (or wipe) one directory.
-
-    The OS releases the lock when the process exits, however it exits: a killed run leaves no stale lock.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            raise FastForwardError(
-                f"{out} is in use by another training run (pid {holder}); wait for it or choose another --out"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)
-
-
-def checkpoints(out_dir: str | Path) -> list[Path]:
-    """The finished checkpoints of a run, oldest first (hidden temporaries are not among them)."""
-    root = Path(out_dir) / "checkpoints"
-    found = [(int(m[1]), p) for p in root.glob("step-*") if (m := CHECKPOINT.fullmatch(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def _step(checkpoint: Path) -> int:
-    return int(CHECKPOINT.fullmatch(checkpoint.name)[1])
-
-
-def _sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _write_manifest(directory: Path) -> None:
-    """Record the size and sha256 of every file in `directory`; written last, so it vouches for all of them."""
-    files = sorted(p for p in directory.rglob("*") if p.is_file())
-    entries = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
-    _write_json(directory / MANIFEST, {"files": entries})
-
-
-def checkpoint_problem(checkpoint: Path) -> str | None:
-    """Why `checkpoint` cannot be resumed from, or None when every file matches its manifest."""
-    try:
-        files = json.loads((checkpoint / MANIFEST).read_text())["files"]
-        expected = {name: (int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()}
-    except FileNotFoundError:
-        return f"no {MANIFEST} (it is written last, so the checkpoint is incomplete or predates manifests)"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return f"unreadable {MANIFEST} ({type(exc).__name__}: {exc})"
-    for name, (size, _) in expected.items():  # sizes first: cheap, and they catch truncation
-        path = checkpoint / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, its manifest says {size}"
-    for name, (_, digest) in expected.items():
-        if _sha256(checkpoint / name) != digest:
-            return f"{name} does not match the sha256 in its manifest"
-    return None
-
-
-def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """The checkpoint a resume starts from: the newest that matches its manifest (a warning names each skipped)."""
-    for checkpoint in reversed(checkpoints(out_dir)):
-        problem = checkpoint_problem(checkpoint)
-        if problem is None:
-            return checkpoint
-        _warn(f"skipping the damaged checkpoint {checkpoint}: {problem}")
-    return None
-
-
-def _model_identity(name: str) -> str:
-    """One spelling per model directory (`m`, `./m`, `/abs/m`, a symlink to it), so a resume compares models."""
-    path = Path(name).expanduser()
-    return str(path.resolve()) if name not in PRESETS and path.exists() else name
-
-
-def _differences(previous: dict, current: dict) -> list[str]:
-    def flat(record: dict) -> dict:
-        items = {f"{k}.{n}": v for k, sub in record.items() if isinstance(sub, dict) for n, v in sub.items()}
-        items.update({k: v for k, v in record.items() if not isinstance(v, dict)})
-        return {k: v for k, v in items.items() if k.removeprefix("train.") not in RESUME_NEUTRAL}
-
-    old, new = flat(previous), flat(current)
-    keys = sorted(old.keys() | new.keys())
-    return [f"{k}: {old.get(k)!r} → {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
-
-
-def finished_run(out: Path) -> bool:
-    """Whether `out` holds a finished run: its final model (config.json) or adapter (adapter_config.json),
-    each written last."""
-    return (out / "config.json").exists() or (out / adapters.ADAPTER_CONFIG).exists()
-
-
-def _refuse_foreign(out: Path) -> None:
-    """Refuse a file, or a non-empty directory that no run created, before the lock file is put into it."""
-    if out.exists() and not out.is_dir():
-        raise FastForwardError(f"--out {out} is a file, not a directory; choose a directory for the run")
-    if out.exists() and any(p.name != LOCK for p in out.iterdir()) and not (out / RUN_CONFIG).exists():
-        raise FastForwardError(
-            f"{out} exists and is not a fastforward run directory (no {RUN_CONFIG}); choose another --out"
-        )
-
-
-def _open_run_dir(out: Path, record: dict, overwrite: bool) -> tuple[Path | None, bool]:
-    """Decide how to use `out` (under its lock): (checkpoint to resume, wipe it first).
-
-    When no checkpoint is valid the run starts again from step 0 with a warning rather than an error:
-    the damaged checkpoints cannot be used anyway, --overwrite would only delete them, and a job that
-    is restarted automatically (a preempted one) must keep going. They stay until valid ones replace them.
-    """
-    if not any(p.name != LOCK for p in out.iterdir()):
-        return None, False
-    if overwrite:
-        return None, True
-    if finished_run(out):
-        raise FastForwardError(f"{out} holds a finished run; pass --overwrite to train again, or choose another --out")
-    if not checkpoints(out):
-        return None, True
-    previous = json.loads((out / RUN_CONFIG).read_text())
-    previous["model"]["name"] = _model_identity(previous["model"]["name"])  # runs recorded before _model_identity
-    previous.setdefault("rows_per_step", previous["train"]["batch_size"] * previous["train"]["grad_accum"])
-    changed = _differences(previous, record)
-    if changed:
-        raise FastForwardError(
-            f"cannot resume {out}: the run was started with different settings ({'; '.join(changed)}); "
-            "pass --overwrite to start again, or choose another --out"
-        )
-    checkpoint = latest_checkpoint(out)
-    if checkpoint is None:
-        _warn(f"no checkpoint in {out} is valid; training from step 0 (they are kept until new ones replace them)")
-    return checkpoint, False
-
-
-def _clear(out: Path) -> None:
-    """Empty `out` but keep its lock file: deleting that would let another run lock a new one beside ours."""
-    for path in out.iterdir():
-        if path.name == LOCK:
-            continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-
-
-@contextlib.contextmanager
-def _claim_run_dir(accelerator: Accelerator, out: Path, record: dict, overwrite: bool) -> Iterator[Path | None]:
-    """Lock `out` for the whole run and prepare it; yields the checkpoint to resume from (None: step 0).
-
-    The main process locks and decides (verifying checkpoints reads them all once), then tells the others;
-    when it fails, the others fail with a FastForwardError that says so (the main process reports the error).
-    """
-    with contextlib.ExitStack() as stack:
-        decision: list[Any] = [None]
-        if accelerator.is_main_process:
-            try:
-                _refuse_foreign(out)
-                stack.enter_context(lock_run_dir(out))
-                checkpoint, wipe = _open_run_dir(out, record, overwrite)
-                if wipe:
-                    _clear(out)
-                (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-                _write_json(out / RUN_CONFIG, record)
-                decision = [checkpoint]
-            except Exception as exc:  # the other processes must raise it too, not wait forever
-                decision = [exc]
-        broadcast_object_list(decision)
-        if isinstance(decision[0], Exception):
-            if accelerator.is_main_process:
-                raise decision[0]
-            raise FastForwardError(f"process 0 could not prepare {out}: {decision[0]}")
-        yield decision[0]
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records a crashed run wrote after the checkpoint it resumes from (they will be redone)."""
-    if path.exists():
-        lines = [line for line in path.read_text().splitlines() if _record_step(line) <= step]
-        path.write_text("".join(f"{line}\n" for line in lines))
-
-
-def _record_step(line: str) -> float:
-    """A metrics line's step; a line cut short by a crash counts as after every checkpoint."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return float("inf")
-
-
-def save_checkpoint(accelerator: Accelerator, out: Path, step: int, keep: int, valid: tuple[int, ...] = ()) -> Path:
-    """accelerate state + step + manifest, written to a hidden directory and renamed; then prunes.
-
-    A checkpoint is deleted only once `keep` checkpoints known to be valid come after it: this one and
-    the steps in `valid` (resumed from or written by this run). Others on disk may be damaged, so they
-    never count: a damaged checkpoint is never what a resume is left with.
-    """
-    root = out / "checkpoints"
-    final, tmp = root / f"step-{step:06d}", root / f".tmp-step-{step:06d}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    try:
-        # accelerate logs "Removed shared tensor ..." for tied embeddings; expected, and restored on load.
-        shared_tensor_notice = logging.getLogger("accelerate.utils.other")
-        level = shared_tensor_notice.level
-        shared_tensor_notice.setLevel(logging.ERROR)
-        try:
-            accelerator.save_state(str(tmp))
-        finally:
-            shared_tensor_notice.setLevel(level)
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            _write_json(tmp / "trainer_state.json", {"step": step})
-            _write_manifest(tmp)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-    except BaseException:
-        if accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if accelerator.is_main_process:
-        trusted = {*valid, step}
-        for old in checkpoints(out):
-            if sum(s > _step(old) for s in trusted) >= keep:
-                shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-    return final
-
-
-def _save_final(accelerator: Accelerator, module: nn.Module, model: Model, out: Path, provenance: dict) -> None:
-    """Write the model into `out` itself, config.json last: its presence marks a finished run. A LoRA run
-    writes a PEFT adapter directory instead (adapter_config.json last), with its provenance beside it."""
-    state = accelerator.get_state_dict(module)  # gathers FSDP shards; every process must call it
-    if not accelerator.is_main_process:
-        return
-    tmp = out / ".final"
-    shutil.rmtree(tmp, ignore_errors=True)
-    weights = {k.removeprefix("hf."): v for k, v in state.items() if k.startswith("hf.")}
-    lora = hasattr(model.hf, "peft_config")
-    extra = {"save_embedding_layers": False} if lora else {}  # else PEFT may ask the Hub about the base
-    with quiet_progress():
-        model.hf.save_pretrained(tmp, state_dict=weights, safe_serialization=True, **extra)
-    if lora:
-        _write_json(tmp / adapters.PROVENANCE, provenance)
-    if not lora or getattr(model.hf.config, MASK_CONFIG_KEY, None) is not None:  # the adapter's added token
-        model.tokenizer.save_pretrained(tmp)
-    last = adapters.ADAPTER_CONFIG if lora else "config.json"
-    for path in sorted(tmp.iterdir(), key=lambda p: p.name == last):
-        os.replace(path, out / path.name)
-    tmp.rmdir()
 
 
 # ---- steps --------------------------------------------------------------------------------------
@@ -572,14 +276,15 @@ def _train(
 ) -> list[dict]:
     """`train` once the model is ready (with its LoRA layers, in a LoRA run): the run directory, the loop,
     the final save."""
+    parameters = sum(p.numel() for p in model.hf.parameters())
     record = {
         "train": asdict(config),
         "rows_per_step": config.batch_size * config.grad_accum * accelerator.num_processes,
         "objective": objective.describe(),
-        "model": {"name": _model_identity(model.name), "parameters": sum(p.numel() for p in model.hf.parameters())},
+        "model": {"name": run_dir.model_identity(model.name), "parameters": parameters},
         "data": train_data.fingerprint(),
     }
-    with _claim_run_dir(accelerator, out, record, overwrite) as checkpoint:
+    with run_dir.claim(accelerator, out, record, overwrite) as checkpoint:
         model.hf.train()
         trained = [p for p in model.hf.parameters() if p.requires_grad]  # LoRA: its adapter's weights only
         decay = [p for p in trained if p.ndim >= 2]
@@ -597,12 +302,11 @@ def _train(
         accelerator.register_for_checkpointing(scheduler)
         step = 0
         if checkpoint is not None:
-            accelerator.load_state(str(checkpoint))
-            step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+            step = run_dir.load_checkpoint(accelerator, checkpoint)
         valid = [step] if checkpoint is not None else []  # checkpoints known to be intact, for pruning
         main = accelerator.is_main_process
         if main:
-            _truncate_metrics(out / METRICS, step)
+            run_dir.truncate_metrics(out / run_dir.METRICS, step)
             if step:
                 tqdm.write(f"resuming {out} from step {step}")
 
@@ -629,18 +333,17 @@ def _train(
                 entries.append({"step": step, "split": "eval", **scores})
                 if main:
                     tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
-            if main:  # logged before the checkpoint: a resume drops records newer than its checkpoint
-                with (out / METRICS).open("a") as f:
-                    f.writelines(json.dumps(e) + "\n" for e in entries)
+            if main:
+                run_dir.append_metrics(out, entries)
             if config.save_every and step % config.save_every == 0 and step < config.steps:
-                save_checkpoint(accelerator, out, step, config.keep_checkpoints, tuple(valid))
+                run_dir.save_checkpoint(accelerator, out, step, config.keep_checkpoints, tuple(valid))
                 valid.append(step)
             history.extend(entries)
             if callback is not None:
                 callback(step, {k: v for e in entries for k, v in e.items() if k != "split"})
         bar.close()
         provenance = {"base": record["model"]["name"], "objective": record["objective"], "train": record["train"]}
-        _save_final(accelerator, module, model, out, provenance)
+        run_dir.save_final(accelerator, module, model, out, provenance)
         accelerator.wait_for_everyone()
         if config.lora_rank:  # the caller goes on with a plain model, as the adapter's loaders give it
             model.hf = model.hf.merge_and_unload()

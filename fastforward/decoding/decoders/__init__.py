@@ -1,4 +1,5 @@
-"""Decoders: one protocol (`Decoder.decode(session)`), declared in one registry (`registry.spec(name)`)."""
+"""Decoders: one protocol (`Decoder.begin` and `Decoder.step` on a `Session`), declared in one registry
+(`registry.spec(name)`)."""
 
 from fastforward.decoding.decoders.ar import ARDecoder
 from fastforward.decoding.decoders.base import Decoder

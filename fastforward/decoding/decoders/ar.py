@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import SAMPLING, register
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
+
+
+@dataclass
+class ARState:
+    last: int  # the token the next forward feeds: the row's last sampled one
 
 
 class ARDecoder(Decoder):
@@ -18,21 +26,19 @@ class ARDecoder(Decoder):
     def __init__(self, sampler: Sampler | None = None):
         self.sampler = sampler or Sampler()
 
-    continuous = True
-
-    def begin(self, session: Session, rows: range) -> None:
+    def begin(self, session: Session, rows: Sequence[int]) -> None:
         first = session.commit_next_tokens(rows)
-        last = session.per_row("last")
-        for row in rows:
-            last[row] = first[row]
+        for index in rows:
+            session.rows[index].state = ARState(first[index])
 
     def step(self, session: Session) -> None:
-        last = session.per_row("last")
-        token = torch.tensor(last, device=session.device)[:, None]
+        token = torch.tensor([row.state.last for row in session.rows], device=session.device)[:, None]
         positions = session.span(-1, 1)  # the last committed token's
         logits = session.forward(token, positions, read=range(1))[:, 0]
-        last[:] = session.sample(logits, positions[:, 0] + 1).tolist()
-        session.append([[t] for t in last])
+        sampled = session.sample(logits, positions[:, 0] + 1).tolist()
+        for row, last in zip(session.rows, sampled, strict=True):
+            row.state.last = last
+        session.append([[t] for t in sampled])
         session.advance(keep=1)
 
 

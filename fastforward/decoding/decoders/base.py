@@ -1,8 +1,10 @@
-"""The decoder protocol: given a prefilled `Session` (`fastforward.decoding.runtime`), decode until every row stops."""
+"""The decoder protocol: `begin` rows of a prefilled `Session` (`fastforward.decoding.runtime`), then
+`step` until every row stops. Rows may join and leave between steps (the server's continuous
+batching), so a decoder keeps each row's state in `Row.state`, which follows the row."""
 
 from __future__ import annotations
 
-from abc import ABC
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
@@ -14,33 +16,33 @@ from fastforward.model import Model
 
 
 class Decoder(ABC):
-    """A decoding method. Its `decode` drives the session's step protocol until `session.finished`."""
+    """A decoding method, as `begin` and `step` on a session's rows."""
 
     name: str
-    rows_apart: bool = False  # decode a batch one prompt at a time (for layouts that differ per row)
     infills: bool = False  # can fill the gap of an infilling `Prompt` (prefix, gap, suffix)
+    # Its rows' caches always equal a causal prefill of their prompts and first committed tokens (not
+    # so where tokens are cached in the order they were revealed).
+    causal_cache: bool = True
     sampler: Sampler = Sampler()  # how the sessions it opens choose tokens (`Session.sample`)
-    continuous: bool = False  # decodes by `begin` and `step`: rows may join and leave between steps
+
+    @abstractmethod
+    def begin(self, session: Session, rows: Sequence[int]) -> None:
+        """Start the rows `rows` of a session, just prefilled (or joined): their first tokens from
+        `session.next_logits` where the method takes them so, and their `state`."""
+
+    @abstractmethod
+    def step(self, session: Session) -> None:
+        """One step of every running row: at most one forward, closed by `session.advance`."""
 
     def decode(self, session: Session) -> None:
-        """Fill the session's canvas through `session.forward` / `commit` / `advance`. A continuous
-        decoder begins every row and steps until all have finished; the others override this."""
-        if not self.continuous:
-            raise NotImplementedError(f"{type(self).__name__} defines neither decode nor begin and step")
+        """Begin every row of the session and step until all have finished."""
         self.begin(session, range(session.batch))
         while not session.finished:
             self.step(session)
 
-    def begin(self, session: Session, rows: range) -> None:
-        """Start the rows `rows` of a session, just prefilled (or joined): their first tokens from
-        `session.next_logits` and their per-row state (`session.per_row`)."""
-        raise NotImplementedError(f"{self.name} does not decode step by step")
-
-    def step(self, session: Session) -> None:
-        """One step of every running row: at most one forward, closed by `session.advance`."""
-        raise NotImplementedError(f"{self.name} does not decode step by step")
-
-    def open_session(self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int) -> Session:
+    def open_session(
+        self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int | Sequence[int]
+    ) -> Session:
         """The session this decoder decodes (a decoder may choose how it is prefilled)."""
         return Session(model, prompts, max_new_tokens, sampler=self.sampler)
 
@@ -52,14 +54,6 @@ class Decoder(ABC):
                 f"the {self.name} decoder cannot infill (fill a gap before a suffix); use the setdlm decoder, "
                 "or ar on the prefix alone as the baseline"
             )
-        if self.rows_apart and len(prompts) > 1:
-            done: list[Generation] = []
-            for prompt in prompts:
-                try:
-                    done += self.generate(model, [prompt], max_new_tokens)
-                except GenerationInterrupted as interrupt:  # the rows before it are complete
-                    raise GenerationInterrupted([*done, *interrupt.generations]) from interrupt
-            return done
         with torch.inference_mode():
             session = self.open_session(model, prompts, max_new_tokens)
             try:

@@ -11,16 +11,24 @@ whose context stands is accepted).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import BLOCK_SIZE, SAMPLING, Knob, register
-from fastforward.decoding.policies import greedy_prefix
-from fastforward.decoding.runtime import Session
+from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
-from fastforward.errors import FastForwardError
+from fastforward.decoding.steps import chain_step
 
 DRAFT_INITS = ("repeat", "random")
+
+
+@dataclass
+class JacobiState:
+    last: int  # the row's last committed token, which the next forward feeds first
+    drafts: list[int]  # the tokens after it, to be confirmed
 
 
 class JacobiDecoder(Decoder):
@@ -34,24 +42,18 @@ class JacobiDecoder(Decoder):
     name = "jacobi"
 
     def __init__(self, block_size: int = 16, init: str = "repeat", sampler: Sampler | None = None):
-        if block_size <= 0:
-            raise FastForwardError(f"block size must be > 0, got {block_size}")
-        if init not in DRAFT_INITS:
-            raise FastForwardError(f"unknown draft init {init!r}; choose one of {', '.join(DRAFT_INITS)}")
         self.block_size = block_size
         self.init = init
         self.sampler = sampler or Sampler()
 
-    def _filler(self, session: Session, row: int, last: int) -> list[int]:
+    def _filler(self, session: Session, index: int, row: Row, last: int) -> list[int]:
         """Draft tokens for the n slots of a fresh block of one row (after its last token `last`)."""
         n = self.block_size
         if self.init == "repeat":
             return [last] * n
         vocab = session.model.vocab_size
-        generator = torch.Generator().manual_seed(session.sampler.seed + 1000003 * row + session.frontiers[row])
+        generator = torch.Generator().manual_seed(session.sampler.seed + 1000003 * index + row.frontier)
         return torch.randint(0, vocab, (n,), generator=generator).tolist()
-
-    continuous = True
 
     def _drafts(self, session: Session) -> int:
         """Drafts per row this step: the block size, or fewer when `session.step_tokens` bounds the
@@ -59,32 +61,24 @@ class JacobiDecoder(Decoder):
         row_tokens = session.row_tokens()
         return self.block_size if row_tokens is None else max(1, min(self.block_size, row_tokens - 1))
 
-    def begin(self, session: Session, rows: range) -> None:
+    def begin(self, session: Session, rows: Sequence[int]) -> None:
         first = session.commit_next_tokens(rows)
-        last, drafts = session.per_row("last"), session.per_row("drafts")
-        for row in rows:
-            last[row] = first[row]
-            drafts[row] = self._filler(session, row, first[row])
+        for index in rows:
+            row = session.rows[index]
+            row.state = JacobiState(first[index], self._filler(session, index, row, first[index]))
 
     def step(self, session: Session) -> None:
         n = self._drafts(session)
-        last, drafts = session.per_row("last"), session.per_row("drafts")
-        for row, draft in enumerate(drafts):
-            if len(draft) != n:  # fewer drafts while many rows share the forward, more again later
-                drafts[row] = (draft + self._filler(session, row, last[row]))[:n]
-        tokens = torch.tensor([[t, *d] for t, d in zip(last, drafts, strict=True)], device=session.device)
-        # the last committed token, one position before the frontier, then the n drafts
-        positions = session.span(-1, n + 1)
-        logits = session.forward(tokens, positions, read=range(n + 1))
-        guesses = session.sample(logits, positions + 1).tolist()  # guesses[r][i]: the token after tokens[r][i]
-        accepted = [greedy_prefix(d, g) for d, g in zip(drafts, guesses, strict=True)]
-        session.append([g[: a + 1] for g, a in zip(guesses, accepted, strict=True)])  # confirmed + next
-        session.advance(keep=[a + 1 for a in accepted])  # the last token and its confirmed drafts
-        for row, (guess, a) in enumerate(zip(guesses, accepted, strict=True)):
-            last[row] = guess[a]
+        states: list[JacobiState] = [row.state for row in session.rows]
+        for index, (row, state) in enumerate(zip(session.rows, states, strict=True)):
+            if len(state.drafts) != n:  # fewer drafts while many rows share the forward, more again later
+                state.drafts = (state.drafts + self._filler(session, index, row, state.last))[:n]
+        guesses, accepted = chain_step(session, [s.last for s in states], [s.drafts for s in states])
+        for index, (row, state, guess, a) in enumerate(zip(session.rows, states, guesses, accepted, strict=True)):
+            state.last = guess[a]
             # The predictions past the first correction are the next drafts; fresh slots get filler.
             carried = guess[a + 1 :]
-            drafts[row] = carried + self._filler(session, row, last[row])[len(carried) :]
+            state.drafts = carried + self._filler(session, index, row, state.last)[len(carried) :]
 
 
 DRAFT_INIT = Knob("draft_init", str, "repeat", "jacobi: how fresh draft slots are filled", DRAFT_INITS)

@@ -3,7 +3,7 @@
 When the last few committed tokens occurred before (in the prompt or in the output), the tokens that
 followed them then are a draft for what follows now (prompt lookup decoding; `transformers`'
 `prompt_lookup_num_tokens` and vLLM's n-gram proposer do the same). The draft is verified as a
-candidate of a multi-block Jacobi forward (`multiblock_jacobi.verify`), next to a short Jacobi
+candidate of a multi-block Jacobi forward (`steps.verify`), next to a short Jacobi
 chain of the predictions the last forward made past its accepted tokens, so the output is exactly
 AR decoding: greedy, or sampled (a draft token is then kept with the probability the model gives
 it, `fastforward.decoding.sampling`).
@@ -15,14 +15,14 @@ one-token forward on the model's own causal path (an AR step), and the draft len
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.decoders.multiblock_jacobi import verify
 from fastforward.decoding.decoders.registry import SAMPLING, Knob, register
-from fastforward.decoding.policies import greedy_prefix
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
+from fastforward.decoding.steps import chain_step, verify
 from fastforward.errors import FastForwardError
 
 
@@ -86,6 +86,14 @@ class DraftLength:
             self.pause, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_PAUSE)
 
 
+@dataclass
+class LookupState:
+    index: NgramIndex  # the row's prompt and output so far, where drafts are looked up
+    last: int  # its last committed token
+    length: DraftLength  # how long its next draft may be
+    chain: list[int] = field(default_factory=list)  # predictions carried past its accepted tokens
+
+
 class PromptLookupDecoder(Decoder):
     """Lossless prompt-lookup decoding with a carried Jacobi chain.
 
@@ -104,22 +112,17 @@ class PromptLookupDecoder(Decoder):
         jacobi_drafts: int = 0,
         sampler: Sampler | None = None,
     ):
-        if lookup_tokens < 1 or jacobi_drafts < 0 or not 1 <= min_match <= max_match:
-            raise FastForwardError("need lookup_tokens >= 1, jacobi_drafts >= 0 and 1 <= min_match <= max_match")
         self.lookup_tokens, self.jacobi_drafts = lookup_tokens, jacobi_drafts
         self.max_match, self.min_match = max_match, min_match
         self.sampler = sampler or Sampler()
 
-    continuous = True
-
-    def begin(self, session: Session, rows: range) -> None:
+    def begin(self, session: Session, rows: Sequence[int]) -> None:
         first = session.commit_next_tokens(rows)
-        index, last = session.per_row("index"), session.per_row("last")
-        chain, length = session.per_row("chain"), session.per_row("length")
-        for row in rows:
-            index[row] = NgramIndex(self.max_match, self.min_match)
-            index[row].extend([*session.prefixes[row], first[row]])
-            last[row], chain[row], length[row] = first[row], [], DraftLength(self.lookup_tokens)
+        for index in rows:
+            row = session.rows[index]
+            ngrams = NgramIndex(self.max_match, self.min_match)
+            ngrams.extend([*row.prefix, first[index]])
+            row.state = LookupState(ngrams, first[index], DraftLength(self.lookup_tokens))
 
     def step(self, session: Session) -> None:
         if session.batch == 1:  # one row: its draft as a candidate beside a Jacobi chain (`verify`)
@@ -128,46 +131,40 @@ class PromptLookupDecoder(Decoder):
             self._step_batch(session)
 
     def _step_alone(self, session: Session) -> None:
-        index, last, chain, length = (session.per_row(k) for k in ("index", "last", "chain", "length"))
-        want = length[0].next()
-        draft = index[0].draft(want) if want else []
-        verdict = verify(session, last[0], chain[0], [draft] if draft else [], tail=0)
-        index[0].extend(verdict.committed)
-        last[0] = verdict.committed[-1]
+        state: LookupState = session.rows[0].state
+        want = state.length.next()
+        draft = state.index.draft(want) if want else []
+        (verdict,) = verify(session, [state.last], [state.chain], [[draft] if draft else []], tail=0)
+        state.index.extend(verdict.committed)
+        state.last = verdict.committed[-1]
         if draft:
-            length[0].update(len(draft), verdict.accepted if verdict.winner == 1 else 0)
-        chain[0] = verdict.ahead[: self.jacobi_drafts]
+            state.length.update(len(draft), verdict.accepted if verdict.winner == 1 else 0)
+        state.chain = verdict.ahead[: self.jacobi_drafts]
 
     def _step_batch(self, session: Session) -> None:
         """Rows of a batch: each row's draft, then its carried predictions and repeats of its last token
         up to the longest draft, as one causal chain per row (a draft token past a row's own draft is
         a guess like any other: accepted only where it is the prediction)."""
-        index, last, chain, length = (session.per_row(k) for k in ("index", "last", "chain", "length"))
-        running = [not done for done in session.finished_rows]
+        states: list[LookupState] = [row.state for row in session.rows]
+        running = [not row.finished for row in session.rows]
         row_tokens = session.row_tokens()  # under the server's bound, shorter drafts (0: an AR step)
         longest = self.lookup_tokens if row_tokens is None else max(0, row_tokens - 1)
         drafts = []
-        for row, runs in enumerate(running):
-            want = min(length[row].next(), longest) if runs else 0
-            drafts.append(index[row].draft(want) if want else [])
+        for state, runs in zip(states, running, strict=True):
+            want = min(state.length.next(), longest) if runs else 0
+            drafts.append(state.index.draft(want) if want else [])
         n = max(len(d) for d in drafts)
-        filled = [(d + chain[row] + [last[row]] * n)[:n] for row, d in enumerate(drafts)]
-        tokens = torch.tensor([[last[row], *f] for row, f in enumerate(filled)], device=session.device)
-        positions = session.span(-1, n + 1)
-        logits = session.forward(tokens, positions, read=range(n + 1))
-        guesses = session.sample(logits, positions + 1).tolist()
-        accepted = [greedy_prefix(f, g) for f, g in zip(filled, guesses, strict=True)]
-        committed = [g[: a + 1] for g, a in zip(guesses, accepted, strict=True)]
-        session.append(committed)
-        session.advance(keep=[a + 1 for a in accepted])
-        for row, runs in enumerate(running):
+        filled = [(d + s.chain + [s.last] * n)[:n] for d, s in zip(drafts, states, strict=True)]
+        guesses, accepted = chain_step(session, [s.last for s in states], filled)
+        for state, runs, draft, guess, a in zip(states, running, drafts, guesses, accepted, strict=True):
             if not runs:
                 continue
-            index[row].extend(committed[row])
-            last[row] = committed[row][-1]
-            if drafts[row]:
-                length[row].update(len(drafts[row]), min(accepted[row], len(drafts[row])))
-            chain[row] = guesses[row][accepted[row] + 1 :][: self.jacobi_drafts]
+            committed = guess[: a + 1]
+            state.index.extend(committed)
+            state.last = committed[-1]
+            if draft:
+                state.length.update(len(draft), min(a, len(draft)))
+            state.chain = guess[a + 1 :][: self.jacobi_drafts]
 
 
 @register(

@@ -30,23 +30,25 @@ dropped.
 slots filled with padding that sees only itself and is seen by nothing (the fixed shape a CUDA
 graph needs). The schedule is the same, so the tokens are too; only the cost per forward moves.
 
-Rows of a batch are decoded one after another (their buffers move independently), so a batch
-gives exactly the tokens of each prompt alone. MultiTF (`objectives.multitf`) trains a mask model
+Rows of a batch share each forward, each with its own buffer: a row's layout is padded to the
+widest with slots that see only themselves, its rule is its own, and it keeps only its to-cache
+blocks' entries, so a batch gives the tokens of each prompt alone. MultiTF (`objectives.multitf`) trains a mask model
 on states like this decoder's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import BLOCK_SIZE, SAMPLING, Knob, fraction, register
 from fastforward.decoding.policies import entropy_and_confidence
-from fastforward.decoding.runtime import Session
+from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
-from fastforward.errors import FastForwardError
+from fastforward.decoding.steps import commit_writes
 from fastforward.model import visibility
 
 
@@ -73,11 +75,18 @@ class _Block:
         return sum(self.done) / self.size
 
 
+@dataclass
+class BufferState:
+    """A row's Block Buffer: its blocks in use, and how many canvas positions are in the cache."""
+
+    buffer: list[_Block] = field(default_factory=list)
+    cached: int = 0
+
+
 class MultiBlockDiffusionDecoder(Decoder):
     """Block Buffer decoding, greedy or sampled; see the module docstring for the rules."""
 
     name = "mbd"
-    rows_apart = True
 
     def __init__(
         self,
@@ -89,59 +98,74 @@ class MultiBlockDiffusionDecoder(Decoder):
         static: bool = False,
         sampler: Sampler | None = None,
     ):
-        if block_size <= 0 or buffer_size < 1:
-            raise FastForwardError(f"need block_size > 0 and buffer_size >= 1, got {block_size} and {buffer_size}")
-        for name, value in (("add", add_threshold), ("accept", accept_threshold), ("semi", semi_threshold)):
-            if not 0 <= value <= 1:
-                raise FastForwardError(f"the {name} threshold must be in [0, 1], got {value}")
         self.block_size, self.buffer_size = block_size, buffer_size
         self.add_threshold, self.accept_threshold, self.semi_threshold = add_threshold, accept_threshold, semi_threshold
         self.static = static
         self.sampler = sampler or Sampler()
 
-    def decode(self, session: Session) -> None:
-        if session.batch != 1:
-            raise FastForwardError("the mbd decoder decodes one row per session (generate loops over prompts)")
-        mask_id = session.model.require_mask_token(self.name)
-        buffer: list[_Block] = []
-        cached = 0  # canvas positions in the cache
-        while not session.finished:
-            self._activate(session, buffer, cached)
-            writing = [b for b in buffer if b.to_cache]
-            running = [b for b in buffer if not b.to_cache]
-            if not running:
-                raise RuntimeError("mbd: no block to decode while the row is unfinished")
-            commit = sum(b.size for b in writing)
-            ids = [t for b in writing for t in b.tokens]
-            ids += [mask_id if t is None else t for b in running for t in b.tokens]
-            first, used = session.origins[0] + cached, len(ids)
-            padding = (self.buffer_size + 1) * self.block_size - used if self.static else 0
-            positions = list(range(first, first + used)) + [first + used - 1] * padding
-            layout = torch.tensor([ids + [mask_id] * padding, positions], device=session.device)
-            sizes = tuple(b.size for b in running)
-            rule = visibility.block_causal_decode(commit, sizes, session.device, padding)
-            logits = session.forward(layout[:1], layout[1:], rule, read=range(commit, used))
-            _, confidence = entropy_and_confidence(logits[0])
-            tokens = session.sample(logits, layout[1:, commit:used])[0]
-            tokens, confidence = torch.stack([tokens.double(), confidence.double()]).tolist()
-            reveals = self._choose(running, confidence)
-            self._reveal(session, running, reveals, [int(t) for t in tokens])
-            session.advance(keep=commit)
-            cached += commit
-            buffer = running
-            for block in buffer:  # leading complete blocks (each after a to-cache one) go to the cache next
-                if not block.complete:
-                    break
-                block.to_cache = True
+    def begin(self, session: Session, rows: Sequence[int]) -> None:
+        session.model.require_mask_token(self.name)
+        for index in rows:
+            session.rows[index].state = BufferState()
 
-    def _activate(self, session: Session, buffer: list[_Block], cached: int) -> None:
+    def step(self, session: Session) -> None:
+        mask_id = session.model.require_mask_token(self.name)
+        rows = session.rows
+        layouts = [self._layout(row, mask_id) if not row.finished else None for row in rows]
+        fixed = (self.buffer_size + 1) * self.block_size if self.static else 0
+        width = max([fixed, *(len(ids) for ids, _, _, _ in filter(None, layouts))])
+        ids, positions, rules, reads = [], [], [], []
+        for row, layout in zip(rows, layouts, strict=True):
+            if layout is None:  # a finished row: one padding slot, kept by nobody
+                layout = ([mask_id], [row.origin + row.state.cached], 0, ())
+            tokens, places, commit, sizes = layout
+            ids.append(tokens + [mask_id] * (width - len(tokens)))
+            positions.append(places + [places[-1]] * (width - len(tokens)))
+            padding = width - commit - sum(sizes)  # a finished row's slot is padding too
+            rules.append(visibility.block_causal_decode(commit, sizes, session.device, padding))
+            reads.append((commit, len(tokens)))
+        live = [read for read, layout in zip(reads, layouts, strict=True) if layout is not None]
+        low, high = min(start for start, _ in live), max(end for _, end in live)
+        layout = torch.tensor([ids, positions], device=session.device)  # tokens, positions
+        rule = rules[0] if len(rules) == 1 else torch.stack(rules)
+        running = torch.tensor([not row.finished for row in rows])
+        logits = session.forward(layout[0], layout[1], rule, read=range(low, high), rows=running)
+        _, confidence = entropy_and_confidence(logits)
+        tokens = session.sample(logits, layout[1, :, low:high])
+        tokens, confidence = torch.stack([tokens.double(), confidence.double()]).tolist()
+        writes = []
+        for row, (start, end), chosen, sure in zip(rows, reads, tokens, confidence, strict=True):
+            running_blocks = [b for b in row.state.buffer if not b.to_cache] if not row.finished else []
+            reveals = self._choose(running_blocks, sure[start - low : end - low]) if running_blocks else []
+            writes.append(self._writes(row, running_blocks, reveals, [int(t) for t in chosen[start - low :]]))
+        commit_writes(session, writes)
+        session.advance(keep=[start if layout else 0 for (start, _), layout in zip(reads, layouts, strict=True)])
+        for row, row_writes, layout in zip(rows, writes, layouts, strict=True):
+            if layout is not None:
+                self._settle(row, row_writes, layout[2])
+
+    def _layout(self, row: Row, mask_id: int) -> tuple[list[int], list[int], int, tuple[int, ...]]:
+        """A running row's `[to-cache blocks ; running blocks]`: tokens, positions, how many are kept
+        and the running blocks' sizes (after opening the blocks its progress allows)."""
+        state: BufferState = row.state
+        self._activate(row, state.buffer, state.cached)
+        writing = [b for b in state.buffer if b.to_cache]
+        running = [b for b in state.buffer if not b.to_cache]
+        if not running:
+            raise RuntimeError("mbd: no block to decode while the row is unfinished")
+        ids = [t for b in writing for t in b.tokens]
+        ids += [mask_id if t is None else t for b in running for t in b.tokens]
+        first = row.origin + state.cached
+        return ids, list(range(first, first + len(ids))), sum(b.size for b in writing), tuple(b.size for b in running)
+
+    def _activate(self, row: Row, buffer: list[_Block], cached: int) -> None:
         """Open blocks after the last one while its progress allows and a slot and the budget are free."""
-        end = min(session.limits[0], session.first_stops[0] + 1)  # no position past a stop is decoded
+        end = min(row.limit, row.first_stop + 1)  # no position past a stop is decoded
         while sum(not b.to_cache for b in buffer) < self.buffer_size and len(buffer) <= self.buffer_size:
             start = buffer[-1].start + buffer[-1].size if buffer else cached
             if start >= end or (buffer and buffer[-1].progress < self.add_threshold):
                 return
-            size = min(self.block_size, session.limits[0] - start)
+            size = min(self.block_size, row.limit - start)
             buffer.append(_Block(start, [None] * size, [False] * size))
 
     def _choose(self, running: list[_Block], confidence: list[float]) -> list[list[int]]:
@@ -158,30 +182,40 @@ class MultiBlockDiffusionDecoder(Decoder):
             chosen.append(picks)
         return chosen
 
-    def _reveal(self, session: Session, running: list[_Block], chosen: list[list[int]], tokens: list[int]) -> None:
-        """Commit the chosen tokens (none after the first stop token), then mark positions past a
-        stop as done and drop blocks that lie wholly past it."""
+    @staticmethod
+    def _writes(row: Row, running: list[_Block], chosen: list[list[int]], tokens: list[int]) -> list[tuple[int, int]]:
+        """The chosen (position, token) writes of a row, none after its first stop token."""
         writes, offset = [], 0
         for block, picks in zip(running, chosen, strict=True):
             writes += [(block.start + j, tokens[offset + j]) for j in picks]
             offset += block.size
-        stops = [p for p, t in writes if t in session.stop_sets[0]]
-        stop = min([session.first_stops[0], *stops])
-        writes = [(p, t) for p, t in writes if p <= stop]
-        if writes:
-            values = torch.tensor([[t for _, t in writes], [p for p, _ in writes]], device=session.device)
-            session.commit(values[:1], values[1:])
+        stop = min([row.first_stop, *(p for p, t in writes if t in row.stops)])
+        return [(p, t) for p, t in writes if p <= stop]
+
+    @staticmethod
+    def _settle(row: Row, writes: list[tuple[int, int]], committed: int) -> None:
+        """After a step's commit: the to-cache blocks are in the cache; the revealed tokens go into their
+        blocks; positions past a stop are done and blocks wholly past it dropped; leading complete blocks
+        (each after a to-cache one) go to the cache next."""
+        state: BufferState = row.state
+        state.cached += committed
+        running = [b for b in state.buffer if not b.to_cache]
         for position, token in writes:
             for block in running:
                 if block.start <= position < block.start + block.size:
                     block.tokens[position - block.start] = token
                     block.done[position - block.start] = True
-        stop = session.first_stops[0]
-        running[:] = [b for b in running if b.start <= stop]
+        stop = row.first_stop
+        running = [b for b in running if b.start <= stop]
         for block in running:
             for j in range(block.size):
                 if block.start + j > stop:
                     block.done[j] = True
+        for block in running:
+            if not block.complete:
+                break
+            block.to_cache = True
+        state.buffer = running
 
 
 @register(

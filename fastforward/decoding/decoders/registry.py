@@ -1,4 +1,4 @@
-"""Decoder names and knobs, declared once: the CLI flags, `build_decoder`, sweeps and the README table
+"""Decoder names and knobs, declared once: the CLI flags, `build_decoder`, sweeps and the table of docs/decoders.md
 all come from here.
 
 A decoder module registers itself with `@register(name, knobs=..., summary=...)` on a function that
@@ -10,9 +10,7 @@ decoder may give it its own default with `knob.with_default(value)`. A decoder t
 
 from __future__ import annotations
 
-import importlib
 import math
-import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -20,6 +18,7 @@ from typing import Any
 from fastforward.decoding.policies import POLICIES
 from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
+from fastforward.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -105,9 +104,8 @@ class DecoderSpec:
         return self.build(**chosen)
 
 
-_SPECS: dict[str, DecoderSpec] = {}
+DECODERS: Registry[DecoderSpec] = Registry("decoder", "fastforward.decoding.decoders")
 _KNOBS: dict[str, Knob] = {}
-_discovered = False
 
 
 def register(
@@ -120,29 +118,15 @@ def register(
             known = _KNOBS.setdefault(knob.name, knob)
             if replace(known, default=knob.default) != knob:
                 raise TypeError(f"decoder {name!r} declares knob {knob.name!r} unlike an earlier declaration")
-        _SPECS[name] = DecoderSpec(name, build, knobs, summary, lossless, needs_mask)
+        DECODERS.add(name, DecoderSpec(name, build, knobs, summary, lossless, needs_mask), build.__module__)
         return build
 
     return decorate
 
 
-def _discover() -> None:
-    """Import every decoder module once, so each registers itself."""
-    global _discovered
-    import fastforward.decoding.decoders as package
-
-    _discovered = True
-    for module in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{package.__name__}.{module.name}")
-
-
 def specs() -> dict[str, DecoderSpec]:
-    """Every registered decoder by name, in the order of their modules' names (then of registration
-    within a module): the same order whichever module a program happened to import first."""
-    if not _discovered:
-        _discover()
-    ordered = sorted(_SPECS.values(), key=lambda s: s.build.__module__)  # a stable sort
-    return {s.name: s for s in ordered}
+    """Every registered decoder by name, in the order of their modules' names (`fastforward.registry`)."""
+    return dict(DECODERS)
 
 
 def all_knobs() -> dict[str, Knob]:
@@ -155,14 +139,11 @@ def all_knobs() -> dict[str, Knob]:
 
 
 def spec(name: str) -> DecoderSpec:
-    registered = specs()
-    if name not in registered:
-        raise FastForwardError(f"unknown decoder {name!r}; choose one of {', '.join(registered)}")
-    return registered[name]
+    return DECODERS.find(name)
 
 
 def knob_table() -> str:
-    """The README's markdown table: every decoder, what it does, its knobs and their defaults."""
+    """The table of `fastforward decoders` and docs/decoders.md: each decoder, its knobs and their defaults."""
     lines = ["| decoder | what it does | lossless | options (default) |", "|---|---|---|---|"]
     for s in specs().values():
         options = ", ".join(f"`{k.flag}` ({_show(k.default)})" for k in s.knobs) or "—"

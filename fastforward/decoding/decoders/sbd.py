@@ -6,7 +6,7 @@ is not written to the cache at once: it rides along, causally, in front of the n
 forward (the paper's time(2k) term) and only those entries are kept, so the cache always holds
 exactly what a causal prefill of the same tokens would. Each row keeps its own block (its canvas
 positions), so rows of a batch move through their blocks apart, spend no forward waiting for the
-others' blocks, and join and leave between steps (`continuous`: the server batches it so). With a
+others' blocks, and join and leave between steps (the server batches it so). With a
 sampler at temperature > 0 each revealed position's token is sampled from its predicted
 distribution (with the position's own draw, `fastforward.decoding.sampling`); the policy still
 decides which positions on the model's distributions, so temperature 0 is greedy SBD, unchanged.
@@ -14,15 +14,23 @@ decides which positions on the model's distributions, so temperature 0 is greedy
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import BLOCK_SIZE, FIRST_TOKEN_FROM_NTP, GAMMA, POLICY, SAMPLING, register
-from fastforward.decoding.decoders.setdlm import carried_and_masks, commit_writes, next_token_logits
 from fastforward.decoding.policies import EntropyBounded, make_policy
-from fastforward.decoding.runtime import Session
+from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
-from fastforward.errors import FastForwardError
+from fastforward.decoding.steps import carried_and_masks, commit_writes, next_token_logits
+
+
+@dataclass
+class SBDState:
+    block: list[int]  # the canvas positions of the row's open block
+    carried: list[tuple[int, int]] = field(default_factory=list)  # the full block before it, until cached
 
 
 class SBDDecoder(Decoder):
@@ -33,26 +41,21 @@ class SBDDecoder(Decoder):
     """
 
     name = "sbd"
-    continuous = True  # per-row blocks: rows join and leave between steps (the server batches it so)
 
     def __init__(
         self, block_size: int = 16, policy=None, sampler: Sampler | None = None, first_token_from_ntp: bool = False
     ):
-        if block_size <= 0:
-            raise FastForwardError(f"block size must be > 0, got {block_size}")
         self.block_size = block_size
         self.policy = policy or EntropyBounded(0.35)
         self.sampler = sampler or Sampler()
         self.first_token_from_ntp = first_token_from_ntp
 
-    def begin(self, session: Session, rows: range) -> None:
+    def begin(self, session: Session, rows: Sequence[int]) -> None:
         """New rows open their first block; with `first_token_from_ntp` its first token is the
-        prefill's next-token prediction, known before the block's first forward. Per row: `block`,
-        the canvas positions of its open block, and `carried`, the full block before it while the
-        next forward brings it into the cache."""
-        carried, blocks = session.per_row("carried"), session.per_row("block")
-        for row in rows:
-            carried[row], blocks[row] = [], self._block(session, row)
+        prefill's next-token prediction, known before the block's first forward."""
+        for index in rows:
+            row = session.rows[index]
+            row.state = SBDState(self._block(row))
         if self.first_token_from_ntp:
             session.commit_next_tokens(rows)
 
@@ -61,20 +64,20 @@ class SBDDecoder(Decoder):
         the policy reveals some of each block's masked positions. A row whose block is full carries it
         into the next forward and opens the next block."""
         mask_id = session.model.require_mask_token(self.name)
-        carried: list[list[tuple[int, int]]] = session.per_row("carried")
-        blocks: list[list[int]] = session.per_row("block")
-        running = [not done for done in session.finished_rows]
-        for row in range(session.batch):  # a full block rides along in this forward; the next one opens
-            if running[row] and not any(self._masked(session, row, blocks[row], 0)):
-                carried[row] = [(p, session.canvas[row][p]) for p in blocks[row]]
-                blocks[row] = self._block(session, row)
-        live = [blocks[row] if running[row] else [] for row in range(session.batch)]
-        revealed = [[session.canvas[row][p] for p in block] for row, block in enumerate(live)]
+        states: list[SBDState] = [row.state for row in session.rows]
+        running = [not row.finished for row in session.rows]
+        for row, state in zip(session.rows, states, strict=True):  # a full block rides along; the next opens
+            if not row.finished and not any(self._masked(row, state.block, 0)):
+                state.carried = [(p, row.canvas[p]) for p in state.block]
+                state.block = self._block(row)
+        carried = [state.carried for state in states]
+        live = [state.block if not row.finished else [] for row, state in zip(session.rows, states, strict=True)]
+        revealed = [[row.canvas[p] for p in block] for row, block in zip(session.rows, live, strict=True)]
         tokens, positions, rule, width = carried_and_masks(session, carried, live, mask_id, True, revealed)
         ntp, device, size = self.first_token_from_ntp, session.device, tokens.shape[1] - width
         read = range(0 if ntp else width, tokens.shape[1])
         logits = session.forward(tokens, positions, rule, read, rows=torch.tensor(running))
-        masked = [self._masked(session, row, block, size) for row, block in enumerate(live)]
+        masked = [self._masked(row, block, size) for row, block in zip(session.rows, live, strict=True)]
         masked = torch.tensor(masked, device=device)
         at = positions[:, width:]
         if ntp:  # a block not begun yet takes its first token from the NTP head at the last carried token
@@ -92,18 +95,17 @@ class SBDDecoder(Decoder):
             session, [[(p, writes[r][i]) for i, p in enumerate(block) if shown[r][i]] for r, block in enumerate(live)]
         )
         session.advance(keep=[len(c) for c in carried])
-        carried[:] = [[] for _ in carried]  # in the cache now
+        for state in states:
+            state.carried = []  # in the cache now
 
-    def _block(self, session: Session, row: int) -> list[int]:
-        start = session.frontiers[row]
-        return list(range(start, min(start + self.block_size, session.limits[row])))
+    def _block(self, row: Row) -> list[int]:
+        return list(range(row.frontier, min(row.frontier + self.block_size, row.limit)))
 
     @staticmethod
-    def _masked(session: Session, row: int, block: list[int], size: int) -> list[bool]:
+    def _masked(row: Row, block: list[int], size: int) -> list[bool]:
         """The block's positions still to reveal, padded to `size`: none after a revealed stop token
         (the output is cut there, so no forward is worth spending on them)."""
-        canvas, stop = session.canvas[row], session.first_stops[row]
-        return [canvas[p] is None and p < stop for p in block] + [False] * (size - len(block))
+        return [row.canvas[p] is None and p < row.first_stop for p in block] + [False] * (size - len(block))
 
 
 @register(

@@ -8,7 +8,7 @@ at the first position is z_t's (AR's choice: the cache is always a causal prefil
 far), and after it the run of masked predictions ẑ_{t+1}, ẑ_{t+2}, ... whose summed entropy stays
 within γ (none when the first is already unsure). Those tokens ride along in the next forward and
 its block starts right after them. γ = 0 is greedy AR, one token a forward; rows of a batch move
-apart freely, and rows join and leave between steps (`continuous`: the server batches it so). With
+apart freely, and rows join and leave between steps (the server batches it so). With
 a sampler at temperature > 0 the first token is sampled from z_t with AR's draw and the run's from
 their masked distributions.
 
@@ -19,16 +19,23 @@ the demo's SBD model sliding is far more accurate at the same TPF (docs/results.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import BLOCK_SIZE, GAMMA, SAMPLING, register
-from fastforward.decoding.decoders.setdlm import carried_and_masks, commit_writes, next_token_logits
 from fastforward.decoding.policies import entropy
-from fastforward.decoding.runtime import Session
+from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
+from fastforward.decoding.steps import carried_and_masks, commit_writes, next_token_logits
 from fastforward.errors import FastForwardError
+
+
+@dataclass
+class SlideState:
+    carried: list[tuple[int, int]] = field(default_factory=list)  # the run accepted last step, until cached
 
 
 class SlidingSBDDecoder(Decoder):
@@ -37,28 +44,20 @@ class SlidingSBDDecoder(Decoder):
     name = "sbd-slide"
 
     def __init__(self, block_size: int = 16, gamma: float = 0.1, sampler: Sampler | None = None):
-        if block_size < 2:
-            raise FastForwardError(
-                f"sbd-slide needs a block of at least 2 (a token and a mask after it), got {block_size}"
-            )
-        if not gamma >= 0:
-            raise FastForwardError(f"gamma must be >= 0, got {gamma}")
         self.block_size, self.gamma = block_size, gamma
         self.sampler = sampler or Sampler()
 
-    continuous = True
-
-    def begin(self, session: Session, rows: range) -> None:
+    def begin(self, session: Session, rows: Sequence[int]) -> None:
         """New rows carry nothing yet: their first token is the prefill's next-token prediction."""
-        carried = session.per_row("carried")
-        for row in rows:
-            carried[row] = []
+        for index in rows:
+            session.rows[index].state = SlideState()
 
     def step(self, session: Session) -> None:
         mask_id = session.model.require_mask_token(self.name)
-        carried: list[list[tuple[int, int]]] = session.per_row("carried")
-        running = [not done for done in session.finished_rows]
-        blocks = [self._block(session, row) if running[row] else [] for row in range(session.batch)]
+        states: list[SlideState] = [row.state for row in session.rows]
+        carried = [state.carried for state in states]
+        running = [not row.finished for row in session.rows]
+        blocks = [self._block(row) if not row.finished else [] for row in session.rows]
         tokens, positions, rule, width = carried_and_masks(session, carried, blocks, mask_id, masks_see_masks=True)
         logits = session.forward(tokens, positions, rule, range(tokens.shape[1]), rows=torch.tensor(running))
         first = next_token_logits(session, logits, carried)
@@ -68,16 +67,16 @@ class SlidingSBDDecoder(Decoder):
         choice = torch.cat([session.sample(first[:, None], positions[:, width : width + 1]), masks.argmax(-1)], 1)
         if session.sampling:  # (greedy rows: the argmax again)
             choice[:, 1:] = session.sample(masks, positions[:, width + 1 :])
-        runs = zip(blocks, choice.tolist(), sure.tolist(), session.stop_sets, strict=True)
-        accepted = [self._accept(block, choices, run, stops) for block, choices, run, stops in runs]
+        stops = [row.stops for row in session.rows]
+        runs = zip(blocks, choice.tolist(), sure.tolist(), stops, strict=True)
+        accepted = [self._accept(block, choices, run, stop) for block, choices, run, stop in runs]
         commit_writes(session, accepted)
         session.advance(keep=[len(c) for c in carried])
-        for row, run in enumerate(accepted):  # what the next forward carries into the cache
-            carried[row] = [] if session.finished_rows[row] else run
+        for row, state, run in zip(session.rows, states, accepted, strict=True):  # what the next forward caches
+            state.carried = [] if row.finished else run
 
-    def _block(self, session: Session, row: int) -> list[int]:
-        start = session.frontiers[row]
-        return list(range(start, min(start + self.block_size, session.limits[row])))
+    def _block(self, row: Row) -> list[int]:
+        return list(range(row.frontier, min(row.frontier + self.block_size, row.limit)))
 
     @staticmethod
     def _accept(block: list[int], choices: list[int], run: int, stops: frozenset[int]) -> list[tuple[int, int]]:
@@ -97,4 +96,6 @@ class SlidingSBDDecoder(Decoder):
     needs_mask=True,
 )
 def _build(block_size: int, gamma: float, sampler: Sampler) -> SlidingSBDDecoder:
+    if block_size < 2:
+        raise FastForwardError(f"sbd-slide needs a block of at least 2 (a token and a mask after it), got {block_size}")
     return SlidingSBDDecoder(block_size, gamma, sampler)

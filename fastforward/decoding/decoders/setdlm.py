@@ -30,24 +30,33 @@ sampling's, with the same draws).
 the gap only. `suffix_cache="promote"` (the default) brings each suffix token into the cache, as a
 carried token, in the forward whose window first reaches its position, so masks see the suffix no
 earlier than the reveal order of training would show it; `"upfront"` prefills it with the prefix.
-Promote is the default because it measured better (arithmetic-infill: 88.7 vs 65.3 % exact,
-docs/results.md).
+Promote is the default because it infilled more accurately on `arithmetic-infill`
+(docs/notes/2026-11-28-jacobi-mbd-setdlm-on-the-arithmetic-model.md).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import FIRST_TOKEN_FROM_NTP, SAMPLING, Knob, register
-from fastforward.decoding.runtime import Session
+from fastforward.decoding.runtime import Prompt, Row, Session
 from fastforward.decoding.sampling import Sampler
+from fastforward.decoding.steps import carried_and_masks, commit_writes, next_token_logits
 from fastforward.errors import FastForwardError
-from fastforward.model import visibility
+from fastforward.model import Model
 
 SUFFIX_CACHE = ("promote", "upfront")
+
+
+@dataclass
+class SetDLMState:
+    promoted: int  # suffix tokens brought into the cache so far (-1: none to bring, or cached up front)
+    carried: list[tuple[int, int]] = field(default_factory=list)  # (position, token) the next forward caches
 
 
 class SetDiffusionDecoder(Decoder):
@@ -55,7 +64,6 @@ class SetDiffusionDecoder(Decoder):
 
     name = "setdlm"
     infills = True
-    continuous = True  # per-row windows: rows join and leave between steps (the server batches it so)
 
     def __init__(
         self,
@@ -65,41 +73,37 @@ class SetDiffusionDecoder(Decoder):
         sampler: Sampler | None = None,
         first_token_from_ntp: bool = False,
     ):
-        if window < 1:
-            raise FastForwardError(f"window must be >= 1, got {window}")
-        if not threshold >= 0:
-            raise FastForwardError(f"threshold must be >= 0 (inf: one token per forward), got {threshold}")
-        if suffix_cache not in SUFFIX_CACHE:
-            raise FastForwardError(f"unknown suffix cache {suffix_cache!r}; choose one of {', '.join(SUFFIX_CACHE)}")
         self.window, self.threshold, self.suffix_cache = window, threshold, suffix_cache
         self.sampler = sampler or Sampler()
         self.first_token_from_ntp = first_token_from_ntp
+        self.causal_cache = first_token_from_ntp  # else tokens enter the cache in reveal order
 
-    def open_session(self, model, prompts, max_new_tokens) -> Session:
+    def open_session(
+        self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int | Sequence[int]
+    ) -> Session:
         upfront = self.suffix_cache == "upfront"
         return Session(model, prompts, max_new_tokens, suffix_upfront=upfront, sampler=self.sampler)
 
-    def begin(self, session: Session, rows: range) -> None:
+    def begin(self, session: Session, rows: Sequence[int]) -> None:
         """New rows carry nothing yet; an infilling row's suffix waits to be promoted (or is cached)."""
-        if self.first_token_from_ntp and any(session.suffixes[row] for row in rows):
+        if self.first_token_from_ntp and any(session.rows[index].suffix for index in rows):
             raise FastForwardError(
                 "first_token_from_ntp decodes a prefix left to right; infill without it (the suffix is not a prefix)"
             )
-        carried, promoted = session.per_row("carried"), session.per_row("promoted")
-        for row in rows:
-            carried[row] = []  # (position, token) the next forward brings into the cache
-            promoted[row] = 0 if session.suffixes[row] and not session.suffix_upfront else -1
+        for index in rows:
+            row = session.rows[index]
+            row.state = SetDLMState(0 if row.suffix and not session.suffix_upfront else -1)
 
     def step(self, session: Session) -> None:
         mask_id = session.model.require_mask_token(self.name)
         ntp = self.first_token_from_ntp
-        carried: list[list[tuple[int, int]]] = session.per_row("carried")
-        promoted: list[int] = session.per_row("promoted")
-        running = [not done for done in session.finished_rows]
-        candidates = [self._candidates(session, row) if running[row] else [] for row in range(session.batch)]
-        for row in range(session.batch):
-            if running[row] and promoted[row] >= 0:
-                promoted[row] = self._promote(session, row, promoted[row], carried[row])
+        states: list[SetDLMState] = [row.state for row in session.rows]
+        running = [not row.finished for row in session.rows]
+        candidates = [self._candidates(row) if not row.finished else [] for row in session.rows]
+        for row, state in zip(session.rows, states, strict=True):
+            if not row.finished and state.promoted >= 0:
+                state.promoted = self._promote(row, state)
+        carried = [state.carried for state in states]
         tokens, positions, rule, width = carried_and_masks(session, carried, candidates, mask_id)
         read = range(0 if ntp else width, tokens.shape[1])
         logits = session.forward(tokens, positions, rule, read, rows=torch.tensor(running))
@@ -119,24 +123,22 @@ class SetDiffusionDecoder(Decoder):
         commit_writes(session, accepted)
         session.advance(keep=[len(c) for c in carried])
         # what the next forward caches: nothing for a finished row, nothing past a revealed stop token
-        for r, row in enumerate(accepted):
-            stop = session.first_stops[r]
-            carried[r] = [] if session.finished_rows[r] else sorted((p, t) for p, t in row if p <= stop)
+        for row, state, writes in zip(session.rows, states, accepted, strict=True):
+            state.carried = [] if row.finished else sorted((p, t) for p, t in writes if p <= row.first_stop)
 
-    def _promote(self, session: Session, row: int, done: int, carried: list[tuple[int, int]]) -> int:
+    def _promote(self, row: Row, state: SetDLMState) -> int:
         """Carry the suffix tokens the window now reaches (they follow the gap); returns how many are in."""
-        suffix, gap = session.suffixes[row], session.limits[row]
-        reach = session.frontiers[row] + self.window  # positions before this are in the window or behind it
+        done, suffix, gap = state.promoted, row.suffix, row.limit
+        reach = row.frontier + self.window  # positions before this are in the window or behind it
         while done < len(suffix) and gap + done < reach:
-            carried.append((gap + done, suffix[done]))
+            state.carried.append((gap + done, suffix[done]))
             done += 1
         return done
 
-    def _candidates(self, session: Session, row: int) -> list[int]:
-        start = session.frontiers[row]
-        end = min(start + self.window, session.limits[row], session.first_stops[row] + 1)
-        canvas = session.canvas[row]
-        return [p for p in range(start, end) if canvas[p] is None]
+    def _candidates(self, row: Row) -> list[int]:
+        start = row.frontier
+        end = min(start + self.window, row.limit, row.first_stop + 1)
+        return [p for p in range(start, end) if row.canvas[p] is None]
 
     def _accept(self, candidates: list[int], choices: list[float], confidences: list[float]) -> list[tuple[int, int]]:
         """The most confident candidate (the first on a tie) and every one at or above the threshold."""
@@ -156,66 +158,6 @@ class SetDiffusionDecoder(Decoder):
                 break
             run.append((p, int(choices[i])))
         return run
-
-
-def carried_and_masks(
-    session: Session,
-    carried: list[list[tuple[int, int]]],
-    candidates: list[list[int]],
-    mask_id: int,
-    masks_see_masks: bool = False,
-    known: list[list[int | None]] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Tokens, positions and rule of `[carried (padded) ; candidate masks (padded)]`: the carried
-    tokens causal in position order over the cache, each mask seeing the cache, the row's carried
-    tokens and itself (with `masks_see_masks`, every real mask of its row too: SBD's block). known:
-    per row, tokens already chosen at its candidate positions (None: a mask), which go in their place.
-    The rule is per row [B, T, T], or SBD's shared [T, T] when `masks_see_masks` and no row is padded.
-    Returns them with the carried width."""
-    width = max(len(c) for c in carried)
-    reads = max(1, max(len(c) for c in candidates))
-    pad_id = session.model.pad_token_id
-    ids, pos, clean_rank, mask_rank = [], [], [], []
-    big = width + 1  # rank of a padded carried slot: after every real one, seen by no mask
-    for row, (carry, cands) in enumerate(zip(carried, candidates, strict=True)):
-        origin = session.origins[row]
-        block = [mask_id if t is None else t for t in known[row]] if known is not None else [mask_id] * len(cands)
-        ids.append([t for _, t in carry] + [pad_id] * (width - len(carry)) + block + [mask_id] * (reads - len(cands)))
-        filler = origin + (carry[-1][0] if carry else session.frontiers[row])
-        pos.append([origin + p for p, _ in carry] + [filler] * (width - len(carry)))
-        pos[-1] += [origin + p for p in cands] + [filler] * (reads - len(cands))
-        clean_rank.append(list(range(len(carry))) + [big + i for i in range(width - len(carry))])
-        mask_rank.append([len(carry)] * reads)
-    device = session.device
-    tokens, positions = torch.tensor(ids, device=device), torch.tensor(pos, device=device)
-    if masks_see_masks and all(len(c) == width for c in carried) and all(len(c) == reads for c in candidates):
-        return tokens, positions, visibility.sbd_decode(width, reads, device), width
-    rule = visibility.reveal_order(torch.tensor(clean_rank), torch.tensor(mask_rank))
-    for row, (carry, cands) in enumerate(zip(carried, candidates, strict=True)):
-        for slot in range(len(carry), width):  # a padded carried slot sees only itself
-            rule[row, slot, :] = False
-            rule[row, slot, slot] = True
-        if masks_see_masks:
-            rule[row, width : width + len(cands), width : width + len(cands)] = True
-    return tokens, positions, rule.to(device), width
-
-
-def next_token_logits(session: Session, logits: torch.Tensor, carried: list[list[tuple[int, int]]]) -> torch.Tensor:
-    """[B, V] each row's next-token prediction: from `logits` (read from slot 0 of a
-    `carried_and_masks` layout) at its last carried token, or the prefill's when it carries none."""
-    last = torch.tensor([len(c) - 1 for c in carried], device=session.device)
-    at_last = logits[torch.arange(session.batch, device=session.device), last.clamp_min(0)]
-    return torch.where((last >= 0)[:, None], at_last, session.next_logits)
-
-
-def commit_writes(session: Session, writes: list[list[tuple[int, int]]]) -> None:
-    """Each row's (position, token) writes onto the session's canvas."""
-    high = max(len(w) for w in writes)
-    if not high:
-        return
-    tokens = [[t for _, t in w] + [0] * (high - len(w)) for w in writes]
-    at = [[p for p, _ in w] + [-1] * (high - len(w)) for w in writes]
-    session.commit(torch.tensor(tokens), torch.tensor(at))
 
 
 @register(

@@ -33,7 +33,7 @@ Norms = Mapping[str, float] | None
 class Objective:
     """Base of the training objectives; subclasses are dataclasses whose fields are their options."""
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # given by `objectives.registry.register`
 
     def setup(self, model: Model) -> None:
         """Prepare the model before the optimizer sees its parameters (e.g. add a mask token)."""

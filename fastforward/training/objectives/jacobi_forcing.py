@@ -50,6 +50,7 @@ from fastforward.training.objectives.base import (
     row_generators,
     term_norm,
 )
+from fastforward.training.objectives.registry import option, register
 from fastforward.training.trajectories import TrajectoryBatch
 
 SCHEDULES = ("progressive", "random", "reverse")
@@ -175,6 +176,7 @@ def slot_counts(rows: Sequence[tuple[list[int], list[list[int]], list[list[int]]
 
 
 # ---- the objective ------------------------------------------------------------------------------
+@register("jacobi_forcing")
 @dataclass
 class JacobiForcing(Objective):
     """Progressive consistency distillation on Jacobi trajectories plus an AR loss (eq. 9).
@@ -184,11 +186,10 @@ class JacobiForcing(Objective):
     term as a metric without gradient).
     """
 
-    name = "jacobi_forcing"
-    noise_schedule: str = "progressive"
-    noise_window: int = 16
-    noisy_context: str = "noisy"
-    ar_weight: float = 1.0
+    noise_schedule: str = option("progressive", "noise within a window", SCHEDULES)
+    noise_window: int = option(16, "window w of eq. 7")
+    noisy_context: str = option("noisy", "noisy blocks see earlier noisy or clean blocks", visibility.CONTEXTS)
+    ar_weight: float = option(1.0, "weight of the AR loss")
 
     def __post_init__(self) -> None:
         if self.noise_schedule not in SCHEDULES:

@@ -27,7 +27,7 @@ block instead of per row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,7 @@ from fastforward.errors import FastForwardError
 from fastforward.model import visibility
 from fastforward.training.data import Batch
 from fastforward.training.objectives.base import row_generators
+from fastforward.training.objectives.registry import option, register
 from fastforward.training.objectives.sbd import SBD, Masking, draw_block
 
 LAYOUTS = ("systematic", "random", "both")
@@ -95,14 +96,15 @@ def group_ratios(groups: torch.Tensor, schedule: str, generator: torch.Generator
     return (per_group[0] / 2 + 0.2).gather(1, groups).add(slope * offset).clamp(max=1.0)
 
 
+@register("multitf")
 @dataclass
 class MultiTF(SBD):
     """SBD's dual stream with noise-groups of consecutive blocks and slot-wise mask ratios."""
 
-    name = "multitf"
-    max_group: int = 4
-    layouts: str = "both"
-    schedule: str = "chain-uniform"
+    suffix_share: float = field(default=0.0, init=False)  # SBD's masking: MultiTF draws its masks per noise-group
+    max_group: int = option(4, "most blocks in a noise-group")
+    layouts: str = option("both", "noise-group layouts", LAYOUTS)
+    schedule: str = option("chain-uniform", "mask ratios in a group", SCHEDULES)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -112,8 +114,6 @@ class MultiTF(SBD):
             raise FastForwardError(f"unknown layouts {self.layouts!r}; choose one of {', '.join(LAYOUTS)}")
         if self.schedule not in SCHEDULES:
             raise FastForwardError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        if self.suffix_share:
-            raise FastForwardError("suffix_share is SBD's masking; MultiTF draws its masks per noise-group")
 
     def draw(self, batch: Batch, generator: torch.Generator) -> Masking:
         """The block size (once per step); each row's noise-groups, mask ratios and masks (its own stream)."""

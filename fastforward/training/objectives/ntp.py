@@ -17,13 +17,13 @@ from fastforward.training.objectives.base import (
     next_token_labels,
     term_norm,
 )
+from fastforward.training.objectives.registry import register
 
 
+@register("ntp")
 @dataclass
 class NTP(Objective):
     """Cross entropy of each target token given the tokens before it, averaged over the targets."""
-
-    name = "ntp"
 
     def loss(
         self, model: Model, batch: Batch, generator: torch.Generator, norms: Norms = None

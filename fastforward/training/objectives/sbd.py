@@ -37,6 +37,7 @@ from fastforward.training.objectives.base import (
     positions,
     term_norm,
 )
+from fastforward.training.objectives.registry import option, register
 
 
 def draw_block(min_block: int, max_block: int, generator: torch.Generator) -> int:
@@ -115,15 +116,16 @@ class Masking:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+@register("sbd")
 @dataclass
 class SBD(Objective):
     """NTP on the clean half plus masked-token prediction on the block-masked copy."""
 
-    name = "sbd"
-    min_block: int = 2
-    max_block: int = 16
-    ntp_weight: float = 1.0
-    suffix_share: float = 0.0  # rows masked by `draw_block_suffixes` instead of eq. 13 (ours, not the paper's)
+    min_block: int = option(2, "smallest block size drawn")
+    max_block: int = option(16, "largest block size drawn")
+    ntp_weight: float = option(1.0, "weight of the NTP term")
+    # rows masked by `draw_block_suffixes` instead of eq. 13 (ours, not the paper's)
+    suffix_share: float = option(0.0, "share of rows whose blocks are masked from a random cut to their end")
 
     def __post_init__(self) -> None:
         if not 0 <= self.suffix_share <= 1:

@@ -16,8 +16,8 @@ the mask token. Under `visibility.reveal_order` a clean token sees the clean tok
 before it and itself; a mask at ℓ sees the clean tokens revealed before ℓ's token, and itself;
 masks never see masks. Loss: cross entropy of the true token at every mask (targets only), plus
 `ntp_weight` × NTP on a separate causal pass of the clean tokens (0 skips that pass). The default,
-1, is measured (`benchmarks/setdlm.py --ntp-ablation`, docs/results.md): on the demo's task the NTP
-term keeps AR mode (83 % vs 1 %) and lifts sliding-window decoding too (AUP 67 vs 14).
+1, is measured (`benchmarks/setdlm.py --ntp-ablation`, docs/results.md "Set Diffusion"): on the demo's
+task the NTP term keeps AR mode and lifts sliding-window decoding too.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from fastforward.training.objectives.base import (
     positions,
     term_norm,
 )
+from fastforward.training.objectives.registry import option, register
 
 
 def hitting_times(length: int, set_size: float, max_set: float, batch: int, generator: torch.Generator) -> torch.Tensor:
@@ -106,16 +107,17 @@ def setdlm_layout(
     return layout, labels
 
 
+@register("setdlm")
 @dataclass
 class SetDLM(Objective):
     """Every target predicted once, as a singleton set, from the tokens revealed before it."""
 
-    name = "setdlm"
-    set_size: float = 4.0
-    max_set: float = 8.0
-    ntp_weight: float = 1.0
-    infill_share: float = 0.0  # rows made infilling rows (`middle_span`, context first; ours, not the paper's)
-    max_span: int = 8
+    set_size: float = option(4.0, "desired tokens per reveal set")
+    max_set: float = option(8.0, "reveal window width s_max")
+    ntp_weight: float = option(1.0, "weight of the NTP term")
+    # infilling rows: `middle_span`, context first (ours, not the paper's)
+    infill_share: float = option(0.0, "share of rows trained to fill a middle span between known text")
+    max_span: int = option(8, "longest middle of an infilling row")
 
     def __post_init__(self) -> None:
         if self.set_size <= 0 or self.max_set < 1:
