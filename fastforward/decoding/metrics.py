@@ -72,6 +72,10 @@ def aup(points: Iterable[tuple[float, float]], y_max: float | None = None) -> fl
 
         AUP = ρ₁·y₁·W(y₁) + Σᵢ₌₂ (ρᵢ − ρᵢ₋₁)·(yᵢ·W(yᵢ) + yᵢ₋₁·W(yᵢ₋₁)) / 2
 
+    The first point is weighted too, as DESIGN.md defines it; d3LLM's public `get_aup` leaves it
+    unweighted (../shared/REFERENCES.md), which scores a lone fast but inaccurate point at ρ·y. The two
+    agree whenever y₁ = y_max.
+
     `y_max` defaults to the highest accuracy among the points (so a lone point, or the best point,
     has weight 1). Pass the best accuracy of everything being compared (e.g. the AR baseline's) to
     put several curves on one scale; points above it get weight 1.
