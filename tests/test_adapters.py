@@ -8,7 +8,10 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from fastforward.api import build_decoder
 from fastforward.cli import main
+from fastforward.cpu.fusion import FusedMember
+from fastforward.cpu.low_rank import LowRankLinear
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, load_model, visibility
 from fastforward.model.adapters import ADAPTER_CONFIG, PROVENANCE
@@ -157,3 +160,77 @@ def test_cli_trains_an_adapter_and_generates_with_it(base, tmp_path, capsys):
     bad = ["train", "--model", str(base), "--data", str(data), "--out", str(tmp_path / "r2"), "--lora-rank", "-1"]
     assert main(bad) == 2
     assert "lora_rank must be >= 0" in capsys.readouterr().err
+
+
+def on_int4_grid(base, out):
+    """The base with every linear weight already on int4's grid (groups of 32, 16 levels), as SmolLM2's
+    weights are: they come from a Q4_1 GGUF."""
+    model = load_model(str(base))
+    with torch.no_grad():
+        for module in model.hf.model.layers.modules():  # the projections (the output layer is the embedding)
+            if isinstance(module, torch.nn.Linear):
+                groups = module.weight.reshape(module.out_features, -1, 32)
+                low = groups.amin(-1, keepdim=True).half().float()
+                scale = ((groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15).half().float()
+                codes = torch.round((groups - low) / scale).clamp(0, 15)
+                module.weight.copy_((codes * scale + low).reshape_as(module.weight))
+    model.save(out)
+    return out
+
+
+def small_adapter(base, out):
+    """An adapter on every projection whose updates are a fraction of one int4 grid step."""
+    wrapped = peft_adapter(base, out, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.1)
+    wrapped.save_pretrained(out)
+
+
+def test_int4_keeps_an_adapter_whose_updates_are_below_the_grid_step(base, tmp_path):
+    """Merged and then quantized to int4, such an adapter rounds back to the base's codes and is lost;
+    kept beside the int4 weights (QLoRA's way), the int4 model follows the adapter's float32 model."""
+    grid = on_int4_grid(base, tmp_path / "grid")
+    small_adapter(grid, tmp_path / "adapter")
+    ids = (5, 17, 42, 9, 3, 88, 120, 7, 61, 200, 33, 14)
+    adapted = logits(load_model(str(grid), adapter=str(tmp_path / "adapter")), ids)
+    plain = logits(load_model(str(grid)), ids)
+    at_int4 = logits(load_model(str(grid), quantize="int4", exact=True, adapter=str(tmp_path / "adapter")), ids)
+    plain_int4 = logits(load_model(str(grid), quantize="int4", exact=True), ids)
+    effect = (adapted - plain).abs().mean()
+    error, base_error = (at_int4 - adapted).abs().mean(), (plain_int4 - plain).abs().mean()
+    assert effect > 0.05  # the adapter matters at float32
+    assert error < 0.5 * effect  # and still at int4 (merged, then quantized: 1.1 times the effect here)
+    assert error < 1.5 * base_error  # no further from its float32 model than int4 puts the base from its own
+    agree = (at_int4.argmax(-1) == adapted.argmax(-1)).float().mean()
+    assert agree >= (plain_int4.argmax(-1) == adapted.argmax(-1)).float().mean()
+
+
+def beside(module):
+    """The layer that computes a projection: itself, or the fused layer of its group."""
+    return module.group.fused if isinstance(module, FusedMember) else module
+
+
+def test_an_adapter_beside_int4_weights_is_lossless_and_kept_in_the_store(base, tmp_path, monkeypatch):
+    """Row-invariant with the adapter kept apart: jacobi and lookup give ar's tokens at int4 --exact; the
+    quantized store gives back the same model; a chain of two adapters keeps both updates side by side."""
+    monkeypatch.setenv("FASTFORWARD_HOME", str(tmp_path / "home"))
+    grid = on_int4_grid(base, tmp_path / "grid")
+    small_adapter(grid, tmp_path / "one")
+    load_model(str(grid), adapter=str(tmp_path / "one")).save(tmp_path / "one-merged")
+    small_adapter(tmp_path / "one-merged", tmp_path / "two")
+    (tmp_path / "two" / PROVENANCE).write_text(json.dumps({"base": str(tmp_path / "one")}))
+    model = load_model(str(tmp_path / "two"), quantize="int4", exact=True)
+    projections = [m for n, m in model.hf.named_modules() if n.endswith("_proj")]
+    assert len(projections) == 2 * 7 and all(isinstance(beside(m), LowRankLinear) for m in projections)
+    error = (logits(model) - logits(load_model(str(tmp_path / "two")))).abs().mean()
+    base_error = (logits(load_model(str(grid), quantize="int4", exact=True)) - logits(load_model(str(grid)))).abs()
+    assert error < 1.5 * base_error.mean()  # both updates kept (the first left out: 2.5 times the base's error here)
+    again = load_model(str(tmp_path / "two"), quantize="int4", exact=True)  # from the store
+    assert torch.equal(logits(again), logits(model))
+    prompts = [model.encode_prompt(t, chat_template=False) for t in ("def add", "Tom has 3", "The quick")]
+    ar = build_decoder("ar").generate(model, prompts, 24)
+    for name, options in (("jacobi", {"block_size": 8}), ("lookup", {})):
+        out = build_decoder(name, **options).generate(model, prompts, 24)
+        assert [g.token_ids for g in out] == [g.token_ids for g in ar], name

@@ -14,12 +14,27 @@ from fastforward.errors import FastForwardError
 from fastforward.model import load_model
 from fastforward.model.tiny import tiny_model
 from fastforward.model.visibility import jacobi_forcing_train as jacobi_forcing_rule
+from fastforward.training.data import Example
 from fastforward.training.jacobi_trajectories import Block, Trajectory
 from fastforward.training.objectives import JacobiForcing, make_objective
 from fastforward.training.objectives.base import IGNORE
-from fastforward.training.objectives.jacobi_forcing import choose_point, cut_after_stop, noise_ratios, pack
+from fastforward.training.objectives.jacobi_forcing import (
+    TAIL_POOL,
+    choose_point,
+    cut_after_stop,
+    half_corrected,
+    noise_ratios,
+    pack,
+    random_tail,
+)
 from fastforward.training.trainer import TrainConfig, train
-from fastforward.training.trajectories import TrajectoryBatch, TrajectoryData, collect, read_trajectories
+from fastforward.training.trajectories import (
+    TrajectoryBatch,
+    TrajectoryData,
+    collect,
+    from_examples,
+    read_trajectories,
+)
 
 
 # ---- schedule and trajectory points -------------------------------------------------------------
@@ -243,3 +258,68 @@ def test_progressive_rounds_with_lora_chain_their_adapters(tmp_path, capsys):
     prompt = [two.encode_prompt(TEXTS[0])]
     ar = build_decoder("ar").generate(two, prompt, 12)[0].token_ids
     assert build_decoder("jacobi", block_size=4).generate(two, prompt, 12)[0].token_ids == ar
+
+
+# ---- state sources ------------------------------------------------------------------------------
+def test_random_tail_replaces_the_rightmost_tokens_by_tokens_from_before_them():
+    before, block = list(range(100, 300)), [1, 2, 3, 4, 5, 6, 7, 8]
+    for ratio, k in ((0.0, 0), (0.25, 2), (0.5, 4), (0.9375, 8)):
+        noisy = random_tail(before, block, ratio, torch.Generator().manual_seed(k))
+        assert noisy[: 8 - k] == block[: 8 - k] and len(noisy) == 8
+        pool = set((before + block[: 8 - k])[-TAIL_POOL:])
+        assert all(t in pool for t in noisy[8 - k :])  # drawn from the 128 tokens before the tail
+    draws = {tuple(random_tail(before, block, 0.5, torch.Generator().manual_seed(s))) for s in range(5)}
+    assert len(draws) == 5  # another stream, other tokens
+    assert set(random_tail([], [7, 8], 1.0, torch.Generator())) <= {7, 8}  # nothing before: the block's own
+
+
+def test_half_corrected_sets_half_of_the_wrong_tokens_right():
+    fixed, state = [1, 2, 3, 4, 5, 6], [9, 2, 9, 9, 5, 9]  # 4 wrong
+    out = half_corrected(state, fixed, torch.Generator().manual_seed(0))
+    assert sum(a != b for a, b in zip(out, fixed, strict=True)) == 2
+    assert all(o in (s, f) for o, s, f in zip(out, state, fixed, strict=True))
+
+
+def test_ground_truth_responses_train_with_random_tail_states_and_no_rollout(model):
+    examples = [
+        Example([1, 2, 3, 10, 11, 12, 13, 14], [False] * 3 + [True] * 5),
+        Example([4, 20, 21], [False, True, True]),
+    ]
+    references = from_examples(examples, block_size=4, pad_id=0)
+    assert [b.fixed for b in references[0].blocks] == [[10, 11, 12, 13], [14, 0, 0, 0]]
+    assert references[0].prompt_ids == [1, 2, 3] and all(not b.states for b in references[0].blocks)
+    batch = TrajectoryBatch(references)
+    objective = JacobiForcing(noise_schedule="random", noise_window=4, states="random-tail")
+    (prompt, noisy, clean), _ = objective.rows(batch, torch.Generator().manual_seed(0), stop_ids=[0])
+    assert prompt == [1, 2, 3] and clean == [[10, 11, 12, 13], [14, 0]] and len(noisy[1]) == 2  # cut after the stop
+    loss, metrics = objective.loss(model, batch, torch.Generator().manual_seed(0))
+    assert loss.item() > 0 and metrics["noise"] > 0
+    again, _ = objective.loss(model, batch, torch.Generator().manual_seed(0))
+    assert again.item() == loss.item()  # a row's draws are a function of the seed and its place
+    with pytest.raises(FastForwardError, match="random-tail"):
+        JacobiForcing(noise_schedule="random", noise_window=4).rows(batch, torch.Generator().manual_seed(1))
+    with pytest.raises(FastForwardError, match="state source"):
+        JacobiForcing(states="oracle")
+
+
+def test_rollout_aug_starts_from_the_recorded_state_and_corrects_half(model):
+    trajectory = Trajectory([1], [Block([[9, 9, 9, 9]], [4, 5, 6, 7])], 4)
+    objective = JacobiForcing(noise_schedule="progressive", noise_window=1, states="rollout-aug")
+    ((_, (noisy,), _),) = objective.rows(TrajectoryBatch([trajectory]), torch.Generator())
+    assert noisy == [4, 5, 6, 7]  # ratio 0: the fixed point, nothing to correct
+    objective = JacobiForcing(noise_schedule="reverse", noise_window=2, states="rollout-aug")
+    ((_, (noisy,), _),) = objective.rows(TrajectoryBatch([trajectory]), torch.Generator())
+    assert sum(a == 9 for a in noisy) == 2 and sum(a != b for a, b in zip(noisy, [4, 5, 6, 7], strict=True)) == 2
+
+
+def test_cli_trains_jacobi_forcing_on_ground_truth_data(tmp_path, capsys):
+    tiny_model(init_std=0.5).save(tmp_path / "m")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": t, "completion": " = 3"}) + "\n" for t in TEXTS))
+    args = ["train", "--objective", "jacobi_forcing", "--data", str(data), "--model", str(tmp_path / "m")]
+    args += ["--out", str(tmp_path / "jf"), "--steps", "2", "--seq-len", "32", "--batch-size", "2", "--block-size", "4"]
+    assert main([*args, "--states", "random-tail", "--noise-schedule", "random", "--noise-window", "4"]) == 0
+    metrics = [json.loads(line) for line in (tmp_path / "jf" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if m["split"] == "train"] == [1, 2]
+    assert main([*args[:-8], "--out", str(tmp_path / "x")]) == 2
+    assert "--states random-tail" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from fastforward.training.launch import reported_once, say, share_threads
 from fastforward.training.objectives import OBJECTIVES, make_objective
 from fastforward.training.objectives.registry import options
 from fastforward.training.trainer import TrainConfig, train
-from fastforward.training.trajectories import trajectory_datasets
+from fastforward.training.trajectories import TrajectoryData, from_examples, trajectory_datasets
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -138,11 +138,17 @@ def run(args: argparse.Namespace) -> int:
     config = train_config(args, eval_every=args.eval_every, max_eval_batches=args.max_eval_batches)
     chosen = {name: getattr(args, name) for name in options() if getattr(args, name) is not None}
     objective = make_objective(args.objective, **chosen)  # the options it does not take are left out
-    on_trajectories = args.objective == "jacobi_forcing"
-    if on_trajectories != bool(args.trajectories) or not (on_trajectories or args.data):
+    on_trajectories = args.objective == "jacobi_forcing" and not args.data
+    if bool(args.trajectories) != on_trajectories or not (on_trajectories or args.data):
         raise FastForwardError(
-            "give --trajectories FILE to the jacobi_forcing objective (write one with `fastforward trajectories`) "
-            "and --data FILE to the others"
+            "give --trajectories FILE to the jacobi_forcing objective (write one with `fastforward trajectories`; "
+            "or --data FILE of ground-truth responses with --states random-tail) and --data FILE to the others"
+        )
+    references = args.objective == "jacobi_forcing" and bool(args.data)
+    if references and objective.states != "random-tail":
+        raise FastForwardError(
+            "jacobi_forcing on --data (ground-truth responses, no Jacobi iterates) needs --states random-tail; "
+            "for rollout states give --trajectories"
         )
     if args.only_correct and not on_trajectories:
         raise FastForwardError("--only-correct filters Jacobi trajectories: use it with --objective jacobi_forcing")
@@ -163,9 +169,15 @@ def run(args: argparse.Namespace) -> int:
         held = load_examples(args.eval_data, model.tokenizer, chat) if args.eval_data else None
         if held is None and args.eval_fraction:
             examples, held = split_examples(examples, args.eval_fraction, args.seed)
-        train_data = PackedData(examples, args.seq_len, model.pad_token_id)
-        eval_data = PackedData(held, args.seq_len, model.pad_token_id) if held else None
-        say(f"{len(examples)} examples → {len(train_data)} rows of {args.seq_len} tokens")
+        if references:  # ground-truth responses cut into blocks, states drawn by the objective
+            pad, n = model.pad_token_id, objective.block_size
+            train_data = TrajectoryData(from_examples(examples, n, pad), args.seq_len)
+            eval_data = TrajectoryData(from_examples(held, n, pad), args.seq_len) if held else None
+            say(f"{len(examples)} ground-truth responses in blocks of {n}, rows of up to {args.seq_len} tokens")
+        else:
+            train_data = PackedData(examples, args.seq_len, model.pad_token_id)
+            eval_data = PackedData(held, args.seq_len, model.pad_token_id) if held else None
+            say(f"{len(examples)} examples → {len(train_data)} rows of {args.seq_len} tokens")
     train(model, objective, train_data, config, args.out, eval_data=eval_data, overwrite=args.overwrite)
     what = "a LoRA adapter" if args.lora_rank else "the model"
     say(f"saved {what} in {args.out} (fastforward generate --model {args.out})")

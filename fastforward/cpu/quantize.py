@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from fastforward.cpu import fusion, padded_prefill, smoothing, w4a8
+from fastforward.cpu.low_rank import LowRank, LowRankLinear
 from fastforward.errors import FastForwardError
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -185,13 +186,29 @@ def check_scheme(scheme: str) -> None:
         raise FastForwardError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZATIONS)}")
 
 
-def quantize(hf: nn.Module, scheme: str, fuse: bool = True, calibration: list[list[int]] | None = None) -> None:
+def keeps_adapters_apart(scheme: str) -> bool:
+    """Whether an adapter is kept beside the weights quantized with `scheme` rather than merged into them:
+    int4 rounds a merged adapter away (`fastforward.cpu.low_rank`); int8 keeps most of it, at no cost."""
+    return scheme == "int4"
+
+
+def quantize(
+    hf: nn.Module,
+    scheme: str,
+    fuse: bool = True,
+    calibration: list[list[int]] | None = None,
+    low_rank: dict[str, LowRank] | None = None,
+) -> None:
     """Replace every nn.Linear of `hf` in place ("none" leaves it as it is). CPU only: the kernels
     are PyTorch's CPU integer kernels. fuse: int8 and native int4 layers that read the same input
     become one layer (`fastforward.cpu.fusion`; the same bits, fewer calls). calibration: token ids whose forwards set
-    the int8 layers' smoothing (`fastforward.cpu.smoothing`); None quantizes them unsmoothed."""
+    the int8 layers' smoothing (`fastforward.cpu.smoothing`); None quantizes them unsmoothed.
+    low_rank: adapters' updates by layer name, kept beside the quantized weights (`fastforward.cpu.low_rank`)."""
     check_scheme(scheme)
+    low_rank = low_rank or {}
     if scheme == "none":
+        if low_rank:
+            raise FastForwardError("adapter updates are kept apart only beside quantized weights; merge them instead")
         return
     device = next(hf.parameters()).device
     if device.type != "cpu":
@@ -201,19 +218,31 @@ def quantize(hf: nn.Module, scheme: str, fuse: bool = True, calibration: list[li
     _untie_output(hf)
     if not uses_int8(hf, scheme):  # int4 throughout: nothing to smooth
         calibration = None
-    groups = fusion.shared_input_groups(hf) if calibration or fuse else []
+    groups = fusion.shared_input_groups(hf) if calibration or fuse or low_rank else []
     factors = smoothing.smoothing_factors(hf, groups, calibration) if calibration else {}
-    for members in groups if fuse else []:
-        if _fusable([hf.get_submodule(name) for name in members], scheme):
-            smooth = factors.get(members[0])  # shared within a group
-            fusion.fuse(hf, members, functools.partial(_quantized, scheme=scheme, smoothing=smooth, dense=False))
+    for members in groups:
+        layers = [hf.get_submodule(name) for name in members]
+        adapted = not low_rank.keys().isdisjoint(members)
+        if not (fuse or adapted) or not _fusable(layers, scheme):
+            continue
+        build = functools.partial(_quantized, scheme=scheme, smoothing=factors.get(members[0]), dense=False)
+        if adapted:  # one call for the group's weights and updates, one for the updates' second factors
+            update = LowRank.side_by_side([low_rank.get(name) for name in members], [m.out_features for m in layers])
+            up = functools.partial(_quantized, scheme=scheme, smoothing=None, dense=False)
+            build = functools.partial(LowRankLinear, update=update, quantized=build, quantized_up=up)
+        fusion.fuse(hf, members, build)
     # The output layer reads a prefill's last rows only: its bfloat16 copy would sit unused.
     output, native = hf.get_output_embeddings(), native_bfloat16()
     for name, module in list(hf.named_modules()):
         if isinstance(module, nn.Linear):
             parent, _, attribute = name.rpartition(".")
-            dense = native and module is not output
-            setattr(hf.get_submodule(parent), attribute, _quantized(module, scheme, factors.get(name), dense))
+            build = functools.partial(_quantized, scheme=scheme, smoothing=factors.get(name))
+            if name in low_rank:  # the update's second factor reads the first's output: no smoothing, no copy
+                up = functools.partial(_quantized, scheme=scheme, smoothing=None, dense=False)
+                layer = LowRankLinear(module, low_rank[name], functools.partial(build, dense=native), up)
+            else:
+                layer = build(module, dense=native and module is not output)
+            setattr(hf.get_submodule(parent), attribute, layer)
     hf.config.fastforward_quantization = scheme
 
 

@@ -7,8 +7,11 @@ by `peft` itself loads too: its base is then the config's `base_model_name_or_pa
 caller names.
 
 The adapter is merged into the base's weights before anything else happens to them (quantization,
-compiling), so a merged model decodes at exactly the cost of the base. Chains work: an adapter's base
-may itself be an adapter directory (a second Jacobi Forcing round trained on top of the first).
+compiling), so a merged model decodes at exactly the cost of the base; except before int4
+quantization, which would round a merged update back onto the base's grid: there its linear layers'
+updates are taken out (`split`) and kept beside the quantized weights (`fastforward.cpu.low_rank`).
+Chains work: an adapter's base may itself be an adapter directory (a second Jacobi Forcing round
+trained on top of the first).
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import torch
+from torch import nn
 from transformers import PreTrainedModel
 
+from fastforward.cpu.low_rank import LowRank
 from fastforward.errors import FastForwardError
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -119,20 +125,49 @@ def quiet_peft() -> Iterator[None]:
 
 def merge(hf: PreTrainedModel, adapter: Path) -> PreTrainedModel:
     """`hf` with the adapter's low-rank updates added into its weights (PEFT's merge_and_unload)."""
+    return split(hf, adapter, keep_apart=False)[0]
+
+
+def split(hf: PreTrainedModel, adapter: Path, keep_apart: bool = True) -> tuple[PreTrainedModel, dict[str, LowRank]]:
+    """`hf` with the adapter merged, except (keep_apart) the plain LoRA updates of its `nn.Linear` layers,
+    which are returned by layer name instead, to be kept beside quantized weights. The rest (LoRA on
+    embeddings, DoRA, fan-in-fan-out layers, fully trained modules) is merged as PEFT merges it."""
     weights_file(adapter)
     _read(adapter / ADAPTER_CONFIG)
     from peft import PeftModel  # imported by adapters only: peft's import costs a second
 
     try:
         with quiet_peft():
-            merged = PeftModel.from_pretrained(hf, str(adapter)).merge_and_unload()
+            wrapped = PeftModel.from_pretrained(hf, str(adapter))
+            updates = _take_linear_updates(wrapped) if keep_apart else {}
+            merged = wrapped.merge_and_unload()
     except (ValueError, RuntimeError, KeyError) as exc:  # size mismatches, target modules not found
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FastForwardError(
             f"adapter {adapter} does not fit this base model ({first}); load it on the base it was trained on "
             f"(see {PROVENANCE} or {ADAPTER_CONFIG})"
         ) from exc
-    return merged
+    return merged, updates
+
+
+def _take_linear_updates(wrapped) -> dict[str, LowRank]:
+    """The plain LoRA updates of the `nn.Linear` layers of a PeftModel, by the layer's name in the bare
+    model; each is zeroed in the PeftModel, so that merging it afterwards leaves those weights as they were."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    updates: dict[str, LowRank] = {}
+    for name, module in wrapped.base_model.model.named_modules():
+        if type(module) is not LoraLinear or module.fan_in_fan_out or not isinstance(module.base_layer, nn.Linear):
+            continue
+        for key in module.active_adapters:
+            if key not in module.lora_A or module.use_dora.get(key, False):
+                continue
+            down, up = module.lora_A[key].weight, module.lora_B[key].weight
+            update = LowRank(down, up.detach().float() * module.scaling[key])
+            updates[name] = updates[name] + update if name in updates else update
+            with torch.no_grad():
+                up.zero_()
+    return updates
 
 
 def lora_config(rank: int, alpha: float | None = None, targets: str = DEFAULT_TARGETS, dropout: float = 0.0):

@@ -14,8 +14,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from fastforward.cpu import attention as exact_attention
 from fastforward.cpu import row_chunks, smoothing
+from fastforward.cpu.low_rank import LowRank
+from fastforward.cpu.quantize import keeps_adapters_apart, uses_int8
 from fastforward.cpu.quantize import quantize as quantize_linears
-from fastforward.cpu.quantize import uses_int8
 from fastforward.errors import FastForwardError
 from fastforward.model import adapters, flex, softcap
 from fastforward.model.core import MASK_CONFIG_KEY, MASK_TOKEN, Model, grow_embeddings
@@ -74,8 +75,11 @@ def _load_hf(
     if merged and len(tokenizer) > hf.get_input_embeddings().num_embeddings:  # trained with a mask token
         grow_embeddings(hf, len(tokenizer))
         setattr(hf.config, MASK_CONFIG_KEY, tokenizer.convert_tokens_to_ids(MASK_TOKEN))
+    updates: dict[str, LowRank] = {}  # linear layers' adapter updates kept beside int4 weights
     for adapter in merged:  # before quantizing: the merged weights are what gets quantized
-        hf = adapters.merge(hf, adapter)
+        hf, apart = adapters.split(hf, adapter, keep_apart=keeps_adapters_apart(precision.quantize))
+        for name, update in apart.items():
+            updates[name] = updates[name] + update if name in updates else update
     hf.to(dtype=dtype)
     # SDPA or FlexAttention (`precision.attention`), or row-invariant attention for --exact; soft-capped attention
     # (Gemma 2) needs its own
@@ -85,7 +89,7 @@ def _load_hf(
         hf.to(device)
     hf.eval()
     calibration = smoothing.calibration_ids(tokenizer) if uses_int8(hf, precision.quantize) else None
-    quantize_linears(hf, precision.quantize, fuse=precision.fuse, calibration=calibration)
+    quantize_linears(hf, precision.quantize, fuse=precision.fuse, calibration=calibration, low_rank=updates)
     return hf
 
 

@@ -29,6 +29,7 @@ from fastforward.model import Model
 from fastforward.training.data import derive_seed
 
 DRAFT_INITS = ("repeat", "random", "pad")
+REFERENCE = "reference"  # the `init` of a ground-truth response cut into blocks: no iterates recorded
 
 
 # ---- the stored form ----------------------------------------------------------------------------

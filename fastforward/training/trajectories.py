@@ -39,8 +39,8 @@ from tqdm.auto import tqdm
 from fastforward.errors import FastForwardError
 from fastforward.jsonl import open_jsonl, parse_line, read_jsonl
 from fastforward.model import Model
-from fastforward.training.data import derive_seed, split_examples
-from fastforward.training.jacobi_trajectories import DRAFT_INITS, Trajectory, jacobi_trajectories
+from fastforward.training.data import Example, derive_seed, split_examples
+from fastforward.training.jacobi_trajectories import DRAFT_INITS, REFERENCE, Block, Trajectory, jacobi_trajectories
 
 
 # ---- reading ------------------------------------------------------------------------------------
@@ -314,6 +314,25 @@ class TrajectoryData:
         for t in self.examples:
             h.update(_line(t))
         return h.hexdigest()[:16]
+
+
+def from_examples(examples: Sequence[Example], block_size: int, pad_id: int) -> list[Trajectory]:
+    """Ground-truth responses as trajectories without iterates (`init` "reference"): a record's context
+    is the prompt, its target tokens the response, cut into blocks of `block_size` (the last one padded
+    with `pad_id`, which training cuts off after the stop token). For states that need no rollout
+    (the jacobi_forcing objective's "random-tail")."""
+    if block_size < 1:
+        raise FastForwardError(f"the block size must be at least 1, got {block_size}")
+    out = []
+    for index, example in enumerate(examples):
+        start = next((i for i, target in enumerate(example.targets) if target), len(example.ids))
+        prompt, response = example.ids[:start], example.ids[start:]
+        if not prompt or not response:
+            raise FastForwardError(f"example {index} needs a prompt and a completion to train Jacobi Forcing on")
+        response = response + [pad_id] * (-len(response) % block_size)
+        blocks = [Block([], response[i : i + block_size]) for i in range(0, len(response), block_size)]
+        out.append(Trajectory(prompt, blocks, block_size, index=index, init=REFERENCE))
+    return out
 
 
 def trajectory_datasets(

@@ -27,6 +27,17 @@ fixed points run on past the answer; those tokens are not trained on).
 Schedules (eq. 7, with blocks numbered from 0 within a row): W = {0, 1/w, …, (w-1)/w};
 "progressive" tᵢ = W[i mod w]; "reverse" tᵢ = W[w-1 - (i mod w)]; "random" tᵢ drawn uniformly from W
 (each example from its own stream, `row_generators`).
+
+State sources (`states`), where a block's noisy copy at ratio t comes from:
+- "rollout": the recorded Jacobi iterate nearest t (the paper's data; collecting it costs a Jacobi
+  decode of every prompt);
+- "random-tail": the clean block with its rightmost round(t·n) tokens replaced by tokens drawn
+  uniformly from the `TAIL_POOL` tokens before them (the Jacobi Forcing repository's
+  progressive-masking preparation, no rollout): trains on ground-truth responses as they are
+  (`trajectories.from_examples`), or on a trajectory file's fixed points;
+- "rollout-aug": the recorded iterate nearest t with a random half of its wrong tokens set to the
+  fixed point's (CLLM's `--use_aug`).
+A row's draws come from its own stream, so a resumed or sharded run draws the same states.
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ import torch.nn.functional as F
 
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, visibility
-from fastforward.training.jacobi_trajectories import Block
+from fastforward.training.jacobi_trajectories import REFERENCE, Block, Trajectory
 from fastforward.training.objectives.base import (
     IGNORE,
     Norms,
@@ -54,6 +65,8 @@ from fastforward.training.objectives.registry import option, register
 from fastforward.training.trajectories import TrajectoryBatch
 
 SCHEDULES = ("progressive", "random", "reverse")
+STATE_SOURCES = ("rollout", "random-tail", "rollout-aug")
+TAIL_POOL = 128  # random-tail draws its tokens from this many tokens before the replaced ones
 
 
 # ---- schedule and trajectory points -------------------------------------------------------------
@@ -79,6 +92,29 @@ def choose_point(block: Block, ratio: float) -> list[int]:
     points = block.trajectory
     best = min(range(len(points)), key=lambda j: (abs(block.unconverged(points[j]) - ratio), j))
     return points[best]
+
+
+def random_tail(before: Sequence[int], block: Sequence[int], ratio: float, generator: torch.Generator) -> list[int]:
+    """`block` with its rightmost round(ratio·n) tokens replaced by tokens drawn uniformly from the
+    `TAIL_POOL` tokens that precede them (`before`, the row's tokens before the block, then the block's kept head)."""
+    n = len(block)
+    k = min(n, round(ratio * n))
+    if k == 0:
+        return list(block)
+    pool = [*before, *block[: n - k]][-TAIL_POOL:] or list(block)  # nothing before: the block's own tokens
+    picks = torch.randint(len(pool), (k,), generator=generator).tolist()
+    return [*block[: n - k], *(pool[p] for p in picks)]
+
+
+def half_corrected(state: Sequence[int], fixed: Sequence[int], generator: torch.Generator) -> list[int]:
+    """`state` with a random half (rounded down) of the positions where it differs from `fixed` set to
+    `fixed`'s token (CLLM's augmentation)."""
+    wrong = [i for i, (a, b) in enumerate(zip(state, fixed, strict=True)) if a != b]
+    chosen = torch.randperm(len(wrong), generator=generator)[: len(wrong) // 2].tolist()
+    out = list(state)
+    for j in chosen:
+        out[wrong[j]] = fixed[wrong[j]]
+    return out
 
 
 def cut_after_stop(
@@ -183,13 +219,16 @@ class JacobiForcing(Objective):
 
     noise_schedule: "progressive" (eq. 7), "random" or "reverse"; noise_window: w;
     noisy_context: "noisy" (Fig. 2b) or "clean" (Fig. 2a); ar_weight: w of eq. 9 (0 keeps the AR
-    term as a metric without gradient).
+    term as a metric without gradient); states: where noisy blocks come from (module docstring);
+    block_size: n of the blocks that ground-truth responses (`--data`) are cut into.
     """
 
     noise_schedule: str = option("progressive", "noise within a window", SCHEDULES)
     noise_window: int = option(16, "window w of eq. 7")
     noisy_context: str = option("noisy", "noisy blocks see earlier noisy or clean blocks", visibility.CONTEXTS)
     ar_weight: float = option(1.0, "weight of the AR loss")
+    states: str = option("rollout", "where noisy blocks come from", STATE_SOURCES)
+    block_size: int = option(16, "block size n that --data responses are cut into (random-tail states)")
 
     def __post_init__(self) -> None:
         if self.noise_schedule not in SCHEDULES:
@@ -204,6 +243,33 @@ class JacobiForcing(Objective):
             )
         if self.ar_weight < 0:
             raise FastForwardError(f"ar_weight must be >= 0, got {self.ar_weight}")
+        if self.states not in STATE_SOURCES:
+            raise FastForwardError(f"unknown state source {self.states!r}; choose one of {', '.join(STATE_SOURCES)}")
+        if self.block_size < 1:
+            raise FastForwardError(f"the block size must be at least 1, got {self.block_size}")
+
+    def noisy_blocks(
+        self, example: Trajectory, ratios: Sequence[float], generator: torch.Generator, stop_ids: Sequence[int] = ()
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """(noisy, clean) blocks of an example, cut after the response's first stop token, each noisy one
+        at its ratio from the chosen state source (random tails are drawn over the kept tokens only)."""
+        clean = [block.fixed for block in example.blocks]
+        if self.states == "random-tail":
+            _, clean = cut_after_stop(clean, clean, stop_ids)
+            before, noisy = list(example.prompt_ids), []
+            for block, ratio in zip(clean, ratios, strict=False):
+                noisy.append(random_tail(before, block, ratio, generator))
+                before += block
+            return noisy, clean
+        if example.init == REFERENCE:
+            raise FastForwardError(
+                f"example {example.index} is a ground-truth response without recorded Jacobi states: train it "
+                "with --states random-tail, or collect trajectories with `fastforward trajectories`"
+            )
+        points = [choose_point(block, ratio) for block, ratio in zip(example.blocks, ratios, strict=True)]
+        if self.states == "rollout-aug":
+            points = [half_corrected(p, b.fixed, generator) for p, b in zip(points, example.blocks, strict=True)]
+        return cut_after_stop(points, clean, stop_ids)
 
     def rows(self, batch: TrajectoryBatch, generator: torch.Generator, stop_ids: Sequence[int] = ()) -> list:
         """(prompt, noisy blocks, clean blocks) of each example, the noisy ones picked by the schedule.
@@ -219,9 +285,7 @@ class JacobiForcing(Objective):
         out = []
         for example, g in zip(batch.examples, row_generators(batch, generator), strict=True):
             ratios = noise_ratios(len(example.blocks), self.noise_schedule, self.noise_window, g)
-            noisy = [choose_point(b, t) for b, t in zip(example.blocks, ratios, strict=True)]
-            clean = [b.fixed for b in example.blocks]
-            out.append((example.prompt_ids, *cut_after_stop(noisy, clean, stop_ids)))
+            out.append((example.prompt_ids, *self.noisy_blocks(example, ratios, g, stop_ids)))
         return out
 
     def loss(
@@ -252,4 +316,13 @@ class JacobiForcing(Objective):
         return slot_counts(self.rows(batch, generator, model.stop_token_ids))
 
 
-__all__ = ["JacobiForcing", "choose_point", "cut_after_stop", "noise_ratios", "pack", "slot_counts"]
+__all__ = [
+    "JacobiForcing",
+    "choose_point",
+    "cut_after_stop",
+    "half_corrected",
+    "noise_ratios",
+    "pack",
+    "random_tail",
+    "slot_counts",
+]

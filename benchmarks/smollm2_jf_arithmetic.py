@@ -1,0 +1,288 @@
+"""Jacobi Forcing on SmolLM2-135M-Instruct for grade-school arithmetic, sized for 2 CPU cores: the recipe,
+its learning curve, its control and its figures (issue 59).
+
+Stages, each resumable (rerun the same command: finished stages are skipped, an unfinished training
+run continues from its last checkpoint):
+
+1. data: `--problems` problems of the `arithmetic` task's train split (TASK options) with their worked
+   solutions, as prompt/completion records asked through the chat template (WORK/train.jsonl);
+2. sft: the domain-tuned start, an `ntp` LoRA adapter on that data (`--sft-steps`), as CLLM's targets
+   were tuned to their domain first (WORK/sft);
+3. jf: `jacobi_forcing` from the SFT model, a second LoRA adapter over it, on the same ground-truth
+   responses with states that need no rollout (`--states`, default random-tail; `--noise-schedule`
+   random), adapter snapshots at the steps of `--curve` (WORK/jf, WORK/curve/step-N);
+4. control: the SFT model trained on with `ntp` on the same data for as many steps (WORK/control);
+5. evaluation (`--skip-eval` leaves it out): on held-out test problems, at `generate`'s defaults
+   (int4 `--exact`), batch 1, greedy: every curve point's AR accuracy and `jacobi` TPF on `--curve-n`
+   problems; at the last point, on `--n` problems, `ar`, `jacobi` (`--block-size`) and `lookup` of the JF
+   model, interleaved per problem, with whether `jacobi`'s tokens equal `ar`'s, and the control's and
+   the SFT model's AR accuracy.
+
+Writes WORK/curve.json and prints one table.
+
+    python benchmarks/smollm2_jf_arithmetic.py                       # the recipe (about 2 hours on 2 cores)
+    python benchmarks/smollm2_jf_arithmetic.py --problems 64 --sft-steps 2 --steps 4 --curve 2 \\
+        --n 4 --curve-n 2 --work runs/jf-arith-smoke                 # a smoke run of every stage
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from common import load_average, log, machine_info, set_threads
+
+from fastforward.api import build_decoder
+from fastforward.model import Model, load_model
+from fastforward.model.adapters import ADAPTER_CONFIG, PROVENANCE
+from fastforward.tasks import get_task
+from fastforward.training.data import PackedData, load_examples
+from fastforward.training.objectives import JacobiForcing, make_objective
+from fastforward.training.run_dir import finished_run
+from fastforward.training.trainer import TrainConfig, train
+from fastforward.training.trajectories import TrajectoryData, from_examples
+
+BASE = "smollm2-135m"
+TASK = {"min_ops": 2, "max_ops": 3, "max_number": 20, "max_factor": 5}
+
+
+# ---- training ---------------------------------------------------------------------------------------------
+def write_data(args, work: Path) -> Path:
+    path = work / "train.jsonl"
+    if not path.exists():
+        examples = get_task("arithmetic", **TASK).examples("train", n=args.problems, seed=0)
+        tmp = path.with_name(".train.jsonl.tmp")
+        tmp.write_text("".join(json.dumps({"prompt": e.prompt, "completion": e.completion}) + "\n" for e in examples))
+        os.replace(tmp, path)
+    return path
+
+
+def config(args, steps: int, batch_size: int, lr: float) -> TrainConfig:
+    return TrainConfig(
+        steps=steps, seq_len=args.seq_len, batch_size=batch_size, lr=lr, warmup=args.warmup,
+        mixed_precision="bf16" if args.bf16 else "no", save_every=args.save_every, eval_every=0,
+        keep_checkpoints=1, lora_rank=args.lora_rank,
+    )  # fmt: skip
+
+
+def train_ntp(start: str, data: Path, run: Path, args, steps: int) -> None:
+    if finished_run(run):
+        return
+    model = load_model(start)
+    rows = PackedData(load_examples(data, model.tokenizer), args.seq_len, model.pad_token_id)
+    log(f"ntp from {start}: {steps} steps of {args.ntp_batch_size} rows of {args.seq_len} → {run}")
+    train(model, make_objective("ntp"), rows, config(args, steps, args.ntp_batch_size, args.lr), run)
+
+
+def save_snapshot(model: Model, directory: Path, provenance: dict) -> None:
+    """The adapter as it is now (a PEFT directory), written to a temporary name and renamed."""
+    if (directory / ADAPTER_CONFIG).exists():
+        return
+    tmp = directory.with_name(f".{directory.name}.tmp")
+    model.hf.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
+    (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+    os.replace(tmp, directory)
+
+
+def objective(args) -> JacobiForcing:
+    return JacobiForcing(
+        noise_schedule=args.noise_schedule, noise_window=args.block_size, ar_weight=args.ar_weight,
+        states=args.states, block_size=args.block_size,
+    )  # fmt: skip
+
+
+def train_jf(start: str, data: Path, work: Path, args) -> list[int]:
+    """Train (or resume) Jacobi Forcing and write the snapshots of --curve; returns the curve's steps."""
+    points = sorted({int(s) for s in args.curve.split(",")} | {args.steps})
+    run = work / "jf"
+    if finished_run(run):
+        return points
+    model = load_model(start)
+    examples = from_examples(load_examples(data, model.tokenizer), args.block_size, model.pad_token_id)
+    rows = TrajectoryData(examples, args.seq_len)
+    chosen = objective(args)
+    provenance = {"base": start, "objective": chosen.describe(), "recipe": "benchmarks/smollm2_jf_arithmetic.py"}
+
+    def snapshot(step: int, record: dict) -> None:
+        if step in points and step < args.steps:
+            save_snapshot(model, work / "curve" / f"step-{step:05d}", {**provenance, "step": step})
+
+    (work / "curve").mkdir(parents=True, exist_ok=True)
+    log(f"jacobi_forcing from {start}: {args.steps} steps of {args.batch_size} rows, LoRA {args.lora_rank} → {run}")
+    train(model, chosen, rows, config(args, args.steps, args.batch_size, args.lr), run, callback=snapshot)
+    return points
+
+
+def tokens_at(run: Path) -> dict[int, float]:
+    """Training tokens seen by the end of each step (from the run's metrics), and the run's tokens/s."""
+    seen, total = {0: 0.0}, 0.0
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("split") == "train":
+            total += record["tokens"]
+            seen[record["step"]] = total
+    return seen
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", type=Path, default=Path("runs/jf-arithmetic"))
+    p.add_argument("--problems", type=int, default=3000, help="train problems with worked solutions")
+    p.add_argument("--sft-steps", type=int, default=100, help="ntp steps of the domain-tuned start")
+    p.add_argument("--steps", type=int, default=300, help="Jacobi Forcing steps (and the control's)")
+    p.add_argument("--curve", default="50,100,200", help="steps at which a JF adapter snapshot is kept and evaluated")
+    p.add_argument("--batch-size", type=int, default=16, help="Jacobi Forcing rows per step")
+    p.add_argument("--ntp-batch-size", type=int, default=8, help="ntp rows per step (packed rows of --seq-len)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--block-size", type=int, default=16, help="training blocks, noise window and jacobi's block")
+    p.add_argument("--states", default="random-tail", help="the jacobi_forcing objective's state source")
+    p.add_argument("--noise-schedule", default="random")
+    p.add_argument("--ar-weight", type=float, default=1.0)
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast in training")
+    p.add_argument("--n", type=int, default=300, help="held-out problems at the last point")
+    p.add_argument("--curve-n", type=int, default=60, help="held-out problems at the other points")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--skip-eval", action="store_true", help="train only")
+    args = p.parse_args()
+    threads = set_threads(args.threads)
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    data = write_data(args, work)
+    train_ntp(BASE, data, work / "sft", args, args.sft_steps)
+    points = train_jf(str(work / "sft"), data, work, args)
+    log(f"SFT and Jacobi Forcing: {time.perf_counter() - started:.0f} s")
+    train_ntp(str(work / "sft"), data, work / "control", args, args.steps)
+    log(f"all training: {time.perf_counter() - started:.0f} s")
+    if args.skip_eval:
+        return
+    evaluate(args, work, points, threads)
+
+
+# ---- evaluation -------------------------------------------------------------------------------------------
+SERVED = {"quantize": "int4", "exact": True}  # `fastforward generate`'s defaults for the preset
+
+
+def decode(model: Model, name: str, prompts: list[list[int]], args, **options) -> list:
+    decoder = build_decoder(name, **options)
+    return [decoder.generate(model, [p], args.max_new_tokens)[0] for p in prompts]
+
+
+def summary(generations: list, examples: list, reference: list | None = None) -> dict:
+    """Accuracy, TPF, tokens/s (generation seconds, prefill included) and, against `reference`
+    (the same model's ar), how many outputs are the same tokens."""
+    task = get_task("arithmetic", **TASK)
+    tokens = sum(g.stats.tokens for g in generations)
+    row = {
+        "accuracy": sum(task.grade(e, g.text).correct for e, g in zip(examples, generations, strict=True))
+        / len(examples),
+        "tpf": tokens / max(sum(g.stats.nfe for g in generations), 1),
+        "tps": tokens / sum(g.stats.seconds for g in generations),
+        "tokens": tokens,
+        "n": len(examples),
+    }
+    if reference is not None:
+        row["equal_ar"] = sum(g.token_ids == r.token_ids for g, r in zip(generations, reference, strict=True))
+    return row
+
+
+def interleaved(contenders: dict, prompts: list[list[int]], args) -> dict[str, list]:
+    """Every contender (label: (model, decoder name, options)) on each prompt in turn, so that load
+    changes fall on all of them alike."""
+    out: dict[str, list] = {label: [] for label in contenders}
+    decoders = {label: build_decoder(name, **options) for label, (_, name, options) in contenders.items()}
+    for prompt in prompts:
+        for label, (model, _, _) in contenders.items():
+            out[label].append(decoders[label].generate(model, [prompt], args.max_new_tokens)[0])
+    return out
+
+
+def evaluate(args, work: Path, points: list[int], threads: int) -> None:
+    examples = get_task("arithmetic", **TASK).examples("test", n=args.n, seed=1)
+    load_before = load_average()
+    base = load_model(BASE, **SERVED)
+    prompts = [base.encode_prompt(e.prompt) for e in examples]
+    few, few_prompts = examples[: args.curve_n], prompts[: args.curve_n]
+    jacobi = {"block_size": args.block_size}
+    seen = tokens_at(work / "jf")
+    curve = []
+    for step in [0, *points]:  # step 0: the SFT model, where Jacobi Forcing starts
+        adapter = (
+            work / "sft" if step == 0 else work / "jf" if step == args.steps else work / "curve" / f"step-{step:05d}"
+        )
+        model = load_model(str(adapter), **SERVED)
+        out = interleaved({"ar": (model, "ar", {}), "jacobi": (model, "jacobi", jacobi)}, few_prompts, args)
+        point = {"step": step, "tokens": seen.get(step, 0.0), "ar": summary(out["ar"], few)}
+        point["jacobi"] = summary(out["jacobi"], few, out["ar"])
+        curve.append(point)
+        log(f"step {step}: {json.dumps(point)}")
+    final = load_model(str(work / "jf"), **SERVED)
+    contenders = {
+        "jf ar": (final, "ar", {}),
+        "jf jacobi": (final, "jacobi", jacobi),
+        "jf jacobi-8": (final, "jacobi", {"block_size": 8}),
+        "jf lookup": (final, "lookup", {}),
+        "base ar": (base, "ar", {}),
+        "base lookup": (base, "lookup", {}),
+    }
+    out = interleaved(contenders, prompts, args)
+    table = {
+        label: summary(g, examples, out["jf ar" if label.startswith("jf") else "base ar"]) for label, g in out.items()
+    }
+    control = load_model(str(work / "control"), **SERVED)
+    table["control ar"] = summary(decode(control, "ar", prompts, args), examples)
+    sft = load_model(str(work / "sft"), **SERVED)
+    table["sft ar"] = summary(decode(sft, "ar", prompts, args), examples)
+    # The adapter at float32, and merged into the weights before int4 quantization (what loading did before)
+    float32 = decode(load_model(str(work / "jf")), "ar", few_prompts, args)
+    merged_dir = work / "jf-merged"
+    if not (merged_dir / "config.json").exists():
+        load_model(str(work / "jf")).save(merged_dir)
+    merged_int4 = decode(load_model(str(merged_dir), **SERVED), "ar", few_prompts, args)
+    precision = {
+        "float32": summary(float32, few),
+        "int4, kept apart": summary(out["jf ar"][: args.curve_n], few),
+        "int4, merged first": summary(merged_int4, few),
+        "int4 = float32 tokens": sum(a.token_ids == b.token_ids for a, b in zip(out["jf ar"], float32, strict=False)),
+        "merged int4 = float32 tokens": sum(
+            a.token_ids == b.token_ids for a, b in zip(merged_int4, float32, strict=True)
+        ),
+    }
+    adapter_bytes = sum(f.stat().st_size for f in (work / "jf").glob("adapter_model.*"))
+    record = {
+        "machine": machine_info(), "threads": threads, "load_before": load_before, "load_after": load_average(),
+        "args": {k: str(v) for k, v in vars(args).items()}, "curve": curve, "final": table,
+        "precision": precision, "adapter_bytes": adapter_bytes,
+    }  # fmt: skip
+    (work / "curve.json").write_text(json.dumps(record, indent=2) + "\n")
+    print_tables(record)
+    log(f"wrote {work / 'curve.json'}")
+
+
+def print_tables(record: dict) -> None:
+    log("\n| JF step | training tokens | AR accuracy | jacobi TPF | jacobi = ar |\n|---|---|---|---|---|")
+    for p in record["curve"]:
+        log(f"| {p['step']} | {p['tokens']:.0f} | {p['ar']['accuracy']:.1%} | {p['jacobi']['tpf']:.2f} "
+            f"| {p['jacobi']['equal_ar']} of {p['jacobi']['n']} |")  # fmt: skip
+    final = record["final"]
+    ar_tps = final["jf ar"]["tps"]
+    log("\n| model, decoder | accuracy | TPF | tokens/s | × its ar | = its ar |\n|---|---|---|---|---|---|")
+    for label, row in final.items():
+        own = final["base ar"]["tps"] if label.startswith("base") else ar_tps
+        equal = f"{row['equal_ar']} of {row['n']}" if "equal_ar" in row else ""
+        speedup = row["tps"] / own
+        log(f"| {label} | {row['accuracy']:.1%} | {row['tpf']:.2f} | {row['tps']:.1f} | {speedup:.2f} | {equal} |")
+    log(f"\nprecision (first {record['precision']['float32']['n']} problems): {json.dumps(record['precision'])}")
+    log(f"adapter: {record['adapter_bytes'] / 2**20:.1f} MiB; load {record['load_before']} -> {record['load_after']}")
+
+
+if __name__ == "__main__":
+    main()
