@@ -103,7 +103,7 @@ def test_unreadable_file(command, model_dir, tmp_path, capsys, monkeypatch):
 def test_bom_prefixed_files_are_read(tmp_path):
     path = make(tmp_path / "bom.jsonl", BOM + b'{"prompt": "p\xc3\xa9", "answer": "a", "completion": "c"}\n')
     assert list(jsonl.read_jsonl(path, "file")) == [(1, {"prompt": "pé", "answer": "a", "completion": "c"})]
-    assert read_prompts(path) == (["pé"], ["0"])
+    assert read_prompts(path) == (["pé"], ["0"], ["c"])
     assert JsonlTask(str(make(tmp_path / "t.jsonl", BOM + GOOD["eval"]))).examples()[0].prompt == "p"
     assert data.read_jsonl(make(tmp_path / "d.jsonl", BOM + GOOD["train"])) == [{"text": "hi"}]
 

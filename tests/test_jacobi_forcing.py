@@ -323,3 +323,18 @@ def test_cli_trains_jacobi_forcing_on_ground_truth_data(tmp_path, capsys):
     assert [m["step"] for m in metrics if m["split"] == "train"] == [1, 2]
     assert main([*args[:-8], "--out", str(tmp_path / "x")]) == 2
     assert "--states random-tail" in capsys.readouterr().err
+
+
+def test_progressive_rounds_on_reference_responses_collect_nothing(tmp_path, capsys):
+    tiny_model(init_std=0.5).save(tmp_path / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t, "completion": " = 3"}) + "\n" for t in TEXTS[:4]))
+    args = ["jacobi-forcing", "--model", str(tmp_path / "m"), "--prompts", str(prompts), "--out", str(tmp_path / "jf")]
+    args += ["--rounds", "1", "--block-sizes", "4", "--steps", "2", "--seq-len", "32", "--states", "random-tail"]
+    assert main([*args, "--noise-schedule", "random", "--noise-windows", "4"]) == 0
+    assert "4 reference responses in blocks of 4" in capsys.readouterr().out
+    assert not list((tmp_path / "jf").glob("trajectories-*"))
+    assert (tmp_path / "jf" / "round-1" / "config.json").exists()
+    prompts.write_text('{"prompt": "no answer"}\n')
+    assert main([*args, "--noise-windows", "4", "--out", str(tmp_path / "x")]) == 2
+    assert "completion" in capsys.readouterr().err

@@ -4,7 +4,9 @@ Round r collects the Jacobi trajectories of the previous round's model (round 1:
 size n_r into OUT/trajectories-round-r.jsonl, then trains that model on them into OUT/round-r (a
 `fastforward train` run directory; its final model is what round r+1 starts from). Rerun the same
 command to resume: finished rounds are skipped, a trajectory file is completed, an unfinished
-training run continues from its last checkpoint (`fastforward.training.rounds`).
+training run continues from its last checkpoint (`fastforward.training.rounds`). With --states
+random-tail nothing is collected: each round trains on the task's worked solutions (or the
+"completion" of every --prompts line) with random tails as noisy blocks.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from fastforward.cli.trajectories import add_collect_flags, add_prompt_flags, co
 from fastforward.errors import FastForwardError
 from fastforward.model.visibility import CONTEXTS
 from fastforward.training.objectives import JacobiForcing
-from fastforward.training.objectives.jacobi_forcing import SCHEDULES
+from fastforward.training.objectives.jacobi_forcing import SCHEDULES, STATE_SOURCES
 from fastforward.training.rounds import Round, per_round, progressive_rounds
 
 
@@ -34,6 +36,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--noise-schedule", choices=SCHEDULES, default=jf.noise_schedule, help="noise within a window")
     p.add_argument("--noisy-context", choices=CONTEXTS, default=jf.noisy_context, help="what noisy blocks see before")
     p.add_argument("--ar-weight", type=float, default=jf.ar_weight, help="weight of the AR loss (eq. 9)")
+    p.add_argument(
+        "--states",
+        choices=STATE_SOURCES,
+        default=jf.states,
+        help="noisy blocks from collected trajectories (rollout, rollout-aug: half their wrong tokens set right) "
+        "or from the task's worked solutions with random tails (random-tail: nothing is collected)",
+    )
     add_only_correct_flag(p)
     add_optimizer_flags(p, seq_len=1024)  # a row holds the prompt and the response twice
     add_threads_flag(p)
@@ -50,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         args.out,
         load_prompt_source(args),
         [Round(size, window) for size, window in zip(sizes, windows, strict=True)],
-        JacobiForcing(args.noise_schedule, windows[0], args.noisy_context, args.ar_weight),
+        JacobiForcing(args.noise_schedule, windows[0], args.noisy_context, args.ar_weight, args.states),
         train_config(args, eval_every=0),
         collection(args),
         dtype=args.dtype,

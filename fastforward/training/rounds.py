@@ -2,7 +2,9 @@
 
 Round r collects the Jacobi trajectories of the previous round's model (round 1: `start`) at block
 size n_r into OUT/trajectories-round-r.jsonl, then trains that model on them into OUT/round-r (a
-trainer run directory; its final model is what round r+1 starts from). Calling again with the same
+trainer run directory; its final model is what round r+1 starts from). With the objective's
+"random-tail" states a round collects nothing: it trains on the source's reference responses (a
+task's worked solutions) cut into blocks of n_r. Calling again with the same
 arguments resumes: finished rounds are skipped, a trajectory file is completed, an unfinished
 training run continues from its last checkpoint. `fastforward jacobi-forcing` and the demo's zoo
 recipe both run this.
@@ -69,13 +71,21 @@ def progressive_rounds(
             start = str(run_dir)
             continue
         model = load_model(start, dtype=dtype)
-        path = out / f"trajectories-round-{r}.jsonl"
-        log(f"round {r}: trajectories of {start} at block size {spec.block_size} → {path}")
-        summary = collect_from(model, source, collection, path, spec.block_size)
-        if summary.written:
-            log(f"round {r}: {describe(summary, source.grade is not None)}")
-        data = TrajectoryData.from_file(path, config.seq_len, only_correct)
-        log(f"round {r}: training on {len(data)} trajectories (window {spec.noise_window}) → {run_dir}")
+        if objective.states == "random-tail":  # states drawn from the references: nothing to collect
+            references = source.references(
+                model.tokenizer, spec.block_size, model.pad_token_id, collection.chat_template
+            )
+            data = TrajectoryData(references, config.seq_len)
+            what = f"reference responses in blocks of {spec.block_size}"
+        else:
+            path = out / f"trajectories-round-{r}.jsonl"
+            log(f"round {r}: trajectories of {start} at block size {spec.block_size} → {path}")
+            summary = collect_from(model, source, collection, path, spec.block_size)
+            if summary.written:
+                log(f"round {r}: {describe(summary, source.grade is not None)}")
+            data = TrajectoryData.from_file(path, config.seq_len, only_correct)
+            what = "trajectories"
+        log(f"round {r}: training on {len(data)} {what} (window {spec.noise_window}) → {run_dir}")
         train(model, replace(objective, noise_window=spec.noise_window), data, config, run_dir)
         start = str(run_dir)
     return start

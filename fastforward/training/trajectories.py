@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from fastforward.errors import FastForwardError
 from fastforward.jsonl import open_jsonl, parse_line, read_jsonl
 from fastforward.model import Model
-from fastforward.training.data import Example, derive_seed, split_examples
+from fastforward.training.data import Example, derive_seed, encode_record, split_examples
 from fastforward.training.jacobi_trajectories import DRAFT_INITS, REFERENCE, Block, Trajectory, jacobi_trajectories
 
 
@@ -361,15 +361,20 @@ def trajectory_datasets(
 
 
 # ---- prompts ------------------------------------------------------------------------------------
-def read_prompts(path: str | Path) -> tuple[list[str], list[str]]:
-    """Prompts and ids of a JSONL file of {"prompt": ..., ...} records (other keys are ignored; "id" is kept)."""
-    prompts, ids = [], []
+def read_prompts(path: str | Path) -> tuple[list[str], list[str], list[str] | None]:
+    """Prompts, ids and completions of a JSONL file of {"prompt": ..., ...} records ("id" and "completion"
+    are kept, other keys ignored; the completions are None unless every record has one)."""
+    prompts, ids, completions = [], [], []
     for number, record in read_jsonl(path, "prompt file", 'give a JSONL file of {"prompt": ...} lines'):
         if not isinstance(record.get("prompt"), str) or not record["prompt"]:
             raise FastForwardError(f'{path}:{number}: expected an object with a non-empty string "prompt"')
         prompts.append(record["prompt"])
         ids.append(str(record.get("id", len(ids))))
-    return prompts, ids
+        completion = record.get("completion")
+        if completion is not None and (not isinstance(completion, str) or not completion):
+            raise FastForwardError(f'{path}:{number}: "completion" must be a non-empty string')
+        completions.append(completion)
+    return prompts, ids, completions if all(c is not None for c in completions) else None
 
 
 @dataclass
@@ -378,8 +383,19 @@ class PromptSource:
 
     prompts: list[str]
     ids: list[str]
+    completions: list[str] | None = None  # reference responses (a task's worked solutions), where known
     max_new_tokens: int | None = None
     grade: Callable[[int, str], bool] | None = None  # (prompt index, response text) → correct
+
+    def references(self, tokenizer, block_size: int, pad_id: int, chat_template: bool = True) -> list[Trajectory]:
+        """The reference responses as trajectories without iterates (`from_examples`)."""
+        if self.completions is None:
+            raise FastForwardError(
+                "training on reference responses needs them: a --task whose examples have worked solutions, "
+                'or a --prompts file whose every line has a "completion"'
+            )
+        records = [{"prompt": p, "completion": c} for p, c in zip(self.prompts, self.completions, strict=True)]
+        return from_examples([encode_record(r, tokenizer, chat_template) for r in records], block_size, pad_id)
 
 
 def task_prompts(
@@ -396,7 +412,9 @@ def task_prompts(
     def grade(index: int, text: str) -> bool:
         return chosen.grade(examples[index], text).correct
 
-    return PromptSource([e.prompt for e in examples], [e.id for e in examples], chosen.max_new_tokens, grade)
+    completions = [e.completion for e in examples]
+    known = completions if all(c is not None for c in completions) else None
+    return PromptSource([e.prompt for e in examples], [e.id for e in examples], known, chosen.max_new_tokens, grade)
 
 
 @dataclass(frozen=True)
