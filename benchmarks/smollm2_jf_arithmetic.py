@@ -14,9 +14,10 @@ run continues from its last checkpoint):
 4. control: the SFT model trained on with `ntp` on the same data for as many steps (WORK/control);
 5. evaluation (`--skip-eval` leaves it out): on held-out test problems, at `generate`'s defaults
    (int4 `--exact`), batch 1, greedy: every curve point's AR accuracy and `jacobi` TPF on `--curve-n`
-   problems; at the last point, on `--n` problems, `ar`, `jacobi` (`--block-size`) and `lookup` of the JF
-   model, interleaved per problem, with whether `jacobi`'s tokens equal `ar`'s, and the control's and
-   the SFT model's AR accuracy.
+   problems; at the last point, on `--n` problems, `ar`, `jacobi` (`--block-size` and 8), `jacobi-mr`
+   and `lookup` of the JF model and `ar` and `lookup` of the base, interleaved per problem, with whether
+   each one's tokens equal its model's `ar`; the control's and the SFT model's AR accuracy; and the JF
+   model's AR at float32 and merged-then-int4 (what loading did before issue 59) on `--curve-n` problems.
 
 Writes WORK/curve.json and prints one table.
 
@@ -229,14 +230,14 @@ def evaluate(args, work: Path, points: list[int], threads: int) -> None:
         "jf ar": (final, "ar", {}),
         "jf jacobi": (final, "jacobi", jacobi),
         "jf jacobi-8": (final, "jacobi", {"block_size": 8}),
+        "jf jacobi-mr": (final, "jacobi-mr", {}),
         "jf lookup": (final, "lookup", {}),
         "base ar": (base, "ar", {}),
         "base lookup": (base, "lookup", {}),
     }
     out = interleaved(contenders, prompts, args)
-    table = {
-        label: summary(g, examples, out["jf ar" if label.startswith("jf") else "base ar"]) for label, g in out.items()
-    }
+    own_ar = {label: out[label.split()[0] + " ar"] for label in out if not label.endswith(" ar")}
+    table = {label: summary(g, examples, own_ar.get(label)) for label, g in out.items()}
     control = load_model(str(work / "control"), **SERVED)
     table["control ar"] = summary(decode(control, "ar", prompts, args), examples)
     sft = load_model(str(work / "sft"), **SERVED)

@@ -55,6 +55,11 @@ class LowRank:
         return LowRank(nn.functional.pad(self.down, (0, 0, 0, extra)), nn.functional.pad(self.up, (0, extra)))
 
 
+def add_update(updates: dict[str, LowRank], name: str, update: LowRank) -> None:
+    """Add `update` to layer `name`'s in `updates` (another adapter of a chain: side by side, summed)."""
+    updates[name] = updates[name] + update if name in updates else update
+
+
 class LowRankLinear(nn.Module):
     """y = base(x) + up(down(x)), with base and down one quantized layer and up another."""
 

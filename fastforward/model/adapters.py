@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from fastforward.cpu.low_rank import LowRank
+from fastforward.cpu.low_rank import LowRank, add_update
 from fastforward.errors import FastForwardError
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -160,11 +160,10 @@ def _take_linear_updates(wrapped) -> dict[str, LowRank]:
         if type(module) is not LoraLinear or module.fan_in_fan_out or not isinstance(module.base_layer, nn.Linear):
             continue
         for key in module.active_adapters:
-            if key not in module.lora_A or module.use_dora.get(key, False):
-                continue
+            if key not in module.lora_A or module.use_dora.get(key, False) or module.lora_B[key].bias is not None:
+                continue  # merged as PEFT merges it
             down, up = module.lora_A[key].weight, module.lora_B[key].weight
-            update = LowRank(down, up.detach().float() * module.scaling[key])
-            updates[name] = updates[name] + update if name in updates else update
+            add_update(updates, name, LowRank(down, up.detach().float() * module.scaling[key]))
             with torch.no_grad():
                 up.zero_()
     return updates

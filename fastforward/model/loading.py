@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from fastforward.cpu import attention as exact_attention
 from fastforward.cpu import row_chunks, smoothing
-from fastforward.cpu.low_rank import LowRank
+from fastforward.cpu.low_rank import LowRank, add_update
 from fastforward.cpu.quantize import keeps_adapters_apart, uses_int8
 from fastforward.cpu.quantize import quantize as quantize_linears
 from fastforward.errors import FastForwardError
@@ -79,7 +79,7 @@ def _load_hf(
     for adapter in merged:  # before quantizing: the merged weights are what gets quantized
         hf, apart = adapters.split(hf, adapter, keep_apart=keeps_adapters_apart(precision.quantize))
         for name, update in apart.items():
-            updates[name] = updates[name] + update if name in updates else update
+            add_update(updates, name, update)
     hf.to(dtype=dtype)
     # SDPA or FlexAttention (`precision.attention`), or row-invariant attention for --exact; soft-capped attention
     # (Gemma 2) needs its own
