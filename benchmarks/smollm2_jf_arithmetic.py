@@ -12,14 +12,16 @@ run continues from its last checkpoint):
    responses with states that need no rollout (`--states`, default random-tail; `--noise-schedule`
    random), adapter snapshots at the steps of `--curve` (WORK/jf, WORK/curve/step-N);
 4. control: the SFT model trained on with `ntp` on the same data for as many steps (WORK/control);
-5. evaluation (`--skip-eval` leaves it out): on held-out test problems, at `generate`'s defaults
-   (int4 `--exact`), batch 1, greedy: every curve point's AR accuracy and `jacobi` TPF on `--curve-n`
-   problems; at the last point, on `--n` problems, `ar`, `jacobi` (`--block-size` and 8), `jacobi-mr`
+5. evaluation (`--skip-eval` leaves it out), on held-out test problems at `generate`'s defaults (int4
+   `--exact`), batch 1, greedy: every curve point's AR accuracy and `jacobi` TPF on `--curve-n` problems
+   (point 0: the SFT model); at the last point, on `--n` problems, `ar`, `jacobi` (`--block-size` and 8)
    and `lookup` of the JF model and `ar` and `lookup` of the base, interleaved per problem, with whether
-   each one's tokens equal its model's `ar`; the control's and the SFT model's AR accuracy; and the JF
-   model's AR at float32 and merged-then-int4 (what loading did before issue 59) on `--curve-n` problems.
+   each one's tokens equal its model's `ar`; the JF model's AR at float32, at int4, and merged into the
+   weights before int4 (what loading did before issue 59) on `--curve-n` problems; the control's AR.
+   The evaluation runs before the control trains, then again for the control's row alone: each part
+   is kept in WORK/curve.json and a rerun computes only what it lacks.
 
-Writes WORK/curve.json and prints one table.
+Writes WORK/curve.json and prints the tables.
 
     python benchmarks/smollm2_jf_arithmetic.py                       # the recipe (about 2 hours on 2 cores)
     python benchmarks/smollm2_jf_arithmetic.py --problems 64 --sft-steps 2 --steps 4 --curve 2 \\
@@ -151,7 +153,8 @@ def main() -> None:
     p.add_argument("--curve-n", type=int, default=60, help="held-out problems at the other points")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--skip-eval", action="store_true", help="train only")
+    p.add_argument("--skip-eval", action="store_true", help="train only (the control too)")
+    p.add_argument("--skip-control", action="store_true", help="neither train nor evaluate the NTP control")
     args = p.parse_args()
     threads = set_threads(args.threads)
     work = args.work
@@ -161,11 +164,13 @@ def main() -> None:
     train_ntp(BASE, data, work / "sft", args, args.sft_steps)
     points = train_jf(str(work / "sft"), data, work, args)
     log(f"SFT and Jacobi Forcing: {time.perf_counter() - started:.0f} s")
-    train_ntp(str(work / "sft"), data, work / "control", args, args.steps)
-    log(f"all training: {time.perf_counter() - started:.0f} s")
     if args.skip_eval:
+        train_ntp(str(work / "sft"), data, work / "control", args, args.steps)
         return
-    evaluate(args, work, points, threads)
+    evaluate(args, work, points, threads)  # the control's row too, once it has trained
+    if not args.skip_control:
+        train_ntp(str(work / "sft"), data, work / "control", args, args.steps)
+        evaluate(args, work, points, threads)
 
 
 # ---- evaluation -------------------------------------------------------------------------------------------
@@ -206,83 +211,103 @@ def interleaved(contenders: dict, prompts: list[list[int]], args) -> dict[str, l
     return out
 
 
+def isa() -> list[str]:
+    """The CPU's vector and matrix instruction sets (what the int4 kernel and bfloat16 arithmetic use)."""
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return sorted(f for f in flags.split() if f.startswith(("avx512", "amx", "avx2", "avx_vnni")))
+
+
 def evaluate(args, work: Path, points: list[int], threads: int) -> None:
+    """Each part of the evaluation once: a rerun (say, after the control finished training) computes
+    only the parts WORK/curve.json lacks. Timed parts interleave their contenders."""
+    path = work / "curve.json"
+    record = json.loads(path.read_text()) if path.exists() else {"args": {k: str(v) for k, v in vars(args).items()}}
     examples = get_task("arithmetic", **TASK).examples("test", n=args.n, seed=1)
-    load_before = load_average()
     base = load_model(BASE, **SERVED)
     prompts = [base.encode_prompt(e.prompt) for e in examples]
     few, few_prompts = examples[: args.curve_n], prompts[: args.curve_n]
     jacobi = {"block_size": args.block_size}
-    seen = tokens_at(work / "jf")
-    curve = []
-    for step in [0, *points]:  # step 0: the SFT model, where Jacobi Forcing starts
-        adapter = (
-            work / "sft" if step == 0 else work / "jf" if step == args.steps else work / "curve" / f"step-{step:05d}"
+
+    def part(name: str, compute) -> None:
+        if name in record:
+            return
+        before = load_average()
+        record[name] = compute()
+        record.setdefault("runs", {})[name] = {"threads": threads, "load_before": before, "load_after": load_average()}
+        record.setdefault("machine", {**machine_info(), "isa": isa()})
+        path.write_text(json.dumps(record, indent=2) + "\n")
+        log(f"{name}: {json.dumps(record[name])}")
+
+    def curve() -> list[dict]:
+        seen, rows = tokens_at(work / "jf"), []
+        for step in [0, *points]:  # step 0: the SFT model, where Jacobi Forcing starts
+            at = work / "curve" / f"step-{step:05d}"
+            model = load_model(str(work / "sft" if step == 0 else work / "jf" if step == args.steps else at), **SERVED)
+            out = interleaved({"ar": (model, "ar", {}), "jacobi": (model, "jacobi", jacobi)}, few_prompts, args)
+            rows.append({"step": step, "tokens": seen.get(step, 0.0), "ar": summary(out["ar"], few),
+                         "jacobi": summary(out["jacobi"], few, out["ar"])})  # fmt: skip
+        return rows
+
+    def final() -> dict:
+        model = load_model(str(work / "jf"), **SERVED)
+        contenders = {
+            "jf ar": (model, "ar", {}),
+            "jf jacobi": (model, "jacobi", jacobi),
+            "jf jacobi-8": (model, "jacobi", {"block_size": 8}),
+            "jf lookup": (model, "lookup", {}),
+            "base ar": (base, "ar", {}),
+            "base lookup": (base, "lookup", {}),
+        }
+        out = interleaved(contenders, prompts, args)
+        own_ar = {label: out[label.split()[0] + " ar"] for label in out if not label.endswith(" ar")}
+        return {label: summary(g, examples, own_ar.get(label)) for label, g in out.items()}
+
+    def precision() -> dict:
+        """The adapter at float32, kept beside int4 weights, and merged into them before int4 quantization
+        (what loading did before issue 59)."""
+        merged_dir = work / "jf-merged"
+        if not (merged_dir / "config.json").exists():
+            load_model(str(work / "jf")).save(merged_dir)
+        runs = {
+            "float32": decode(load_model(str(work / "jf")), "ar", few_prompts, args),
+            "int4, kept apart": decode(load_model(str(work / "jf"), **SERVED), "ar", few_prompts, args),
+            "int4, merged first": decode(load_model(str(merged_dir), **SERVED), "ar", few_prompts, args),
+        }
+        return {label: summary(g, few, runs["float32"]) for label, g in runs.items()}
+
+    part("curve", curve)
+    part("final", final)
+    part("precision", precision)
+    if finished_run(work / "control"):
+        part(
+            "control",
+            lambda: summary(decode(load_model(str(work / "control"), **SERVED), "ar", prompts, args), examples),
         )
-        model = load_model(str(adapter), **SERVED)
-        out = interleaved({"ar": (model, "ar", {}), "jacobi": (model, "jacobi", jacobi)}, few_prompts, args)
-        point = {"step": step, "tokens": seen.get(step, 0.0), "ar": summary(out["ar"], few)}
-        point["jacobi"] = summary(out["jacobi"], few, out["ar"])
-        curve.append(point)
-        log(f"step {step}: {json.dumps(point)}")
-    final = load_model(str(work / "jf"), **SERVED)
-    contenders = {
-        "jf ar": (final, "ar", {}),
-        "jf jacobi": (final, "jacobi", jacobi),
-        "jf jacobi-8": (final, "jacobi", {"block_size": 8}),
-        "jf jacobi-mr": (final, "jacobi-mr", {}),
-        "jf lookup": (final, "lookup", {}),
-        "base ar": (base, "ar", {}),
-        "base lookup": (base, "lookup", {}),
-    }
-    out = interleaved(contenders, prompts, args)
-    own_ar = {label: out[label.split()[0] + " ar"] for label in out if not label.endswith(" ar")}
-    table = {label: summary(g, examples, own_ar.get(label)) for label, g in out.items()}
-    control = load_model(str(work / "control"), **SERVED)
-    table["control ar"] = summary(decode(control, "ar", prompts, args), examples)
-    sft = load_model(str(work / "sft"), **SERVED)
-    table["sft ar"] = summary(decode(sft, "ar", prompts, args), examples)
-    # The adapter at float32, and merged into the weights before int4 quantization (what loading did before)
-    float32 = decode(load_model(str(work / "jf")), "ar", few_prompts, args)
-    merged_dir = work / "jf-merged"
-    if not (merged_dir / "config.json").exists():
-        load_model(str(work / "jf")).save(merged_dir)
-    merged_int4 = decode(load_model(str(merged_dir), **SERVED), "ar", few_prompts, args)
-    precision = {
-        "float32": summary(float32, few),
-        "int4, kept apart": summary(out["jf ar"][: args.curve_n], few),
-        "int4, merged first": summary(merged_int4, few),
-        "int4 = float32 tokens": sum(a.token_ids == b.token_ids for a, b in zip(out["jf ar"], float32, strict=False)),
-        "merged int4 = float32 tokens": sum(
-            a.token_ids == b.token_ids for a, b in zip(merged_int4, float32, strict=True)
-        ),
-    }
-    adapter_bytes = sum(f.stat().st_size for f in (work / "jf").glob("adapter_model.*"))
-    record = {
-        "machine": machine_info(), "threads": threads, "load_before": load_before, "load_after": load_average(),
-        "args": {k: str(v) for k, v in vars(args).items()}, "curve": curve, "final": table,
-        "precision": precision, "adapter_bytes": adapter_bytes,
-    }  # fmt: skip
-    (work / "curve.json").write_text(json.dumps(record, indent=2) + "\n")
+    record["adapter_bytes"] = sum(
+        f.stat().st_size for name in ("sft", "jf") for f in (work / name).glob("adapter_model.*")
+    )
+    path.write_text(json.dumps(record, indent=2) + "\n")
     print_tables(record)
-    log(f"wrote {work / 'curve.json'}")
+    log(f"wrote {path}")
 
 
 def print_tables(record: dict) -> None:
     log("\n| JF step | training tokens | AR accuracy | jacobi TPF | jacobi = ar |\n|---|---|---|---|---|")
-    for p in record["curve"]:
+    for p in record.get("curve", []):
         log(f"| {p['step']} | {p['tokens']:.0f} | {p['ar']['accuracy']:.1%} | {p['jacobi']['tpf']:.2f} "
             f"| {p['jacobi']['equal_ar']} of {p['jacobi']['n']} |")  # fmt: skip
-    final = record["final"]
-    ar_tps = final["jf ar"]["tps"]
+    final = dict(record.get("final", {}))
+    if "control" in record:
+        final["control ar"] = record["control"]
+    ar_tps = final.get("jf ar", {}).get("tps", 0.0)
     log("\n| model, decoder | accuracy | TPF | tokens/s | × its ar | = its ar |\n|---|---|---|---|---|---|")
     for label, row in final.items():
         own = final["base ar"]["tps"] if label.startswith("base") else ar_tps
         equal = f"{row['equal_ar']} of {row['n']}" if "equal_ar" in row else ""
-        speedup = row["tps"] / own
+        speedup = row["tps"] / own if own else 0.0
         log(f"| {label} | {row['accuracy']:.1%} | {row['tpf']:.2f} | {row['tps']:.1f} | {speedup:.2f} | {equal} |")
-    log(f"\nprecision (first {record['precision']['float32']['n']} problems): {json.dumps(record['precision'])}")
-    log(f"adapter: {record['adapter_bytes'] / 2**20:.1f} MiB; load {record['load_before']} -> {record['load_after']}")
+    log(f"\nprecision: {json.dumps(record.get('precision'))}")
+    log(f"adapters (SFT + JF): {record['adapter_bytes'] / 2**20:.1f} MiB; load: {json.dumps(record.get('runs'))}")
 
 
 if __name__ == "__main__":
