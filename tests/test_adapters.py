@@ -13,7 +13,7 @@ from fastforward.cli import main
 from fastforward.cpu.fusion import FusedMember
 from fastforward.cpu.low_rank import LowRankLinear
 from fastforward.errors import FastForwardError
-from fastforward.model import Layout, load_model, visibility
+from fastforward.model import Layout, Model, load_model, visibility
 from fastforward.model.adapters import ADAPTER_CONFIG, PROVENANCE
 from fastforward.model.tiny import tiny_model
 from fastforward.training.data import PackedData, encode_record
@@ -111,24 +111,27 @@ class Stop(Exception):
 
 
 def test_lora_changes_only_the_adapted_weights_and_resumes_exactly(base, tmp_path):
-    def run(out, callback=None):
+    def run(out, callback=None) -> tuple[Model, list[int]]:
+        """The trained model and the steps this call ran."""
         model = load_model(str(base))
         data = PackedData([encode_record({"text": t}, model.tokenizer) for t in TEXTS * 8], 32, model.pad_token_id)
         config = TrainConfig(steps=4, seq_len=32, batch_size=2, lr=1e-2, warmup=1, save_every=2, lora_rank=2)
-        train(model, NTP(), data, config, out, callback=callback)
-        return model
+        history = train(model, NTP(), data, config, out, callback=callback)
+        return model, [r["step"] for r in history if r["split"] == "train"]
 
     def crash(step, record):
         if step == 3:
             raise Stop
 
     before = load_model(str(base)).hf.state_dict()
-    straight = run(tmp_path / "a").hf.state_dict()
+    straight = run(tmp_path / "a")[0].hf.state_dict()
     changed = [k for k in before if not torch.equal(before[k], straight[k])]
     assert changed and all(k.endswith("proj.weight") for k in changed)  # merged low-rank updates only
     with pytest.raises(Stop):
         run(tmp_path / "b", crash)
-    resumed = run(tmp_path / "b").hf.state_dict()
+    model, steps = run(tmp_path / "b")
+    assert steps == [3, 4]  # from the checkpoint of step 2, not from 0
+    resumed = model.hf.state_dict()
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
@@ -148,7 +151,8 @@ def test_cli_trains_an_adapter_and_generates_with_it(base, tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 4))
     args = ["train", "--objective", "ntp", "--model", str(base), "--data", str(data), "--out", str(tmp_path / "run")]
-    args += ["--steps", "2", "--seq-len", "32", "--batch-size", "2", "--lora-rank", "2", "--lr", "1e-2"]
+    args += ["--steps", "2", "--seq-len", "32", "--batch-size", "2", "--lora-rank", "2"]
+    args += ["--lr", "5e-2", "--warmup", "0"]  # enough to change the greedy output
     assert main(args) == 0
     capsys.readouterr()
     generate = ["generate", "--no-chat-template", "--max-new-tokens", "4", "--decoder", "ar", "--json"]
@@ -156,7 +160,9 @@ def test_cli_trains_an_adapter_and_generates_with_it(base, tmp_path, capsys):
     via_model = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert main([*generate, "--model", str(base), "--adapter", str(tmp_path / "run"), "def"]) == 0
     via_flag = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert via_model["token_ids"] == via_flag["token_ids"]
+    assert main([*generate, "--model", str(base), "def"]) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert via_model["token_ids"] == via_flag["token_ids"] != plain["token_ids"]  # the adapter changed the output
     bad = ["train", "--model", str(base), "--data", str(data), "--out", str(tmp_path / "r2"), "--lora-rank", "-1"]
     assert main(bad) == 2
     assert "lora_rank must be >= 0" in capsys.readouterr().err

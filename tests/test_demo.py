@@ -195,13 +195,14 @@ def test_threads_flag_sets_torch_threads(tmp_path, tiny, capsys):
             "--model",
             str(tmp_path / "m"),
             "--threads",
-            "1",
+            "2",  # tests run on one thread (conftest): 2 must come from the flag
             "--max-new-tokens",
             "2",
             "--dtype",
             "float32",
         ]
-        assert main([*argv, "hi"]) == 0
         assert torch.get_num_threads() == 1
+        assert main([*argv, "hi"]) == 0
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -158,13 +158,20 @@ def test_every_objective_takes_a_training_step(family, prompts, tmp_path):
         (JacobiForcing(noise_window=4), TrajectoryData.from_file(path, 64).batch(0, 2, 0)),
     ]
     for objective, data in objectives:
+        name = type(objective).__name__
         objective.setup(model)
-        optimizer = torch.optim.SGD(model.hf.parameters(), lr=1e-3)
+        parameters = dict(model.hf.named_parameters())
+        before = {k: p.detach().clone() for k, p in parameters.items()}
+        optimizer = torch.optim.Adam(parameters.values(), lr=1e-3)  # its step does not shrink with tiny gradients
         loss, _ = objective.loss(model, data, torch.Generator().manual_seed(0))
         loss.backward()
+        reached = {k for k, p in parameters.items() if p.grad is not None and p.grad.abs().sum() > 0}
         optimizer.step()
         optimizer.zero_grad()
-        assert torch.isfinite(loss), type(objective).__name__
+        changed = {k for k, p in parameters.items() if not torch.equal(p, before[k])}
+        assert torch.isfinite(loss), name
+        assert reached == set(parameters), (name, set(parameters) - reached)
+        assert changed == set(parameters), (name, set(parameters) - changed)
 
 
 @pytest.mark.parametrize("kind", ["chunked_attention", "linear_attention"])

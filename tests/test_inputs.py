@@ -1,12 +1,13 @@
-"""Bad JSONL input files get a clear error naming the file, line and problem (exit code 2), never a traceback."""
+"""Bad JSONL input files get a clear error naming the file, line and problem (exit code 2), never a traceback;
+what each reader accepts is what a reference parse of the bytes gives."""
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
 import re
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -140,16 +141,126 @@ def test_trajectory_with_an_infinite_number(tmp_path):
         read_trajectories(make(tmp_path / "inf.jsonl", b'{"block_size": 1e400}\n'))
 
 
-# ---- property-based: whatever the bytes, a reader returns or raises FastForwardError --------------------
-READERS: tuple[Callable[[Path], object], ...] = (
-    lambda path: list(jsonl.read_jsonl(path, "file")),
-    data.read_jsonl,
-    lambda path: JsonlTask(str(path)),
-    lambda path: JsonlTask(str(path), match="regex"),
-    read_prompts,
-    load_problems,
-    read_trajectories,
-)
+# ---- property-based: a reader returns what a reference parse of the bytes gives, or names the line --------
+class Refused(Exception):
+    """A refusal the reference expects: the reader's message names this line (None: the whole file) and words."""
+
+    def __init__(self, line: int | None, *words: str):
+        super().__init__(line, *words)
+        self.line, self.words = line, words
+
+
+def reference_lines(content: bytes, complete_only: bool = False) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-blank line as `json.loads` reads it (a UTF-8 BOM first is dropped,
+    a line ends at "\n" and its "\r"s go); a line that is not UTF-8, JSON or an object is Refused, as is a
+    file without objects. complete_only: a last line without "\n" is left out (a torn trajectory line)."""
+    lines = content.removeprefix(BOM).split(b"\n")
+    found = False
+    for number, raw in enumerate(lines[:-1] if complete_only else lines, start=1):
+        try:
+            text = raw.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError:
+            raise Refused(number, "not UTF-8") from None
+        if not text.strip():
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            raise Refused(number, "not valid JSON") from None
+        except (ValueError, RecursionError):
+            raise Refused(number, "not usable JSON") from None
+        if not isinstance(value, dict):
+            raise Refused(number, "expected an object")
+        found = True
+        yield number, value
+    if not found:
+        raise Refused(None, "has no records")
+
+
+def data_records(lines: Iterator[tuple[int, dict]]) -> list[dict]:
+    """Training data: prompt and completion, or only text, each a non-empty string."""
+    records = []
+    for number, record in lines:
+        if set(record) not in ({"prompt", "completion"}, {"text"}):
+            raise Refused(number, "'prompt' and 'completion', or only 'text'")
+        bad = next((key for key, value in record.items() if not isinstance(value, str) or not value), None)
+        if bad is not None:
+            raise Refused(number, repr(bad))
+        records.append(record)
+    return records
+
+
+def task_examples(lines: Iterator[tuple[int, dict]], regex: bool = False) -> list[list[str]]:
+    """A task file: (id, prompt, answer) per line; a number as the answer is its JSON text."""
+    examples = []
+    for number, record in lines:
+        if "prompt" not in record or "answer" not in record:
+            raise Refused(number, '"prompt" and "answer"')
+        prompt, answer = record["prompt"], record["answer"]
+        if not isinstance(prompt, str) or not prompt:
+            raise Refused(number, '"prompt"')
+        if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+            raise Refused(number, '"answer"')
+        answer = answer if isinstance(answer, str) else json.dumps(answer)
+        if not answer.strip():
+            raise Refused(number, '"answer"')
+        if regex:
+            try:
+                re.compile(answer)
+            except Exception:  # whatever re raises, the reader must say which field
+                raise Refused(number, '"answer"') from None
+        examples.append([str(record.get("id", number)), prompt, answer])
+    return examples
+
+
+def prompt_records(lines: Iterator[tuple[int, dict]]) -> list[list[str]]:
+    """A prompt file: the non-empty string prompts and their ids (the "id" given, else the count so far)."""
+    prompts, ids = [], []
+    for number, record in lines:
+        if not isinstance(record.get("prompt"), str) or not record["prompt"]:
+            raise Refused(number, '"prompt"')
+        prompts.append(record["prompt"])
+        ids.append(str(record.get("id", len(ids))))
+    return [prompts, ids]
+
+
+def problem_records(lines: Iterator[tuple[int, dict]]) -> list[dict]:
+    """HumanEval problems: every field of PROBLEM a string; a refusal names each one missing."""
+    problems = []
+    for number, record in lines:
+        missing = [key for key in PROBLEM if not isinstance(record.get(key), str)]
+        if missing:
+            raise Refused(number, *map(repr, missing))
+        problems.append(record)
+    return problems
+
+
+def trajectory_records(lines: Iterator[tuple[int, dict]]) -> list[dict]:
+    """A trajectory file's records in prompt order, each of which round-trips."""
+    trajectories = []
+    for number, record in lines:
+        try:
+            trajectory = Trajectory.from_record(record)
+        except FastForwardError:
+            raise Refused(number) from None
+        assert Trajectory.from_record(trajectory.to_record()) == trajectory
+        trajectories.append(trajectory)
+    return [t.to_record() for t in sorted(trajectories, key=lambda t: t.index)]
+
+
+# name: (the reader, its result as JSON values; the reference's result for the reference lines of the bytes)
+READERS: dict[str, tuple[Callable[[Path], object], Callable[[Iterator[tuple[int, dict]]], object]]] = {
+    "jsonl": (lambda path: [list(item) for item in jsonl.read_jsonl(path, "file")], lambda lines: [*map(list, lines)]),
+    "data": (data.read_jsonl, data_records),
+    "task": (lambda path: [[e.id, e.prompt, e.reference] for e in JsonlTask(str(path)).examples()], task_examples),
+    "regex task": (
+        lambda path: [[e.id, e.prompt, e.reference] for e in JsonlTask(str(path), match="regex").examples()],
+        lambda lines: task_examples(lines, regex=True),
+    ),
+    "prompts": (lambda path: [*map(list, read_prompts(path))], prompt_records),
+    "problems": (load_problems, problem_records),
+    "trajectories": (lambda path: [t.to_record() for t in read_trajectories(path)], trajectory_records),
+}
 FUZZ = settings(max_examples=75, deadline=None, database=None)
 KEYS = ["prompt", "completion", "text", "answer", "id", *Trajectory.__dataclass_fields__, "states", "fixed", *PROBLEM]
 # Finite numbers only: an infinite one is test_trajectory_with_an_infinite_number.
@@ -159,7 +270,48 @@ JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(NAMES, inner, max_size=4),
     max_leaves=12,
 )
-LINE = st.dictionaries(NAMES, JSON, max_size=5) | JSON  # mostly objects, to get past the first check
+TEXT = st.text(max_size=6)
+IDS = st.lists(st.integers(0, 300), max_size=3)
+RECORDS = (  # records some reader accepts, or almost
+    st.fixed_dictionaries({"text": TEXT})
+    | st.fixed_dictionaries({"prompt": TEXT, "completion": TEXT})
+    | st.fixed_dictionaries(
+        {"prompt": TEXT, "answer": TEXT | st.integers() | st.floats(allow_infinity=False)}, optional={"id": JSON}
+    )
+    | st.fixed_dictionaries(dict.fromkeys(PROBLEM, TEXT))
+    | st.fixed_dictionaries(
+        {
+            "index": st.integers(0, 3),
+            "prompt_ids": IDS,
+            "block_size": st.integers(1, 3),
+            "blocks": st.lists(st.fixed_dictionaries({"states": st.lists(IDS, max_size=2), "fixed": IDS}), max_size=2),
+        },
+        optional={"id": TEXT, "prompt": TEXT, "correct": st.booleans()},
+    )
+)
+LINE = st.dictionaries(NAMES, JSON, max_size=5) | RECORDS | JSON  # mostly objects, to get past the first check
+WORD = st.text(min_size=1, max_size=6).filter(str.strip)
+
+
+def trajectory(n: int) -> st.SearchStrategy[dict]:
+    """Trajectory records of block size n."""
+    block = st.lists(st.integers(0, 300), min_size=n, max_size=n)
+    blocks = st.lists(st.fixed_dictionaries({"states": st.lists(block, max_size=2), "fixed": block}), max_size=2)
+    return st.fixed_dictionaries(
+        {"index": st.integers(0, 3), "prompt_ids": IDS, "block_size": st.just(n), "blocks": blocks},
+        optional={"id": WORD, "prompt": WORD, "correct": st.booleans()},
+    )
+
+
+KINDS = {  # files of one reader's records, mostly good ones
+    "data": st.fixed_dictionaries({"text": WORD}) | st.fixed_dictionaries({"prompt": WORD, "completion": WORD}),
+    "task": st.fixed_dictionaries(
+        {"prompt": WORD, "answer": WORD | st.integers() | st.floats(allow_infinity=False)}, optional={"id": JSON}
+    ),
+    "prompts": st.fixed_dictionaries({"prompt": WORD}, optional={"id": JSON, "answer": JSON}),
+    "problems": st.fixed_dictionaries(dict.fromkeys(PROBLEM, WORD), optional={"extra": JSON}),
+    "trajectories": st.integers(1, 3).flatmap(trajectory),
+}
 
 
 @pytest.fixture(scope="module")
@@ -167,35 +319,73 @@ def scratch(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("fuzz")
 
 
-def read_everywhere(path: Path, content: bytes) -> None:
+def reads_as_the_reference(path: Path, content: bytes, readers: Iterable[str] = READERS) -> None:
+    """Each reader returns what its reference gives for `content` (stored at `path`, maybe compressed), or
+    refuses with a FastForwardError naming the file and line (and field) the reference names."""
+    for name in readers:
+        read, reference = READERS[name]
+        try:
+            want = reference(reference_lines(content, complete_only=name == "trajectories"))
+        except Refused as refused:
+            with pytest.raises(FastForwardError) as error:
+                read(path)
+            message = str(error.value)
+            where = f"{path}:{refused.line}: " if refused.line else f"{path} has no records"
+            assert where in message and all(word in message for word in refused.words), (name, message, refused)
+        else:
+            assert json.dumps(read(path)) == json.dumps(want), name  # as text: NaN equals NaN
+
+
+def write(path: Path, content: bytes) -> Path:
     path.write_bytes(content)
-    for read in READERS:
-        with contextlib.suppress(FastForwardError):
-            read(path)
+    return path
 
 
 @FUZZ
 @given(st.binary(max_size=300) | st.lists(st.binary(max_size=40), max_size=6).map(b"\n".join))
 def test_random_bytes(scratch, content):
-    read_everywhere(scratch / "f.jsonl", content)
+    reads_as_the_reference(write(scratch / "f.jsonl", content), content)
 
 
 @FUZZ
-@given(st.lists(st.tuples(LINE, st.booleans()), max_size=5), st.sampled_from(["\n", "\r\n"]))
-def test_random_json_values(scratch, values, newline):
-    text = newline.join(json.dumps(value, ensure_ascii=ascii) for value, ascii in values)
-    read_everywhere(scratch / "f.jsonl", text.encode("utf-8", "surrogatepass"))
+@given(st.lists(st.tuples(LINE, st.booleans()), max_size=5), st.sampled_from(["\n", "\r\n"]), st.booleans())
+def test_random_json_values(scratch, values, newline, last_newline):
+    text = newline.join(json.dumps(value, ensure_ascii=ascii) for value, ascii in values) + newline * last_newline
+    content = text.encode("utf-8", "surrogatepass")
+    reads_as_the_reference(write(scratch / "f.jsonl", content), content)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_files_of_one_kind(scratch, kind):
+    @FUZZ
+    @given(st.lists(KINDS[kind], min_size=1, max_size=4))
+    def reads(records: list[dict]) -> None:
+        content = "".join(json.dumps(record) + "\n" for record in records).encode("utf-8", "surrogatepass")
+        reads_as_the_reference(write(scratch / "f.jsonl", content), content)
+
+    reads()
 
 
 @FUZZ
 @given(st.lists(st.text(max_size=40), max_size=5))
 def test_random_text(scratch, lines):
-    read_everywhere(scratch / "f.jsonl", "\n".join(lines).encode("utf-8", "surrogatepass"))
+    content = "\n".join(lines).encode("utf-8", "surrogatepass")
+    reads_as_the_reference(write(scratch / "f.jsonl", content), content)
 
 
 @FUZZ
 @given(st.binary(max_size=200), st.integers(0, 300), st.integers(0, 255))
 def test_random_gzip(scratch, content, cut, flip):
+    """A .gz file reads as its decompressed bytes; one that does not decompress is refused, naming it."""
     packed = bytearray(gzip.compress(content))
     packed[cut % len(packed)] ^= flip
-    read_everywhere(scratch / "f.jsonl.gz", bytes(packed[: len(packed) - cut % 7]))
+    path = write(scratch / "f.jsonl.gz", bytes(packed[: len(packed) - cut % 7]))
+    try:
+        plain = gzip.decompress(path.read_bytes())
+    except (OSError, EOFError, zlib.error):
+        for name, (read, _) in READERS.items():
+            if name != "trajectories":  # read as they are: trajectory files are never compressed
+                with pytest.raises(FastForwardError, match=re.escape(str(path))):
+                    read(path)
+    else:
+        reads_as_the_reference(path, plain, [name for name in READERS if name != "trajectories"])

@@ -52,14 +52,33 @@ def test_chat_equals_generate_with_the_template(tiny, client):
     assert "".join(c.choices[0].delta.content or "" for c in stream) == out.choices[0].message.content
 
 
+def multi_row_steps(server: Server) -> float:
+    """Decoding steps so far that ran several rows together (the step_rows histogram past its 1 bucket)."""
+    samples = server.metrics.step_rows.collect()[0].samples
+    buckets = {s.labels["le"]: s.value for s in samples if s.name.endswith("bucket")}
+    return buckets["+Inf"] - buckets["1.0"]
+
+
 def test_concurrent_requests_share_batches_and_equal_generate_alone(tiny, served, client):
+    """The engine's worker is held until every request is queued, so they must be decoded in shared batches."""
+    server, asks = served[0], PROMPTS * 2
+    engine = server.engine
+
+    def hold() -> None:  # runs on the worker: nothing decodes until all requests wait
+        with engine._lock:
+            assert engine._lock.wait_for(lambda: len(engine._waiting) == len(asks), timeout=60)
+
     def ask(prompt):
         return client.completions.create(model="tiny", prompt=prompt, max_tokens=14, extra_body={"decoder": "jacobi"})
 
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        outs = list(pool.map(ask, PROMPTS * 2))
-    for prompt, out in zip(PROMPTS * 2, outs, strict=True):
+    before = multi_row_steps(server)
+    held = engine.call(hold)
+    with ThreadPoolExecutor(len(asks)) as pool:
+        outs = list(pool.map(ask, asks))
+    held.result()
+    for prompt, out in zip(asks, outs, strict=True):
         assert out.choices[0].text == alone(tiny, prompt, "jacobi", n=14)
+    assert multi_row_steps(server) > before
     text = httpx.get(served[1] + "/metrics").text
     assert "fastforward_requests_total" in text and "fastforward_tokens_per_forward_bucket" in text
     assert "fastforward_queries_total" in text
@@ -145,13 +164,15 @@ def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(tiny, tmp_path, f
             except httpx.TransportError:
                 assert process.poll() is None, process.stderr.read().decode()
                 time.sleep(0.1)
-        body = {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 200}
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(httpx.post, f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
-            time.sleep(0.3)
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as response:
+            events = (line for line in response.iter_lines() if line.startswith("data:"))
+            first = next(events)  # decoding: the request is in flight
             process.send_signal(signal.SIGTERM)
-            response = pending.result()
-        assert response.status_code == 200 and json.loads(response.text)["choices"][0]["text"]
+            events = [first, *events]
+        assert response.status_code == 200 and events[-1] == "data: [DONE]"
+        choices = [json.loads(line[5:])["choices"][0] for line in events[:-1]]
+        assert "".join(c["text"] for c in choices) and choices[-1]["finish_reason"] in ("stop", "length")
         assert process.wait(timeout=60) == 0
     finally:
         process.kill()
@@ -160,8 +181,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(tiny, tmp_path, f
 def test_staggered_requests_with_mixed_budgets_join_running_batches(tiny, served, client):
     """Continuous batching: requests arriving while another decodes join their setting's running batch,
     whatever their budgets, and each output equals `generate` alone; two decoders take turns."""
-    samples = served[0].metrics.step_rows.collect()[0].samples
-    before = {s.labels["le"]: s.value for s in samples if s.name.endswith("bucket")}
+    before = multi_row_steps(served[0])
     asks = [(PROMPTS[i % len(PROMPTS)], ("ar", "jacobi")[i % 2], 4 + 3 * i) for i in range(8)]
 
     def ask(index: int) -> str:
@@ -180,9 +200,7 @@ def test_staggered_requests_with_mixed_budgets_join_running_batches(tiny, served
         knobs = {"block_size": 3} if decoder == "jacobi" else {}
         assert out.choices[0].text == alone(tiny, prompt, decoder, n=budget, **knobs)
     assert alone(tiny, PROMPTS[2], n=300).endswith(text) and text
-    samples = served[0].metrics.step_rows.collect()[0].samples
-    after = {s.labels["le"]: s.value for s in samples if s.name.endswith("bucket")}
-    assert after["+Inf"] - after["1.0"] > before["+Inf"] - before["1.0"]  # some steps ran several rows
+    assert multi_row_steps(served[0]) > before  # some steps ran several rows
 
 
 def test_admission_bounds_and_a_full_queue(tiny, serve_at_once):

@@ -175,7 +175,8 @@ def test_pycode_training_records(tmp_path: Path):
 # ---- humaneval --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def humaneval():
-    return HumanEvalTask(timeout=2.0)
+    """Programs that end get all the time a loaded machine may need: no grade here depends on speed."""
+    return HumanEvalTask(timeout=300.0)
 
 
 def test_humaneval_runner(humaneval):
@@ -185,7 +186,7 @@ def test_humaneval_runner(humaneval):
     assert all(g.correct and g.score == 1.0 for g in grades)
     wrong = humaneval.grade(problems[0], "    return not True\n")
     assert not wrong.correct and "AssertionError" in wrong.detail
-    looping = humaneval.grade(problems[1], "    while True:\n        pass\n")
+    looping = HumanEvalTask(timeout=0.5).grade(problems[1], "    while True:\n        pass\n")  # it never ends
     assert not looping.correct and looping.detail == "timeout"
     with pytest.raises(FastForwardError, match="only a test split"):
         humaneval.examples("train", 1)

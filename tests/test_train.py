@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from fastforward.cli import main
 from fastforward.errors import FastForwardError
-from fastforward.model import load_model
+from fastforward.model import Model, load_model
 from fastforward.model.tiny import tiny_model
 from fastforward.training.data import PackedData, encode_record
 from fastforward.training.jacobi_trajectories import Block, Trajectory
@@ -72,18 +72,22 @@ def test_one_process_trains_twice_at_two_precisions(tmp_path):
         assert history[-1]["step"] == 1
 
 
-def test_kill_and_resume_is_bit_identical(tmp_path):
-    def run(out, callback=None):
+def test_kill_and_resume_is_bit_identical(tmp_path, capsys):
+    def run(out, callback=None) -> tuple[Model, list[int]]:
+        """The trained model and the steps this call ran."""
         model = tiny_model(TEXTS)
-        train(model, SBD(max_block=6), packed(model), config(grad_accum=2), out, callback=callback)
-        return model
+        history = train(model, SBD(max_block=6), packed(model), config(grad_accum=2), out, callback=callback)
+        return model, [r["step"] for r in history if r["split"] == "train"]
 
-    straight = run(tmp_path / "a")
+    straight, _ = run(tmp_path / "a")
 
     with pytest.raises(Stop):
         run(tmp_path / "b", crash_at(4))
     assert [p.name for p in checkpoints(tmp_path / "b")] == ["step-000002", "step-000004"]
-    resumed = run(tmp_path / "b")
+    capsys.readouterr()
+    resumed, steps = run(tmp_path / "b")
+    assert steps == [5, 6, 7, 8]  # resumed after step 4, not started over
+    assert f"resuming {tmp_path / 'b'} from step 4" in capsys.readouterr().out
 
     for (name, a), (_, b) in zip(straight.hf.named_parameters(), resumed.hf.named_parameters(), strict=True):
         assert torch.equal(a, b), name

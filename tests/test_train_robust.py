@@ -21,7 +21,7 @@ from fastforward.model.tiny import fit_tokenizer, tiny_model
 from fastforward.training.data import PackedData, encode_record
 from fastforward.training.objectives import NTP, SBD
 from fastforward.training.run_dir import LOCK, checkpoint_problem, checkpoints, lock_run_dir
-from fastforward.training.trainer import TrainConfig, train
+from fastforward.training.trainer import Callback, TrainConfig, train
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",
@@ -44,6 +44,17 @@ def run(out: Path, callback=None, model: Model | None = None, **overrides) -> Mo
     model = model or tiny_model(TEXTS)
     train(model, SBD(max_block=6), packed(model), config(**overrides), out, callback=callback)
     return model
+
+
+def noting(steps: list[int], then: Callback | None = None) -> Callback:
+    """A callback that notes each step a run executes (and then calls `then`)."""
+
+    def callback(step: int, record: dict) -> None:
+        steps.append(step)
+        if then is not None:
+            then(step, record)
+
+    return callback
 
 
 def assert_same_weights(a: Model, b: Model) -> None:
@@ -83,10 +94,12 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, straight, capsys,
     with pytest.raises(Stop):
         run(tmp_path, crash_at(4))
     corrupt(tmp_path / "checkpoints/step-000004" / name)
-    resumed = run(tmp_path)
+    steps: list[int] = []
+    resumed = run(tmp_path, noting(steps))
 
     err = capsys.readouterr().err
     assert "skipping the damaged checkpoint" in err and "step-000004" in err and reason in err
+    assert steps == [3, 4, 5, 6, 7, 8]  # from step-000002, the previous checkpoint, not from 0
     assert_same_weights(straight, resumed)
     assert [p.name for p in checkpoints(tmp_path)] == ["step-000004", "step-000006"]
     assert all(checkpoint_problem(p) is None for p in checkpoints(tmp_path))
@@ -97,14 +110,18 @@ def test_no_valid_checkpoint_starts_over_and_keeps_the_damaged_until_replaced(tm
         run(tmp_path, crash_at(4))
     for checkpoint in checkpoints(tmp_path):
         (checkpoint / "trainer_state.json").write_text("")
+    steps: list[int] = []
     with pytest.raises(Stop):  # keep 1, checkpoints at 3: step-000002 is pruned only once step-000003 exists
-        run(tmp_path, crash_at(3), save_every=3, keep_checkpoints=1)
+        run(tmp_path, noting(steps, crash_at(3)), save_every=3, keep_checkpoints=1)
     assert "no checkpoint in" in capsys.readouterr().err
+    assert steps == [1, 2, 3]
     assert [p.name for p in checkpoints(tmp_path)] == ["step-000003", "step-000004"]  # damaged 4: nothing newer yet
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3  # the old run's records are dropped
 
-    resumed = run(tmp_path, save_every=3, keep_checkpoints=1)
+    steps.clear()
+    resumed = run(tmp_path, noting(steps), save_every=3, keep_checkpoints=1)
     assert "step-000004" in capsys.readouterr().err
+    assert steps == [4, 5, 6, 7, 8]  # from step-000003, the newest valid one
     assert_same_weights(straight, resumed)
     assert [p.name for p in checkpoints(tmp_path)] == ["step-000006"]
 
