@@ -223,3 +223,14 @@ def test_ctrl_c_in_the_client_cancels_its_request_in_the_engine(engine, home, mo
     while "a client left (Ctrl-C): its request is cancelled" not in logs(home):
         assert time.monotonic() < deadline, logs(home)
         time.sleep(0.05)
+
+
+def test_the_readmes_engine_commands_parse():
+    """`fastforward engine ACTION` parses its options itself (`status` and `stop` import no torch): the
+    README's examples must parse there too, as test_docs checks every other command's."""
+    from fastforward.cli.engine import action_parser
+
+    examples = re.findall(r"^\.venv/bin/fastforward engine (\w+)([^#\n]*)", (ROOT / "README.md").read_text(), re.M)
+    assert {action for action, _ in examples} == {"start", "status", "stop"}
+    for action, options in examples:
+        action_parser(action).parse_args(options.split())
