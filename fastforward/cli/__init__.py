@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "fill the middle between a prefix and a suffix (setdlm; ar continues the prefix alone, the baseline)",
     ),
     "serve": ("serve", "serve a model over an OpenAI-compatible HTTP API"),
+    "engine": ("engine", "start, check or stop a warm local engine that answers `generate` (start|status|stop)"),
     "train": ("train", "train a model with an objective (resumes an unfinished run in --out)"),
     "eval": ("eval", "accuracy, NFE, TPF, TPS and speedup of a decoder on a task (AR baseline in the same run)"),
     "roofline": ("roofline", "roofline slowdown/speedup tables (SBD paper Tables 3-4) and measured block costs"),
@@ -65,10 +66,13 @@ def shows_default(action: argparse.Action) -> bool:
     return default not in ("", [])
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    command: str | None = None, parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser
+) -> argparse.ArgumentParser:
     """The `fastforward` parser: every subcommand in full, or only `command` in full (the others by name
-    and help only, so that nothing else is imported)."""
-    parser = argparse.ArgumentParser(prog="fastforward", description=DESCRIPTION)
+    and help only, so that nothing else is imported). parser_class: the class of it and its subparsers
+    (the engine parses `generate`'s arguments with one that raises instead of exiting)."""
+    parser = parser_class(prog="fastforward", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, summary) in COMMANDS.items():
         if command is None or command == name:
@@ -97,6 +101,11 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+# The precision a command that decodes on a CPU defaults to (generate, serve, the engine): float32 weights
+# quantized to int4, row-invariant attention.
+DECODING_DEFAULTS: dict[str, Any] = {"dtype": "float32", "quantize": "int4", "exact": True}
 
 
 def add_threads_flag(p: argparse.ArgumentParser) -> None:
@@ -224,6 +233,14 @@ def main(argv: list[str] | None = None) -> int:
         # Building the parser imports torch and transformers (seconds): Ctrl-C there is an interrupt too.
         the_process = argv is None  # the `fastforward` command itself, not a caller in a longer process
         argv = sys.argv[1:] if argv is None else argv
+        if named_command(argv) == "generate":  # a warm engine answers without importing torch here
+            from fastforward.cli.engine_client import answer
+
+            command = "fastforward generate"  # the client's errors and Ctrl-C read as in process
+            answered = answer(argv)
+            if answered is not None:
+                return answered
+            command = "fastforward"
         args = build_parser(named_command(argv)).parse_args(argv)
         if the_process:
             # The imports' objects (torch, transformers) live as long as the process, yet every full

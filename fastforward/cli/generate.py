@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
+from typing import Any
 
 from fastforward.api import build_decoder
 from fastforward.cli import (
+    DECODING_DEFAULTS,
     add_command,
     add_compile_flag,
     add_precision_flags,
@@ -16,6 +16,7 @@ from fastforward.cli import (
     precision,
 )
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
+from fastforward.cli.generate_io import NO_PROMPTS, print_report, read_prompts, say_interrupted
 from fastforward.decoding.decoders import Generation, registry
 from fastforward.decoding.runtime import GenerationInterrupted
 from fastforward.errors import FastForwardError
@@ -28,12 +29,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
     add_decoder_flags(p, default=None, default_help="lookup, lossless; it samples too, with --temperature")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most per prompt")
-    add_precision_flags(p, dtype="float32", quantize="int4", exact=True)
+    add_precision_flags(p, **DECODING_DEFAULTS)
     add_compile_flag(p)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     p.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together (left padding)")
     p.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument(
+        "--no-engine",
+        action="store_true",
+        help="decode in this process even when a warm engine (`fastforward engine start`) could answer",
+    )
     add_threads_flag(p)
     p.set_defaults(run=run)
 
@@ -54,29 +60,11 @@ def default_decoder(knobs: dict) -> str:
     return "lookup"
 
 
-def read_prompts() -> list[str]:
-    """The non-blank lines of stdin, read as bytes so that text which is not UTF-8 is named, not garbled."""
-    if sys.stdin.isatty():
-        print("fastforward generate: reading prompts from stdin, one per line (Ctrl-D to end)", file=sys.stderr)
-    prompts = []
-    for number, raw in enumerate(sys.stdin.buffer, 1):
-        try:
-            line = raw.decode("utf-8").rstrip("\r\n")
-        except UnicodeDecodeError as exc:
-            raise FastForwardError(
-                f"stdin line {number} is not UTF-8 text (byte {raw[exc.start]:#04x} at byte offset {exc.start}); "
-                "convert it, e.g. with `iconv -f latin1 -t utf-8`"
-            ) from None
-        if line.strip():
-            prompts.append(line)
-    return prompts
-
-
 def run(args: argparse.Namespace) -> int:
     check_device(args.device)
     prompts = args.prompts or read_prompts()
     if not prompts:
-        raise FastForwardError("no prompts: give them as arguments or one per line on stdin")
+        raise FastForwardError(NO_PROMPTS)
     knobs = decoder_knobs(args)
     args.decoder = args.decoder or default_decoder(knobs)  # named as chosen in each report
     decoder = build_decoder(args.decoder, **knobs)
@@ -90,10 +78,7 @@ def run(args: argparse.Namespace) -> int:
             partial = interrupt.generations if isinstance(interrupt, GenerationInterrupted) else []
             for prompt, gen in zip(prompts[start:], partial, strict=False):
                 report(args, prompt, gen)
-            print(
-                f"fastforward generate: {start} of {len(prompts)} prompts completed before the interrupt",
-                file=sys.stderr,
-            )
+            say_interrupted(start, len(prompts))
             raise
         for prompt, gen in zip(prompts[start:], gens, strict=False):
             report(args, prompt, gen)
@@ -102,27 +87,35 @@ def run(args: argparse.Namespace) -> int:
 
 def report(args: argparse.Namespace, prompt: str, gen: Generation) -> None:
     """Print one prompt's generation (text, or a JSON record) and its figures or warnings on stderr."""
-    if gen.finish_reason == "context":
-        print(
-            f"fastforward generate: warning: the model's context cut a prompt's output at {len(gen.token_ids)} "
-            f"tokens (asked for {args.max_new_tokens}); shorten the prompt for more",
-            file=sys.stderr,
-        )
-    if args.json:
-        record = {
-            "prompt": prompt,
-            "text": gen.text,
-            "token_ids": gen.token_ids,
-            "finish_reason": gen.finish_reason,
-            "stats": gen.stats.as_dict(),
-        }
-        print(json.dumps(record), flush=True)
-        return
-    print(gen.text, flush=True)
+    print_report(record(prompt, gen), summary(args.decoder, gen), warning(gen, args.max_new_tokens), args.json)
+
+
+def record(prompt: str, gen: Generation) -> dict[str, Any]:
+    """What `--json` prints of one prompt's generation."""
+    return {
+        "prompt": prompt,
+        "text": gen.text,
+        "token_ids": gen.token_ids,
+        "finish_reason": gen.finish_reason,
+        "stats": gen.stats.as_dict(),
+    }
+
+
+def summary(decoder: str, gen: Generation) -> str:
+    """The figures line printed on stderr after a generation's text."""
     s = gen.stats
     ended = "" if gen.finish_reason != "interrupted" else ", interrupted"
-    print(
-        f"[{args.decoder}: {s.tokens} tokens, {s.nfe} forwards, {s.tpf:.2f} tokens/forward, "
-        f"{s.queries_per_token:.2f} queries/token, {s.tps:.1f} tokens/s{ended}]",
-        file=sys.stderr,
+    return (
+        f"[{decoder}: {s.tokens} tokens, {s.nfe} forwards, {s.tpf:.2f} tokens/forward, "
+        f"{s.queries_per_token:.2f} queries/token, {s.tps:.1f} tokens/s{ended}]"
+    )
+
+
+def warning(gen: Generation, max_new_tokens: int) -> str | None:
+    """Said when the model's context, not --max-new-tokens, ended the output."""
+    if gen.finish_reason != "context":
+        return None
+    return (
+        f"fastforward generate: warning: the model's context cut a prompt's output at {len(gen.token_ids)} "
+        f"tokens (asked for {max_new_tokens}); shorten the prompt for more"
     )

@@ -12,6 +12,7 @@ from typing import Any
 
 from fastforward.api import build_decoder
 from fastforward.cli import (
+    DECODING_DEFAULTS,
     add_command,
     add_compile_flag,
     add_precision_flags,
@@ -88,7 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=256,
         help="budget of a request that gives none, cut to what the context leaves (default: %(default)s)",
     )
-    add_precision_flags(p, dtype="float32", quantize="int4", exact=True)
+    add_precision_flags(p, **DECODING_DEFAULTS)
     # A server lives long: compiled steps pay back their start-up (seconds, once kept) within its first
     # requests (docs/results.md, "CPU speed against llama.cpp").
     add_compile_flag(p, compile=True)

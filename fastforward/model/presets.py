@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import struct
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from fastforward.errors import FastForwardError
+from fastforward.home import fastforward_home
 from fastforward.model import adapters
 from fastforward.model.saving import quiet_progress, save_atomically
 
@@ -23,11 +23,6 @@ PRESETS = {
 }
 # The demo's shipped checkpoints (`fastforward.demo.zoo`), by name: demo-ntp, demo-sbd, demo-multitf, demo-setdlm.
 SHIPPED_CHECKPOINTS = Path(__file__).resolve().parents[1] / "demo" / "checkpoints"
-
-
-def fastforward_home() -> Path:
-    """Where converted presets live: $FASTFORWARD_HOME, default ~/.cache/fastforward."""
-    return Path(os.environ.get("FASTFORWARD_HOME", Path.home() / ".cache" / "fastforward"))
 
 
 def _preset_gguf(name: str) -> Path:

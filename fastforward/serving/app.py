@@ -22,7 +22,6 @@ model's chat template (as `fastforward generate`).
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 import uuid
@@ -41,7 +40,7 @@ from fastforward.decoding.sampling import row_key
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.serving import limits, replies
-from fastforward.serving.engine import Engine, Event, Job, QueueFull
+from fastforward.serving.engine import Engine, Event, Job, QueueFull, batch_setting
 from fastforward.serving.guard import ApiKey, read_json
 from fastforward.serving.limits import MAX_REQUEST_BYTES
 from fastforward.serving.logprobs import Scores, chat_logprobs, completion_logprobs, kept_tokens, score
@@ -60,7 +59,6 @@ from fastforward.serving.schema import (
 
 __all__ = ["ApiError", "ChatRequest", "CompletionRequest", "Server", "error_body"]
 
-SAMPLING_KNOBS = {knob.name for knob in registry.SAMPLING}  # per row: not part of a batch's setting
 # The tokens of one forward over a batch's rows, by default on a CPU, where a forward's cost grows with
 # them: unbounded, `jacobi` with many rows runs hundreds a forward, most of them drafts it rejects.
 # Bounded, the server gave more tokens/s at a lower p99 latency (docs/notes/2026-11-28-serving-history.md).
@@ -127,8 +125,7 @@ class Server:
                 self.model.require_mask_token(name)  # a 400 now, not a failure in the middle of decoding
         except FastForwardError as exc:
             raise ApiError(400, str(exc), param="decoder") from exc
-        shared = {k: v for k, v in knobs.items() if k not in SAMPLING_KNOBS}
-        return decoder, json.dumps({"decoder": name, **shared}, sort_keys=True, default=str)
+        return decoder, batch_setting(name, knobs)
 
     def jobs(self, body: OpenAIRequest, prompts: list[list[int]], budgets: list[int]) -> list[Job]:
         """`body.n` jobs per prompt (prompt-major, as OpenAI numbers choices), each choice with its seed."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import threading
 import time
 from collections import deque
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from fastforward.decoding.decoders import Decoder
+from fastforward.decoding.decoders import Decoder, registry
 from fastforward.decoding.runtime import PREFILL_TOKENS, Generation, Prompt, Session
 from fastforward.model import Model
 from fastforward.serving import scheduler
@@ -40,18 +41,29 @@ from fastforward.serving.metrics import Metrics
 from fastforward.serving.text_stream import TextStream
 
 _ids = itertools.count()
+SAMPLING_KNOBS = {knob.name for knob in registry.SAMPLING}  # per row: not part of a batch's setting
+
+
+def batch_setting(decoder: str, knobs: dict[str, Any]) -> str:
+    """A job's `setting`: the decoder and its knobs but the sampling ones (each row's own), so that jobs
+    of equal settings share a batch."""
+    shared = {k: v for k, v in knobs.items() if k not in SAMPLING_KNOBS}
+    return json.dumps({"decoder": decoder, **shared}, sort_keys=True, default=str)
 
 
 @dataclass
 class Event:
     """What a job hears: a text delta, or the end (with a finish reason, usage and stats, or an error,
-    and the completion's token ids, which log-probabilities are scored on)."""
+    and the completion's token ids, which log-probabilities are scored on). generation: a row that ran
+    to its end gives its whole `Generation` too, which the local engine's client prints as `fastforward
+    generate` does (its own finish reason and stats)."""
 
     delta: str = ""
     finish_reason: str | None = None
     error: str | None = None
     usage: dict[str, Any] | None = None
     token_ids: list[int] | None = None
+    generation: Generation | None = None
 
 
 @dataclass(eq=False)  # a job is itself: queue membership is by identity
@@ -343,7 +355,9 @@ class Engine:
         job.done = True
         reason = "stop" if stopped or generation.finish_reason == "stop" else "length"
         usage = self._usage(job, len(generation.token_ids), generation.stats.nfe, generation.stats.queries)
-        self._post(job, Event(finish_reason=reason, usage=usage, token_ids=list(generation.token_ids)))
+        self._post(
+            job, Event(finish_reason=reason, usage=usage, token_ids=list(generation.token_ids), generation=generation)
+        )
 
     def _emit(self, session: Session, row: int, job: Job, pushed: tuple[str, bool]) -> None:
         """Send a row's new text (`TextStream.push`); after a stop string, end the job and cancel the row."""

@@ -1,0 +1,236 @@
+"""`fastforward engine` and `generate` as its client: an engine (a tiny model, eager steps) starts, says
+when it is ready, answers `generate` with exactly what `generate` prints in process (across decoders,
+text and --json) without importing torch, leaves what it cannot serve to the client's process, cancels a
+request whose client is interrupted, and stops cleanly; a killed engine's leftovers are cleaned."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fastforward.cli import main
+from fastforward.model.tiny import tiny_model
+from fastforward.serving import engines
+
+ROOT = Path(__file__).resolve().parents[1]
+PRECISION = ("--quantize", "none")  # the CPU's other defaults (float32, --exact) as generate's
+PROMPTS = ["def add(a, b):", "Tom has 3 apples", "0"]
+READY_SECONDS = 180.0  # a busy 2-core machine imports torch in seconds; the tiny model loads in less
+# `generate` in a fresh interpreter; after its own output, one stderr line names the heavy modules it loaded.
+CLIENT = (
+    "import sys\nfrom fastforward.cli import main\ncode = main(sys.argv[1:])\n"
+    "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"
+    "print('\\nheavy modules: ' + ' '.join(heavy[:3]), file=sys.stderr)\nsys.exit(code)"
+)
+
+
+def environment(home: Path) -> dict[str, str]:
+    return {**os.environ, "FASTFORWARD_HOME": str(home), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def cli(home: Path, *argv: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
+    """`fastforward ARGV` in its own process, with `home` as $FASTFORWARD_HOME."""
+    command = [sys.executable, "-m", "fastforward", *argv]
+    return subprocess.run(command, input=stdin, capture_output=True, env=environment(home), timeout=300)
+
+
+def client(home: Path, *argv: str, stdin: bytes = b"") -> tuple[str, str, str]:
+    """`fastforward generate ARGV`'s stdout and stderr, and the heavy modules it imported."""
+    done = subprocess.run(
+        [sys.executable, "-c", CLIENT, "generate", *argv],
+        input=stdin,
+        capture_output=True,
+        env=environment(home),
+        timeout=300,
+    )
+    err = done.stderr.decode()
+    assert done.returncode == 0, err
+    err, _, heavy = err.rpartition("\nheavy modules: ")
+    return done.stdout.decode(), err, heavy.strip()
+
+
+def wait_ready(home: Path) -> str:
+    """Poll `engine status` until it exits 0 (every engine ready); its report."""
+    deadline = time.monotonic() + READY_SECONDS
+    while (status := cli(home, "engine", "status")).returncode != 0:
+        assert time.monotonic() < deadline, status.stdout.decode() + logs(home)
+    return status.stdout.decode()
+
+
+def logs(home: Path) -> str:
+    return "".join(p.read_text() for p in (home / "engines").glob("*/engine.log"))
+
+
+def start(home: Path, model: str, *flags: str) -> None:
+    started = cli(home, "engine", "start", "--model", model, *PRECISION, "--no-compile", "--threads", "1", *flags)
+    assert started.returncode == 0, started.stderr.decode()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    model = tiny_model(seed=0, init_std=0.5)
+    model.add_mask_token()  # for sbd-verified
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    model.save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, home):
+    """An engine for the tiny model, ready; stopped after the module's tests."""
+    start(home, model_dir)
+    try:
+        wait_ready(home)
+        yield
+    finally:
+        cli(home, "engine", "stop")
+
+
+@pytest.fixture
+def in_home(monkeypatch, home):
+    """`main` in this process sees the module's engines."""
+    monkeypatch.setenv("FASTFORWARD_HOME", str(home))
+
+
+def in_process(capsys, monkeypatch, argv: list[str], stdin: bytes = b"") -> tuple[str, str]:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    assert main([*argv, "--no-engine", "--threads", "1"]) == 0
+    said = capsys.readouterr()
+    return said.out, said.err
+
+
+def without_timings(out: str, err: str, as_json: bool) -> tuple[list, str]:
+    """The output with the figures that measure time dropped (tokens/s, seconds)."""
+    figures = re.sub(r"[\d.]+ tokens/s", "", err)
+    if not as_json:
+        return [out], figures
+    records = [json.loads(line) for line in out.splitlines()]
+    for r in records:
+        for timing in ("seconds", "prefill_seconds", "tps"):
+            del r["stats"][timing]
+    return records, figures
+
+
+def test_status_says_what_runs_and_a_second_engine_of_the_same_is_refused(engine, home, model_dir, in_home, capsys):
+    said = wait_ready(home)
+    assert said.startswith("ready: ") and model_dir in said and "(float32, none, exact, sdpa) on cpu" in said
+    assert main(["engine", "start", "--model", model_dir, *PRECISION, "--no-compile"]) == 2
+    assert "runs already" in capsys.readouterr().err
+
+
+CASES = {
+    "lookup, the default": [],
+    "ar": ["--decoder", "ar"],
+    "jacobi": ["--decoder", "jacobi", "--block-size", "4"],
+    "sbd-verified": ["--decoder", "sbd-verified", "--block-size", "4"],
+    "ar sampling": ["--decoder", "ar", "--temperature", "0.8", "--seed", "3"],
+    "jacobi in batches of 2": ["--decoder", "jacobi", "--batch-size", "2"],
+}
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+@pytest.mark.parametrize("flags", CASES.values(), ids=CASES.keys())
+def test_the_client_prints_what_generate_prints_in_process(
+    engine, home, model_dir, flags, as_json, capsys, monkeypatch
+):
+    argv = ["--model", model_dir, *PRECISION, "--max-new-tokens", "12", *flags, *(["--json"] if as_json else [])]
+    out, err, heavy = client(home, *argv, *PROMPTS)
+    assert heavy == "" and "decoding in process" not in err  # the engine answered
+    expected = in_process(capsys, monkeypatch, ["generate", *argv, *PROMPTS])
+    assert without_timings(out, err, as_json) == without_timings(*expected, as_json)
+
+
+def test_prompts_from_stdin_and_the_chat_template_off(engine, home, model_dir, capsys, monkeypatch):
+    argv = ["--model", model_dir, *PRECISION, "--max-new-tokens", "8", "--no-chat-template", "--json"]
+    stdin = "\n".join(PROMPTS).encode()
+    out, err, heavy = client(home, *argv, stdin=stdin)
+    assert heavy == ""
+    expected = in_process(capsys, monkeypatch, ["generate", *argv], stdin=stdin)
+    assert without_timings(out, err, True) == without_timings(*expected, True)
+
+
+def test_what_the_engine_cannot_serve_runs_in_process(engine, home, model_dir, in_home, tmp_path, capsys):
+    base = ["generate", "--model", model_dir, *PRECISION, "--max-new-tokens", "4", "--threads", "1"]
+    assert main([*base, "--no-exact", "hi"]) == 0  # another precision
+    assert "decoding in process: the engine serves" in capsys.readouterr().err
+    other = shutil.copytree(model_dir, tmp_path / "other")
+    assert main(["generate", "--model", str(other), *base[3:], "hi"]) == 0  # another model
+    said = capsys.readouterr().err
+    assert "decoding in process" in said and str(other) in said
+    with pytest.raises(SystemExit):  # the process's own argparse says what is wrong
+        main([*base, "--decoder", "nope", "hi"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_engines_of_two_models_coexist_and_stop_one_at_a_time(engine, home, model_dir, tmp_path):
+    other = str(shutil.copytree(model_dir, tmp_path / "other"))
+    start(home, other)
+    try:
+        said = wait_ready(home)
+        assert said.count("ready: ") == 2
+        out, err, heavy = client(home, "--model", other, *PRECISION, "--max-new-tokens", "4", "hi")
+        assert heavy == "" and out
+    finally:
+        stopped = cli(home, "engine", "stop", "--model", other)
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout.decode()
+    said = wait_ready(home)
+    assert said.count("ready: ") == 1 and model_dir in said
+    (gone,) = [p for p in (home / "engines").iterdir() if not (p / "state.json").exists()]
+    assert not (gone / "socket").exists() and (gone / "engine.log").read_text().endswith("engine: stopped\n")
+
+
+def test_a_killed_engines_socket_is_cleaned_and_generate_runs_in_process(tmp_path, monkeypatch, capsys, model_dir):
+    monkeypatch.setenv("FASTFORWARD_HOME", str(tmp_path))
+    serving = {"model": model_dir, "dtype": "float32", "quantize": "none", "exact": True, "attention": "sdpa"}
+    folder = engines.EngineFolder.of({**serving, "adapter": None, "device": "cpu"})
+    folder.write_state({"pid": 1, "serves": serving, "state": "ready"})
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(folder.socket))  # what a killed engine leaves: a socket file nobody listens on
+    dead.close()
+    assert main(["generate", "--model", model_dir, *PRECISION, "--max-new-tokens", "4", "--threads", "1", "hi"]) == 0
+    assert not folder.socket.exists() and folder.state() is None
+    assert main(["engine", "status"]) == 1 and "none runs" in capsys.readouterr().out
+
+
+def test_ctrl_c_in_the_client_cancels_its_request_in_the_engine(engine, home, model_dir):
+    argv = ["generate", "--model", model_dir, *PRECISION, "--decoder", "ar", "--max-new-tokens", "480", "0"]
+    command = [sys.executable, "-m", "fastforward", *argv]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment(home)) as proc:
+        try:
+            assert proc.stdout.read(1)  # streaming: the engine is decoding it
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) == 130
+        finally:
+            proc.kill()
+        assert "interrupted" in proc.stderr.read().decode()
+    deadline = time.monotonic() + 60
+    while "a client left (Ctrl-C): its request is cancelled" not in logs(home):
+        assert time.monotonic() < deadline, logs(home)
+        time.sleep(0.05)
+
+
+def test_the_readmes_engine_commands_parse():
+    """`fastforward engine ACTION` parses its options itself (`status` and `stop` import no torch): the
+    README's examples must parse there too, as test_docs checks every other command's."""
+    from fastforward.cli.engine import action_parser
+
+    examples = re.findall(r"^\.venv/bin/fastforward engine (\w+)([^#\n]*)", (ROOT / "README.md").read_text(), re.M)
+    assert {action for action, _ in examples} == {"start", "status", "stop"}
+    for action, options in examples:
+        action_parser(action).parse_args(options.split())
