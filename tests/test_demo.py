@@ -106,6 +106,7 @@ def test_zoo_jacobi_forcing_stage_trains_one_round_into_its_folder(tmp_path, mon
     command = build_parser().parse_args([*argv, "--seed", str(config.seed)])
     assert dataclasses.asdict(train_config(command, eval_every=0)) == trained["train"]
     objective = {"noise_schedule": "random", "noise_window": 4, "noisy_context": "clean", "ar_weight": 1.0}
+    objective |= {"states": "rollout", "block_size": 4}  # its own trajectories, collected at block size 4
     assert trained["objective"] == {"name": "jacobi_forcing", **objective}
     assert (tmp_path / "jf" / "config.json").exists() and not (tmp_path / "jf" / "checkpoints").exists()
 

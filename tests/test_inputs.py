@@ -213,15 +213,17 @@ def task_examples(lines: Iterator[tuple[int, dict]], regex: bool = False) -> lis
     return examples
 
 
-def prompt_records(lines: Iterator[tuple[int, dict]]) -> list[list[str]]:
-    """A prompt file: the non-empty string prompts and their ids (the "id" given, else the count so far)."""
-    prompts, ids = [], []
+def prompt_records(lines: Iterator[tuple[int, dict]]) -> list[list[str] | None]:
+    """A prompt file: the non-empty string prompts, their ids (the "id" given, else the count so far) and
+    their completions when every record has a non-empty string one (else None)."""
+    prompts, ids, completions = [], [], []
     for number, record in lines:
         if not isinstance(record.get("prompt"), str) or not record["prompt"]:
             raise Refused(number, '"prompt"')
         prompts.append(record["prompt"])
         ids.append(str(record.get("id", len(ids))))
-    return [prompts, ids]
+        completions.append(record.get("completion"))
+    return [prompts, ids, completions if all(isinstance(c, str) and c for c in completions) else None]
 
 
 def problem_records(lines: Iterator[tuple[int, dict]]) -> list[dict]:
@@ -257,7 +259,7 @@ READERS: dict[str, tuple[Callable[[Path], object], Callable[[Iterator[tuple[int,
         lambda path: [[e.id, e.prompt, e.reference] for e in JsonlTask(str(path), match="regex").examples()],
         lambda lines: task_examples(lines, regex=True),
     ),
-    "prompts": (lambda path: [*map(list, read_prompts(path))], prompt_records),
+    "prompts": (lambda path: list(read_prompts(path)), prompt_records),
     "problems": (load_problems, problem_records),
     "trajectories": (lambda path: [t.to_record() for t in read_trajectories(path)], trajectory_records),
 }
@@ -308,7 +310,7 @@ KINDS = {  # files of one reader's records, mostly good ones
     "task": st.fixed_dictionaries(
         {"prompt": WORD, "answer": WORD | st.integers() | st.floats(allow_infinity=False)}, optional={"id": JSON}
     ),
-    "prompts": st.fixed_dictionaries({"prompt": WORD}, optional={"id": JSON, "answer": JSON}),
+    "prompts": st.fixed_dictionaries({"prompt": WORD}, optional={"id": JSON, "answer": JSON, "completion": JSON}),
     "problems": st.fixed_dictionaries(dict.fromkeys(PROBLEM, WORD), optional={"extra": JSON}),
     "trajectories": st.integers(1, 3).flatmap(trajectory),
 }

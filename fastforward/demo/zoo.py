@@ -96,7 +96,7 @@ def jacobi_forcing(stage: Stage, out: Path, config: DemoConfig, log: Callable[[s
         out / f"{stage.name}-rounds",
         task_prompts("arithmetic", o["prompts"], "train", options=options),
         [Round(block_size=o["block_size"], noise_window=o["block_size"])],
-        JacobiForcing(noise_schedule="random", noise_window=o["block_size"], noisy_context="clean", ar_weight=1.0),
+        JacobiForcing("random", o["block_size"], "clean", ar_weight=1.0, block_size=o["block_size"]),
         TrainConfig(
             steps=stage.steps,
             seq_len=320,

@@ -362,19 +362,18 @@ def trajectory_datasets(
 
 # ---- prompts ------------------------------------------------------------------------------------
 def read_prompts(path: str | Path) -> tuple[list[str], list[str], list[str] | None]:
-    """Prompts, ids and completions of a JSONL file of {"prompt": ..., ...} records ("id" and "completion"
-    are kept, other keys ignored; the completions are None unless every record has one)."""
+    """Prompts, ids and completions of a JSONL file of {"prompt": ..., ...} records ("id" is kept, else the
+    count so far; the completions are None unless every record has a non-empty string "completion"; other
+    keys are ignored)."""
     prompts, ids, completions = [], [], []
     for number, record in read_jsonl(path, "prompt file", 'give a JSONL file of {"prompt": ...} lines'):
         if not isinstance(record.get("prompt"), str) or not record["prompt"]:
             raise FastForwardError(f'{path}:{number}: expected an object with a non-empty string "prompt"')
         prompts.append(record["prompt"])
         ids.append(str(record.get("id", len(ids))))
-        completion = record.get("completion")
-        if completion is not None and (not isinstance(completion, str) or not completion):
-            raise FastForwardError(f'{path}:{number}: "completion" must be a non-empty string')
-        completions.append(completion)
-    return prompts, ids, completions if all(c is not None for c in completions) else None
+        completions.append(record.get("completion"))
+    complete = all(isinstance(c, str) and c for c in completions)
+    return prompts, ids, completions if complete else None
 
 
 @dataclass
