@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fastforward"
 
 # lowest first; each entry is a top-level module or folder of the package
 LAYERS = [
-    {"errors", "jsonl", "registry"},
+    {"errors", "home", "jsonl", "registry"},
     {"tasks"},
     {"cpu"},
     {"model"},

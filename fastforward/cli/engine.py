@@ -155,12 +155,12 @@ def _last_line(folder: EngineFolder) -> str:
 
 
 def _run_engine(args: argparse.Namespace, argv: list[str]) -> int:
+    from fastforward.cli import engine_server
     from fastforward.cpu.threads import use_threads
-    from fastforward.serving import local_server
 
     resolve_precision(args)
     use_threads(args.threads)
-    return local_server.run(args)
+    return engine_server.run(args)
 
 
 ACTIONS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {

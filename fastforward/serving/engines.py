@@ -8,7 +8,7 @@ killed engine is known at once, whatever became of its pid; `state.json`, what i
 is "loading" or "ready"; `socket`, the unix socket it answers on once ready (owner-only); `engine.log`.
 A folder whose lock nobody holds is stale: its socket and state are removed on sight (the log stays).
 
-The protocol on the socket is JSON lines, one request per connection (`fastforward.serving.local_server`).
+The protocol on the socket is JSON lines, one request per connection (`fastforward.cli.engine_server`).
 """
 
 from __future__ import annotations
