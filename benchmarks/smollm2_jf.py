@@ -31,16 +31,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
-from common import load_average, log, machine_info, set_threads
+from common import load_average, log, machine_info, save_snapshot, set_threads, tokens_at
 
 from fastforward.api import build_decoder
 from fastforward.model import Model, load_model
-from fastforward.model.adapters import ADAPTER_CONFIG, PROVENANCE
 from fastforward.tasks import get_task
 from fastforward.tasks.instructions import instruction_prompts
 from fastforward.training.objectives import JacobiForcing
@@ -83,16 +81,6 @@ def collect_trajectories(args, work: Path) -> Path:
 
 
 # ---- training with snapshots ----------------------------------------------------------------------------
-def save_snapshot(model: Model, directory: Path, provenance: dict) -> None:
-    """The adapter as it is now (a PEFT directory), written to a temporary name and renamed."""
-    if (directory / ADAPTER_CONFIG).exists():
-        return
-    tmp = directory.with_name(f".{directory.name}.tmp")
-    model.hf.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
-    (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
-    os.replace(tmp, directory)
-
-
 def train_adapter(args, work: Path, trajectories: Path) -> list[int]:
     """Train (or resume) and write the snapshots of --curve; returns their steps."""
     points = sorted({int(s) for s in args.curve.split(",")} | {args.steps})
@@ -121,17 +109,6 @@ def train_adapter(args, work: Path, trajectories: Path) -> list[int]:
 
 def adapter_at(work: Path, step: int, last: int) -> Path | None:
     return None if step == 0 else work / "train" if step == last else work / "curve" / f"step-{step:05d}"
-
-
-def tokens_at(work: Path) -> dict[int, float]:
-    """Training tokens seen by the end of each step (from the run's metrics)."""
-    seen, total = {0: 0.0}, 0.0
-    for line in (work / "train" / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record.get("split") == "train":
-            total += record["tokens"]
-            seen[record["step"]] = total
-    return seen
 
 
 # ---- evaluation -----------------------------------------------------------------------------------------
@@ -213,7 +190,7 @@ def main() -> None:
     base = load_model(BASE, **precision)
     scorer = load_model(BASE)
     held = prompt_ids(base, args.n, args.n, "test")
-    seen = tokens_at(work)
+    seen = tokens_at(work / "train")
     curve = []
     for step in [0, *points]:
         adapter = adapter_at(work, step, args.steps)

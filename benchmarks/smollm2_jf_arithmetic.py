@@ -36,11 +36,10 @@ import os
 import time
 from pathlib import Path
 
-from common import load_average, log, machine_info, set_threads
+from common import load_average, log, machine_info, save_snapshot, set_threads, tokens_at
 
 from fastforward.api import build_decoder
 from fastforward.model import Model, load_model
-from fastforward.model.adapters import ADAPTER_CONFIG, PROVENANCE
 from fastforward.tasks import get_task
 from fastforward.training.data import PackedData, load_examples
 from fastforward.training.objectives import JacobiForcing, make_objective
@@ -80,16 +79,6 @@ def train_ntp(start: str, data: Path, run: Path, args, steps: int) -> None:
     train(model, make_objective("ntp"), rows, config(args, steps, args.ntp_batch_size, args.lr), run)
 
 
-def save_snapshot(model: Model, directory: Path, provenance: dict) -> None:
-    """The adapter as it is now (a PEFT directory), written to a temporary name and renamed."""
-    if (directory / ADAPTER_CONFIG).exists():
-        return
-    tmp = directory.with_name(f".{directory.name}.tmp")
-    model.hf.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
-    (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
-    os.replace(tmp, directory)
-
-
 def objective(args) -> JacobiForcing:
     return JacobiForcing(
         noise_schedule=args.noise_schedule, noise_window=args.block_size, ar_weight=args.ar_weight,
@@ -117,17 +106,6 @@ def train_jf(start: str, data: Path, work: Path, args) -> list[int]:
     log(f"jacobi_forcing from {start}: {args.steps} steps of {args.batch_size} rows, LoRA {args.lora_rank} → {run}")
     train(model, chosen, rows, config(args, args.steps, args.batch_size, args.lr), run, callback=snapshot)
     return points
-
-
-def tokens_at(run: Path) -> dict[int, float]:
-    """Training tokens seen by the end of each step (from the run's metrics), and the run's tokens/s."""
-    seen, total = {0: 0.0}, 0.0
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record.get("split") == "train":
-            total += record["tokens"]
-            seen[record["step"]] = total
-    return seen
 
 
 def main() -> None:
