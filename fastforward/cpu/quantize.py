@@ -220,6 +220,8 @@ def quantize(
         calibration = None
     groups = fusion.shared_input_groups(hf) if calibration or fuse or low_rank else []
     factors = smoothing.smoothing_factors(hf, groups, calibration) if calibration else {}
+    # an update's second factor reads the first's output: no smoothing, no bfloat16 copy
+    up = functools.partial(_quantized, scheme=scheme, smoothing=None, dense=False)
     for members in groups:
         layers = [hf.get_submodule(name) for name in members]
         adapted = not low_rank.keys().isdisjoint(members)
@@ -228,7 +230,6 @@ def quantize(
         build = functools.partial(_quantized, scheme=scheme, smoothing=factors.get(members[0]), dense=False)
         if adapted:  # one call for the group's weights and updates, one for the updates' second factors
             update = LowRank.side_by_side([low_rank.get(name) for name in members], [m.out_features for m in layers])
-            up = functools.partial(_quantized, scheme=scheme, smoothing=None, dense=False)
             build = functools.partial(LowRankLinear, update=update, quantized=build, quantized_up=up)
         fusion.fuse(hf, members, build)
     # The output layer reads a prefill's last rows only: its bfloat16 copy would sit unused.
@@ -237,8 +238,7 @@ def quantize(
         if isinstance(module, nn.Linear):
             parent, _, attribute = name.rpartition(".")
             build = functools.partial(_quantized, scheme=scheme, smoothing=factors.get(name))
-            if name in low_rank:  # the update's second factor reads the first's output: no smoothing, no copy
-                up = functools.partial(_quantized, scheme=scheme, smoothing=None, dense=False)
+            if name in low_rank:
                 layer = LowRankLinear(module, low_rank[name], functools.partial(build, dense=native), up)
             else:
                 layer = build(module, dense=native and module is not output)
