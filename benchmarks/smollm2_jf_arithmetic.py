@@ -62,21 +62,21 @@ def write_data(args, work: Path) -> Path:
     return path
 
 
-def config(args, steps: int, batch_size: int, lr: float) -> TrainConfig:
+def config(args, steps: int, batch_size: int, lr: float, lora_from: Path | None = None) -> TrainConfig:
     return TrainConfig(
         steps=steps, seq_len=args.seq_len, batch_size=batch_size, lr=lr, warmup=args.warmup,
         mixed_precision="bf16" if args.bf16 else "no", save_every=args.save_every, eval_every=0,
-        keep_checkpoints=1, lora_rank=args.lora_rank,
+        keep_checkpoints=1, lora_rank=args.lora_rank, lora_from=str(lora_from or ""),
     )  # fmt: skip
 
 
-def train_ntp(start: str, data: Path, run: Path, args, steps: int) -> None:
+def train_ntp(start: str, data: Path, run: Path, args, steps: int, lr: float, lora_from: Path | None = None) -> None:
     if finished_run(run):
         return
     model = load_model(start)
     rows = PackedData(load_examples(data, model.tokenizer), args.seq_len, model.pad_token_id)
     log(f"ntp from {start}: {steps} steps of {args.ntp_batch_size} rows of {args.seq_len} → {run}")
-    train(model, make_objective("ntp"), rows, config(args, steps, args.ntp_batch_size, args.lr), run)
+    train(model, make_objective("ntp"), rows, config(args, steps, args.ntp_batch_size, lr, lora_from), run)
 
 
 def objective(args) -> JacobiForcing:
@@ -86,10 +86,14 @@ def objective(args) -> JacobiForcing:
     )  # fmt: skip
 
 
-def train_jf(start: str, data: Path, work: Path, args) -> list[int]:
-    """Train (or resume) Jacobi Forcing and write the snapshots of --curve; returns the curve's steps."""
-    points = sorted({int(s) for s in args.curve.split(",")} | {args.steps})
-    run = work / "jf"
+def train_jf(start: str, data: Path, work: Path, args, more: bool = False) -> list[int]:
+    """Train (or resume) Jacobi Forcing and write the snapshots of --curve; returns the curve's steps.
+    `more`: the --more-steps that continue the finished adapter (WORK/jf-more), its steps counted on from
+    the first run's."""
+    first = args.steps if more else 0
+    steps = args.more_steps if more else args.steps
+    points = sorted({int(s) for s in args.curve.split(",") if first < int(s) < first + steps} | {first + steps})
+    run = work / ("jf-more" if more else "jf")
     if finished_run(run):
         return points
     model = load_model(start)
@@ -99,12 +103,13 @@ def train_jf(start: str, data: Path, work: Path, args) -> list[int]:
     provenance = {"base": start, "objective": chosen.describe(), "recipe": "benchmarks/smollm2_jf_arithmetic.py"}
 
     def snapshot(step: int, record: dict) -> None:
-        if step in points and step < args.steps:
-            save_snapshot(model, work / "curve" / f"step-{step:05d}", {**provenance, "step": step})
+        if first + step in points and step < steps:
+            save_snapshot(model, work / "curve" / f"step-{first + step:05d}", {**provenance, "step": first + step})
 
     (work / "curve").mkdir(parents=True, exist_ok=True)
-    log(f"jacobi_forcing from {start}: {args.steps} steps of {args.batch_size} rows, LoRA {args.lora_rank} → {run}")
-    train(model, chosen, rows, config(args, args.steps, args.batch_size, args.lr), run, callback=snapshot)
+    log(f"jacobi_forcing from {start}: {steps} steps of {args.batch_size} rows, LoRA {args.lora_rank} → {run}")
+    lr, lora_from = (args.more_lr, work / "jf") if more else (args.lr, None)
+    train(model, chosen, rows, config(args, steps, args.batch_size, lr, lora_from), run, callback=snapshot)
     return points
 
 
@@ -114,7 +119,14 @@ def main() -> None:
     p.add_argument("--problems", type=int, default=3000, help="train problems with worked solutions")
     p.add_argument("--sft-steps", type=int, default=100, help="ntp steps of the domain-tuned start")
     p.add_argument("--steps", type=int, default=300, help="Jacobi Forcing steps (and the control's)")
-    p.add_argument("--curve", default="50,100,200", help="steps at which a JF adapter snapshot is kept and evaluated")
+    p.add_argument("--curve", default="50,100,200,400,500", help="JF steps whose adapter is kept and evaluated")
+    p.add_argument(
+        "--more-steps",
+        type=int,
+        default=300,
+        help="steps that continue the finished JF adapter (and the control), a fresh schedule; 0: none",
+    )
+    p.add_argument("--more-lr", type=float, default=5e-4, help="peak learning rate of the --more-steps")
     p.add_argument("--batch-size", type=int, default=16, help="Jacobi Forcing rows per step")
     p.add_argument("--ntp-batch-size", type=int, default=8, help="ntp rows per step (packed rows of --seq-len)")
     p.add_argument("--seq-len", type=int, default=256)
@@ -139,15 +151,24 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     data = write_data(args, work)
-    train_ntp(BASE, data, work / "sft", args, args.sft_steps)
-    points = train_jf(str(work / "sft"), data, work, args)
+    sft = str(work / "sft")
+    train_ntp(BASE, data, work / "sft", args, args.sft_steps, args.lr)
+    points = train_jf(sft, data, work, args)
+    if args.more_steps:
+        points = sorted(set(points) | set(train_jf(sft, data, work, args, more=True)))
     log(f"SFT and Jacobi Forcing: {time.perf_counter() - started:.0f} s")
+
+    def control() -> None:
+        train_ntp(sft, data, work / "control", args, args.steps, args.lr)
+        if args.more_steps:
+            train_ntp(sft, data, work / "control-more", args, args.more_steps, args.more_lr, work / "control")
+
     if args.skip_eval:
-        train_ntp(str(work / "sft"), data, work / "control", args, args.steps)
+        control()
         return
     evaluate(args, work, points, threads)  # the control's row too, once it has trained
     if not args.skip_control:
-        train_ntp(str(work / "sft"), data, work / "control", args, args.steps)
+        control()
         evaluate(args, work, points, threads)
 
 

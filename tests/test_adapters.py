@@ -106,6 +106,29 @@ def test_lora_training_saves_an_adapter_that_reloads_to_the_trained_weights(base
     torch.testing.assert_close(logits(again), untrained)
 
 
+def test_lora_from_continues_a_finished_adapter_as_one_adapter_over_the_same_base(base, tmp_path):
+    def run(out, steps, lr, **options) -> Model:
+        model = load_model(str(base))
+        data = PackedData([encode_record({"text": t}, model.tokenizer) for t in TEXTS * 8], 32, model.pad_token_id)
+        config = TrainConfig(**{"steps": steps, "seq_len": 32, "batch_size": 2, "lr": lr, "warmup": 0,
+                                "save_every": 0, "eval_every": 0, "lora_rank": 4, **options})  # fmt: skip
+        train(model, NTP(), data, config, out)
+        return model
+
+    first = logits(run(tmp_path / "first", 4, 1e-2))
+    assert not torch.allclose(first, logits(load_model(str(base))), atol=1e-3)
+    # a learning rate too small to move anything: the continued adapter starts where the first one ended
+    continued = run(tmp_path / "more", 2, 1e-12, lora_from=str(tmp_path / "first"))
+    torch.testing.assert_close(logits(continued), first, rtol=1e-5, atol=1e-5)
+    reloaded = load_model(str(tmp_path / "more"))
+    assert reloaded.adapter is None and json.loads((tmp_path / "more" / PROVENANCE).read_text())["base"] == str(base)
+    torch.testing.assert_close(logits(reloaded), first, rtol=1e-5, atol=1e-5)
+    with pytest.raises(FastForwardError, match="rank 4, not the run's LoRA rank 2"):
+        run(tmp_path / "bad", 1, 1e-2, lora_from=str(tmp_path / "first"), lora_rank=2)
+    with pytest.raises(FastForwardError, match="give its lora_rank"):
+        TrainConfig(lora_from=str(tmp_path / "first")).validate()
+
+
 class Stop(Exception):
     pass
 

@@ -33,6 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-fraction", type=float, default=0.0, help="hold out this share of --data instead")
     p.add_argument("--no-chat-template", action="store_true", help="join prompt and completion as raw text")
     add_optimizer_flags(p, seq_len=TrainConfig().seq_len)
+    p.add_argument(
+        "--lora-from",
+        default="",
+        help="continue training this LoRA adapter directory, with a fresh optimizer and schedule (give its "
+        "--lora-rank and, as --model, the base it was trained on)",
+    )
     add_objective_flags(p)
     add_only_correct_flag(p)
     p.add_argument(
@@ -135,7 +141,9 @@ def train_config(args: argparse.Namespace, **overrides) -> TrainConfig:
 @reported_once
 def run(args: argparse.Namespace) -> int:
     share_threads(args.threads)
-    config = train_config(args, eval_every=args.eval_every, max_eval_batches=args.max_eval_batches)
+    config = train_config(
+        args, eval_every=args.eval_every, max_eval_batches=args.max_eval_batches, lora_from=args.lora_from
+    )
     chosen = {name: getattr(args, name) for name in options() if getattr(args, name) is not None}
     objective = make_objective(args.objective, **chosen)  # the options it does not take are left out
     on_trajectories = args.objective == "jacobi_forcing" and not args.data

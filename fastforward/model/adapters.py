@@ -51,6 +51,11 @@ def _read(path: Path) -> dict:
     return value
 
 
+def read_config(adapter: Path) -> dict:
+    """The adapter's PEFT configuration (rank, alpha, target modules...)."""
+    return _read(adapter / ADAPTER_CONFIG)
+
+
 def weights_file(adapter: Path) -> Path:
     """The adapter's weights (safetensors preferred), or a one-line error naming what is missing."""
     for name in WEIGHTS:
@@ -64,7 +69,7 @@ def base_of(adapter: Path) -> str | None:
     provenance = adapter / PROVENANCE
     if provenance.is_file() and (base := _read(provenance).get("base")):
         return str(base)
-    return _read(adapter / ADAPTER_CONFIG).get("base_model_name_or_path") or None
+    return read_config(adapter).get("base_model_name_or_path") or None
 
 
 def resolve_chain(path: Path, resolve: Callable[[str], Path]) -> tuple[Path, list[Path]]:
@@ -133,7 +138,7 @@ def split(hf: PreTrainedModel, adapter: Path, keep_apart: bool = True) -> tuple[
     which are returned by layer name instead, to be kept beside quantized weights. The rest (LoRA on
     embeddings, DoRA, fan-in-fan-out layers, fully trained modules) is merged as PEFT merges it."""
     weights_file(adapter)
-    _read(adapter / ADAPTER_CONFIG)
+    read_config(adapter)
     from peft import PeftModel  # imported by adapters only: peft's import costs a second
 
     try:

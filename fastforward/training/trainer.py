@@ -78,6 +78,9 @@ class TrainConfig:
     lora_rank: int = 0  # 0: train every weight; R: a PEFT LoRA adapter of rank R, saved as an adapter directory
     lora_alpha: float = 0.0  # LoRA's scale numerator; 0: twice the rank
     lora_targets: str = adapters.DEFAULT_TARGETS  # "all-linear" or comma-separated module names
+    # An adapter directory whose LoRA weights the run starts from (its rank and targets; a fresh optimizer and
+    # schedule): training a finished adapter further, on the base it was trained on.
+    lora_from: str = ""
 
     def validate(self) -> None:
         positive = ("steps", "seq_len", "batch_size", "grad_accum", "keep_checkpoints", "max_eval_batches")
@@ -89,6 +92,8 @@ class TrainConfig:
                 raise FastForwardError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
             raise FastForwardError(f"lr must be > 0, got {self.lr}")
+        if self.lora_from and not self.lora_rank:
+            raise FastForwardError(f"lora_from {self.lora_from} continues a LoRA adapter: give its lora_rank too")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise FastForwardError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
 
@@ -259,7 +264,7 @@ def train(
             "train with --attention sdpa"
         )
     objective.setup(model)
-    with lora.layers(model, config.lora_rank, config.lora_alpha, config.lora_targets, config.seed):
+    with lora.layers(model, config.lora_rank, config.lora_alpha, config.lora_targets, config.seed, config.lora_from):
         return _train(model, objective, train_data, config, out, accelerator, eval_data, callback, overwrite)
 
 
