@@ -15,6 +15,7 @@ from fastforward.cpu.low_rank import LowRankLinear
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, load_model, visibility
 from fastforward.model.adapters import ADAPTER_CONFIG, PROVENANCE
+from fastforward.model.flatten import flatten
 from fastforward.model.tiny import tiny_model
 from fastforward.training.data import PackedData, encode_record
 from fastforward.training.objectives import NTP, SBD
@@ -263,3 +264,26 @@ def test_an_adapter_beside_int4_weights_is_lossless_and_kept_in_the_store(base, 
     for name, options in (("jacobi", {"block_size": 8}), ("lookup", {})):
         out = build_decoder(name, **options).generate(model, prompts, 24)
         assert [g.token_ids for g in out] == [g.token_ids for g in ar], name
+
+
+def test_a_chain_of_adapters_flattens_into_one_that_gives_the_same_model(base, tmp_path):
+    """SFT then JF, say: one adapter of the summed rank over the first base, equal logits in float32, close
+    in bfloat16; nothing but plain LoRA linear updates is flattened."""
+    peft_adapter(base, tmp_path / "first", ("q_proj", "v_proj"), seed=0)
+    peft_adapter(tmp_path / "first", tmp_path / "second", ("v_proj", "o_proj"), seed=1)
+    (tmp_path / "second" / PROVENANCE).write_text(json.dumps({"base": str(tmp_path / "first")}))
+    chain = logits(load_model(str(tmp_path / "second")))
+    assert not torch.allclose(chain, logits(load_model(str(tmp_path / "first"))), atol=1e-3)
+
+    flat = flatten([tmp_path / "first", tmp_path / "second"], tmp_path / "flat", str(base), dtype=torch.float32)
+    config = json.loads((flat / ADAPTER_CONFIG).read_text())
+    assert (config["r"], sorted(config["target_modules"])) == (8, ["o_proj", "q_proj", "v_proj"])
+    assert json.loads((flat / PROVENANCE).read_text())["base"] == str(base)  # no intermediate step left
+    torch.testing.assert_close(logits(load_model(str(flat))), chain, rtol=1e-5, atol=1e-5)
+    half = logits(load_model(str(flatten([tmp_path / "first", tmp_path / "second"], tmp_path / "bf16", str(base)))))
+    assert (half - chain).abs().max() < 0.02 * (chain - logits(load_model(str(base)))).abs().max()
+
+    dora = get_peft_model(load_model(str(base)).hf, LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    dora.save_pretrained(tmp_path / "dora")
+    with pytest.raises(FastForwardError, match="DoRA cannot be flattened"):
+        flatten([tmp_path / "dora"], tmp_path / "no", str(base))
