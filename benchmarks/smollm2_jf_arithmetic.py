@@ -40,6 +40,8 @@ from common import load_average, log, machine_info, save_snapshot, set_threads, 
 
 from fastforward.api import build_decoder
 from fastforward.model import Model, load_model
+from fastforward.model.adapters import ADAPTER_CONFIG
+from fastforward.model.flatten import flatten
 from fastforward.tasks import get_task
 from fastforward.training.data import PackedData, load_examples
 from fastforward.training.objectives import JacobiForcing, make_objective
@@ -141,6 +143,13 @@ def main() -> None:
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast in training")
     p.add_argument("--n", type=int, default=300, help="held-out problems at the last point")
     p.add_argument("--curve-n", type=int, default=60, help="held-out problems at the other points")
+    p.add_argument("--blocks", default="16,12,8", help="jacobi block sizes of the last point's table")
+    p.add_argument(
+        "--base-rows",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the base model's ar and lookup on the --n problems too (last)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-eval", action="store_true", help="train only (the control too)")
@@ -216,6 +225,25 @@ def isa() -> list[str]:
     return sorted(f for f in flags.split() if f.startswith(("avx512", "amx", "avx2", "avx_vnni")))
 
 
+def jf_model(work: Path, args, step: int) -> Path:
+    """The JF model after `step` steps: the SFT model at 0, a run's final adapter, or a curve snapshot."""
+    if step == 0:
+        return work / "sft"
+    if step == args.steps:
+        return work / "jf"
+    if args.more_steps and step == args.steps + args.more_steps:
+        return work / "jf-more"
+    return work / "curve" / f"step-{step:05d}"
+
+
+def ship(work: Path, last: Path) -> Path:
+    """The SFT and JF adapters flattened into one bfloat16 adapter over the base: what the preset ships."""
+    shipped = work / "shipped"
+    if not (shipped / ADAPTER_CONFIG).exists():
+        flatten([work / "sft", last], shipped, BASE)
+    return shipped
+
+
 def evaluate(args, work: Path, points: list[int], threads: int) -> None:
     """Each part of the evaluation once: a rerun (say, after the control finished training) computes
     only the parts WORK/curve.json lacks. Timed parts interleave their contenders."""
@@ -225,41 +253,59 @@ def evaluate(args, work: Path, points: list[int], threads: int) -> None:
     base = load_model(BASE, **SERVED)
     prompts = [base.encode_prompt(e.prompt) for e in examples]
     few, few_prompts = examples[: args.curve_n], prompts[: args.curve_n]
+    last_step = points[-1]
+    shipped = ship(work, jf_model(work, args, last_step))
+    blocks = [int(b) for b in args.blocks.split(",")]
     jacobi = {"block_size": args.block_size}
 
-    def part(name: str, compute) -> None:
-        if name in record:
-            return
-        before = load_average()
-        record[name] = compute()
+    def save(name: str, value, before: list[float]) -> None:
+        record[name] = value
         record.setdefault("runs", {})[name] = {"threads": threads, "load_before": before, "load_after": load_average()}
         record.setdefault("machine", {**machine_info(), "isa": isa()})
         path.write_text(json.dumps(record, indent=2) + "\n")
-        log(f"{name}: {json.dumps(record[name])}")
 
-    def curve() -> list[dict]:
-        seen, rows = tokens_at(work / "jf"), []
+    def part(name: str, compute) -> None:
+        if name not in record:
+            save(name, compute(), load_average())
+            log(f"{name}: {json.dumps(record[name])}")
+
+    def curve() -> None:
+        """Every curve point not yet in the record, each saved as it finishes."""
+        seen = tokens_at(work / "jf")
+        if args.more_steps and (work / "jf-more" / "metrics.jsonl").exists():
+            seen |= {args.steps + k: v + seen[args.steps] for k, v in tokens_at(work / "jf-more").items()}
         for step in [0, *points]:  # step 0: the SFT model, where Jacobi Forcing starts
-            at = work / "curve" / f"step-{step:05d}"
-            model = load_model(str(work / "sft" if step == 0 else work / "jf" if step == args.steps else at), **SERVED)
+            if any(p["step"] == step for p in record.get("curve", [])):
+                continue
+            before, model = load_average(), load_model(str(jf_model(work, args, step)), **SERVED)
             out = interleaved({"ar": (model, "ar", {}), "jacobi": (model, "jacobi", jacobi)}, few_prompts, args)
-            rows.append({"step": step, "tokens": seen.get(step, 0.0), "ar": summary(out["ar"], few),
-                         "jacobi": summary(out["jacobi"], few, out["ar"])})  # fmt: skip
-        return rows
+            row = {"step": step, "tokens": seen.get(step, 0.0), "ar": summary(out["ar"], few),
+                   "jacobi": summary(out["jacobi"], few, out["ar"])}  # fmt: skip
+            save("curve", sorted([*record.get("curve", []), row], key=lambda p: p["step"]), before)
+            log(f"curve point: {json.dumps(row)}")
 
     def final() -> dict:
-        model = load_model(str(work / "jf"), **SERVED)
-        contenders = {
-            "jf ar": (model, "ar", {}),
-            "jf jacobi": (model, "jacobi", jacobi),
-            "jf jacobi-8": (model, "jacobi", {"block_size": 8}),
-            "jf lookup": (model, "lookup", {}),
-            "base ar": (base, "ar", {}),
-            "base lookup": (base, "lookup", {}),
-        }
+        """The shipped adapter, at the preset's defaults: ar, jacobi at each of --blocks, lookup."""
+        model = load_model(str(shipped), **SERVED)
+        contenders = {"jf ar": (model, "ar", {})}
+        contenders |= {f"jf jacobi-{b}": (model, "jacobi", {"block_size": b}) for b in blocks}
+        contenders["jf lookup"] = (model, "lookup", {})
         out = interleaved(contenders, prompts, args)
-        own_ar = {label: out[label.split()[0] + " ar"] for label in out if not label.endswith(" ar")}
-        return {label: summary(g, examples, own_ar.get(label)) for label, g in out.items()}
+        return {label: summary(g, examples, None if label == "jf ar" else out["jf ar"]) for label, g in out.items()}
+
+    def base_rows() -> dict:
+        out = interleaved({"base ar": (base, "ar", {}), "base lookup": (base, "lookup", {})}, prompts, args)
+        return {label: summary(g, examples, None if label == "base ar" else out["base ar"]) for label, g in out.items()}
+
+    def flattened() -> dict:
+        """The shipped adapter (flattened, bfloat16) against the chain it was made from (float32 adapters),
+        both at the preset's defaults, and at float32."""
+        runs = {
+            "chain, int4": decode(load_model(str(jf_model(work, args, last_step)), **SERVED), "ar", few_prompts, args),
+            "shipped, int4": decode(load_model(str(shipped), **SERVED), "ar", few_prompts, args),
+            "shipped, float32": decode(load_model(str(shipped)), "ar", few_prompts, args),
+        }
+        return {label: summary(g, few, runs["chain, int4"]) for label, g in runs.items()}
 
     def precision() -> dict:
         """The adapter at float32, kept beside int4 weights, and merged into them before int4 quantization
@@ -274,39 +320,40 @@ def evaluate(args, work: Path, points: list[int], threads: int) -> None:
         }
         return {label: summary(g, few, runs["float32"]) for label, g in runs.items()}
 
-    part("curve", curve)
-    part("final", final)
-    part("precision", precision)
-    if finished_run(work / "control"):
-        part(
-            "control",
-            lambda: summary(decode(load_model(str(work / "control"), **SERVED), "ar", prompts, args), examples),
-        )
-    record["adapter_bytes"] = sum(
-        f.stat().st_size for name in ("sft", "jf") for f in (work / name).glob("adapter_model.*")
-    )
+    curve()
+    part(f"final-step-{last_step}", final)
+    part(f"flattened-step-{last_step}", flattened)
+    part(f"precision-step-{args.steps}", precision)
+    control = work / ("control-more" if args.more_steps else "control")
+    if finished_run(control):
+        run = lambda: summary(decode(load_model(str(control), **SERVED), "ar", prompts, args), examples)  # noqa: E731
+        part(f"control-step-{last_step}", run)
+    if args.base_rows:
+        part("base", base_rows)
+    record["adapter_bytes"] = sum(f.stat().st_size for f in shipped.glob("adapter_model.*"))
     path.write_text(json.dumps(record, indent=2) + "\n")
-    print_tables(record)
+    print_tables(record, last_step)
     log(f"wrote {path}")
 
 
-def print_tables(record: dict) -> None:
+def print_tables(record: dict, last_step: int) -> None:
     log("\n| JF step | training tokens | AR accuracy | jacobi TPF | jacobi = ar |\n|---|---|---|---|---|")
     for p in record.get("curve", []):
         log(f"| {p['step']} | {p['tokens']:.0f} | {p['ar']['accuracy']:.1%} | {p['jacobi']['tpf']:.2f} "
             f"| {p['jacobi']['equal_ar']} of {p['jacobi']['n']} |")  # fmt: skip
-    final = dict(record.get("final", {}))
-    if "control" in record:
-        final["control ar"] = record["control"]
-    ar_tps = final.get("jf ar", {}).get("tps", 0.0)
-    log("\n| model, decoder | accuracy | TPF | tokens/s | × its ar | = its ar |\n|---|---|---|---|---|---|")
+    final = {**record.get(f"final-step-{last_step}", {}), **record.get("base", {})}
+    if f"control-step-{last_step}" in record:
+        final["control ar"] = record[f"control-step-{last_step}"]
+    log("\n| model, decoder | accuracy | TPF | tokens/s | × its ar | × its lookup | = its ar |")
+    log("|---|---|---|---|---|---|---|")
     for label, row in final.items():
-        own = final["base ar"]["tps"] if label.startswith("base") else ar_tps
+        model = label.split()[0]
+        own_ar, own_lookup = (final.get(f"{model} {d}", {}).get("tps", 0.0) for d in ("ar", "lookup"))
         equal = f"{row['equal_ar']} of {row['n']}" if "equal_ar" in row else ""
-        speedup = row["tps"] / own if own else 0.0
-        log(f"| {label} | {row['accuracy']:.1%} | {row['tpf']:.2f} | {row['tps']:.1f} | {speedup:.2f} | {equal} |")
-    log(f"\nprecision: {json.dumps(record.get('precision'))}")
-    log(f"adapters (SFT + JF): {record['adapter_bytes'] / 2**20:.1f} MiB; load: {json.dumps(record.get('runs'))}")
+        ratios = " | ".join(f"{row['tps'] / own:.2f}" if own else "" for own in (own_ar, own_lookup))
+        log(f"| {label} | {row['accuracy']:.1%} | {row['tpf']:.2f} | {row['tps']:.1f} | {ratios} | {equal} |")
+    log(f"\nflattened: {json.dumps(record.get(f'flattened-step-{last_step}'))}")
+    log(f"shipped adapter: {record['adapter_bytes'] / 2**20:.1f} MiB; load: {json.dumps(record.get('runs'))}")
 
 
 if __name__ == "__main__":

@@ -287,3 +287,16 @@ def test_a_chain_of_adapters_flattens_into_one_that_gives_the_same_model(base, t
     dora.save_pretrained(tmp_path / "dora")
     with pytest.raises(FastForwardError, match="DoRA cannot be flattened"):
         flatten([tmp_path / "dora"], tmp_path / "no", str(base))
+
+
+def test_a_shipped_adapter_loads_by_name_and_is_listed_among_the_presets(base, tmp_path, monkeypatch):
+    from fastforward.model import presets
+
+    shipped = tmp_path / "shipped"
+    peft_adapter(base, shipped / "tiny-lora")
+    monkeypatch.setattr(presets, "SHIPPED_ADAPTERS", shipped)
+    by_name = load_model("tiny-lora")
+    torch.testing.assert_close(logits(by_name), logits(load_model(str(shipped / "tiny-lora"))))
+    assert "tiny-lora" in presets.preset_names()
+    with pytest.raises(FastForwardError, match=r"give a preset \(smollm2-135m, tiny-lora\)"):
+        load_model("no-such-model")

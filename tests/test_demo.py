@@ -11,10 +11,10 @@ import pytest
 from fastforward.cli import build_parser, main
 from fastforward.cli.train import train_config
 from fastforward.decoding.metrics import aup
-from fastforward.demo import showcase, zoo
+from fastforward.demo import real_model, showcase, zoo
 from fastforward.demo.pipeline import PRESETS, run_demo
 from fastforward.errors import FastForwardError
-from fastforward.model import SHIPPED_CHECKPOINTS
+from fastforward.model import SHIPPED_CHECKPOINTS, load_model
 
 
 def test_demo_trains_evaluates_and_reuses(tmp_path):
@@ -162,7 +162,8 @@ def test_demo_aup_per_model_and_sweep_hand_computed():
 
 @pytest.mark.skipif(not (SHIPPED_CHECKPOINTS / "sbd").is_dir(), reason="no shipped checkpoints in this tree")
 def test_demo_evaluates_the_shipped_checkpoints(tmp_path, capsys):
-    argv = ["demo", "--n", "2", "--threads", "1", "--quiet", "--out", str(tmp_path), "--json", str(tmp_path / "t.json")]
+    argv = ["demo", "--n", "2", "--threads", "1", "--quiet", "--out", str(tmp_path), "--json", str(tmp_path / "t.json"),
+            "--real-n", "0"]  # fmt: skip
     assert main(argv) == 0
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
     assert {r["model"] for r in rows} == {"NTP", "Jacobi Forcing", "SBD", "MultiTF", "SetDLM"}
@@ -174,6 +175,34 @@ def test_demo_evaluates_the_shipped_checkpoints(tmp_path, capsys):
     assert ("SBD", "sbd, γ sweep (block 16)") in methods and "AUP (accuracy under parallelism" in out.out
     sweep = next(a for a in aups if a["method"].startswith("sbd, γ sweep"))
     assert sweep["points"] == 4
+
+
+def test_the_real_model_rows_compare_each_model_with_its_own_ar_and_jacobi_is_lossless(tiny, tmp_path, monkeypatch):
+    """The SmolLM2 rows' plumbing, on a tiny model in place of SmolLM2 and its adapter (int4, --exact)."""
+    tiny.save(tmp_path / "m")
+    loaded = []
+
+    def load(name, **precision):
+        loaded.append((name, precision))
+        return load_model(str(tmp_path / "m"), **precision)
+
+    monkeypatch.setattr(real_model, "load_model", load)
+    monkeypatch.setattr(real_model, "task_options", lambda: {"max_ops": 2, "max_number": 10})
+    rows, results = real_model.evaluate_real_model(real_model.RealSettings(n=3, block_size=4, max_new_tokens=12), False)
+    assert loaded == [(real_model.JF_PRESET, real_model.SERVED), (real_model.BASE, real_model.SERVED)]
+    jf, base = real_model.LABELS[real_model.JF_PRESET], real_model.LABELS[real_model.BASE]
+    assert [(r["model"], r["decoder"]) for r in rows] == [
+        (jf, "AR"), (jf, "jacobi (block 4)"), (jf, "lookup"), (base, "AR"), (base, "lookup")
+    ]  # fmt: skip
+    assert all(r["n"] == 3 for r in rows) and {r.label for r in results} == {"ar", "jacobi (block 4)", "lookup"}
+    assert all(r["agree_exact"] == 100.0 for r in rows if r["decoder"] != "AR")  # lossless: AR's tokens
+
+
+def test_the_demo_says_why_it_leaves_the_real_model_rows_out(monkeypatch):
+    monkeypatch.setattr(real_model, "unavailable", lambda: "the base model's package is not installed")
+    lines = []
+    assert showcase.real_model_rows(real_model.RealSettings(n=1), False, lines.append) == ([], [])
+    assert lines == ["the SmolLM2 rows are left out: the base model's package is not installed"]
 
 
 @pytest.mark.parametrize(

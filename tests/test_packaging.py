@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fastforward.cpu import native
-from fastforward.model import SHIPPED_CHECKPOINTS
+from fastforward.model import SHIPPED_ADAPTERS, SHIPPED_CHECKPOINTS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,13 +30,13 @@ def tracked_files(*paths: str) -> set[str]:
 
 def opened_files() -> set[str]:
     """The files the code opens at run time, from the code itself: the native sources, the headers they
-    include, and the shipped checkpoints."""
+    include, the shipped checkpoints and adapters."""
     files = set()
     for source in native.SOURCES:
         files.add(source)
         for header in re.findall(r'#include "([^"]+)"', source.read_text()):
             files.add(source.parent / header)
-    files |= {path for path in SHIPPED_CHECKPOINTS.rglob("*") if path.is_file()}
+    files |= {path for root in (SHIPPED_CHECKPOINTS, SHIPPED_ADAPTERS) for path in root.rglob("*") if path.is_file()}
     return {str(path.relative_to(ROOT)) for path in files}
 
 

@@ -3,9 +3,11 @@
 By default it evaluates the checkpoints shipped with fastforward (a small llama trained on
 arithmetic word problems with NTP, SBD, MultiTF and SetDLM; see `fastforward/demo/checkpoints/*/provenance.json`)
 on held-out problems and prints one table: accuracy, NFE, TPF, TPS and wall speedup against AR of
-the same model, measured in the same run. `--retrain` trains every checkpoint again from scratch
-with the recorded recipe (the README gives its time) and evaluates those; `--quick` runs a short
-train-and-evaluate pipeline (SBD vs NTP only) to watch training happen."""
+the same model, measured in the same run; then a real model, SmolLM2-135M-Instruct and the Jacobi
+Forcing adapter shipped over it (`smollm2-135m-jf-arithmetic`), at `generate`'s defaults.
+`--retrain` trains every checkpoint again from scratch with the recorded recipe (the README gives its
+time) and evaluates those; `--quick` runs a short train-and-evaluate pipeline (SBD vs NTP only) to watch
+training happen."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from fastforward.cli import add_command, add_precision_flags, add_threads_flag
 from fastforward.demo import showcase, zoo
 from fastforward.demo.pipeline import PRESETS, DemoConfig, run_demo
+from fastforward.demo.real_model import RealSettings
 from fastforward.model import SHIPPED_CHECKPOINTS
 
 
@@ -30,6 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", dest="json_path", metavar="PATH", help="also write every figure of the table here")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default", help="--quick's budget ('smoke': seconds)")
     p.add_argument("--n", type=int, default=None, help="test problems to evaluate (default 150)")
+    p.add_argument(
+        "--real-n",
+        type=int,
+        default=RealSettings().n,
+        help="held-out problems for the SmolLM2 rows (the base and its shipped Jacobi Forcing adapter); 0: none",
+    )
     add_precision_flags(p, attention_flag=False)  # the demo decodes on the CPU: SDPA
     add_threads_flag(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -55,5 +64,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         for name in showcase.MODELS:
             zoo.verify(models / name)
-    showcase.show(models, args.out, config, json_path=args.json_path, progress=not args.quiet)
+    real = RealSettings(n=args.real_n) if args.real_n > 0 else None
+    showcase.show(models, args.out, config, json_path=args.json_path, progress=not args.quiet, real=real)
     return 0

