@@ -12,6 +12,7 @@ import pytest
 
 import fastforward as ff
 from fastforward.cli import build_parser
+from fastforward.decoding import options as decoder_options
 from fastforward.decoding.decoders import registry as decoders
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.errors import FastForwardError
@@ -51,6 +52,24 @@ def test_a_new_objective_is_one_class_and_its_registration(scratch_registries):
     assert (args.objective, args.weight, args.min_block) == ("ntp-twice", 3.0, 2)
 
 
+def test_a_new_decoder_is_one_dataclass_whose_option_fields_are_its_flags(scratch_registries):
+    @decoders.register("ar-twice", summary="a test decoder")
+    @dataclass(eq=False)
+    class Twice(ff.ARDecoder):
+        repeats: int = decoder_options.option(2, "ar-twice: how often", decoder_options.AT_LEAST_ONE)
+
+    spec = decoders.spec("ar-twice")
+    assert Twice.name == "ar-twice" and [k.name for k in spec.knobs] == ["temperature", "top_p", "seed", "repeats"]
+    made = spec.create(repeats=3, temperature=0.5)
+    assert isinstance(made, Twice) and (made.repeats, made.sampler) == (3, ff.Sampler(temperature=0.5))
+    args = build_parser("generate").parse_args(["generate", "--decoder", "ar-twice", "--repeats", "3", "x"])
+    assert args.repeats == 3
+    with pytest.raises(FastForwardError, match="repeats must be >= 1, got 0"):
+        Twice(repeats=0)
+    with pytest.raises(TypeError, match="register a dataclass"):
+        decoders.register("plain", summary="not a dataclass")(type("Plain", (Decoder,), {}))
+
+
 def test_objective_options_shared_by_name_are_one_flag():
     assert options()["ntp_weight"].objectives == ("multitf", "sbd", "setdlm")
     assert options()["layouts"].choices == ("systematic", "random", "both")
@@ -68,8 +87,8 @@ def test_the_package_exports_every_decoder_class_and_every_name_it_lists():
     defined = {
         name
         for spec in decoders.specs().values()
-        for name, value in vars(sys.modules[spec.build.__module__]).items()
-        if inspect.isclass(value) and issubclass(value, Decoder) and value.__module__ == spec.build.__module__
+        for name, value in vars(sys.modules[spec.cls.__module__]).items()
+        if inspect.isclass(value) and issubclass(value, Decoder) and value.__module__ == spec.cls.__module__
     }
     assert "SetDiffusionDecoder" in defined and defined <= set(ff.__all__)
     assert all(getattr(ff, name) is not None for name in ff.__all__) and set(ff.__all__) <= set(dir(ff))

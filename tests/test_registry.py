@@ -1,13 +1,19 @@
 """The decoder registry: one declaration per decoder feeds the CLI, the API, sweeps and docs/decoders.md."""
 
 import re
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from fastforward.api import build_decoder
 from fastforward.cli import build_parser, main
 from fastforward.decoding.decoders import registry
+from fastforward.decoding.decoders.lookup import PromptLookupDecoder
+from fastforward.decoding.decoders.sbd_slide import SlidingSBDDecoder
+from fastforward.decoding.options import Knob, knobs_of
+from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
 from fastforward.evaluation.evaluate import parse_sweep
 from fastforward.model.tiny import tiny_model
@@ -51,6 +57,44 @@ def test_options_that_do_not_apply_are_errors_unless_neutral(capsys):
         build_decoder("sbd", policy="bogus")
     assert main(["generate", "--decoder", "jacobi", "--policy", "confidence", "hi"]) == 2
     assert "does not apply to the 'jacobi' decoder" in capsys.readouterr().err
+
+
+def refused(knob: Knob) -> Any:
+    """A value the knob refuses: not among its choices, or outside its bound."""
+    if knob.choices is not None:
+        return "bogus"
+    return next(value for value in (-1, 0, 1.5) if not knob.bound.holds(value))
+
+
+@pytest.mark.parametrize("name", list(registry.specs()))
+def test_decoder_classes_refuse_what_build_decoder_refuses(name):
+    """Every option with choices or bounds refuses a bad value made through the class itself, in the words
+    `build_decoder` (and so the CLI and the server) use; the classes once took any value."""
+    spec = registry.spec(name)
+    checked = 0
+    for f in fields(spec.cls):
+        knobs = knobs_of(f)
+        if len(knobs) != 1 or (knobs[0].choices is None and knobs[0].bound is None):
+            continue  # several knobs build the field (its own class checks it), or nothing to refuse
+        knob, bad = knobs[0], refused(knobs[0])
+        words = f"unknown value {bad!r}" if knob.choices else f"must be {knob.bound.rule}, got {bad}"
+        with pytest.raises(FastForwardError, match=re.escape(words)):
+            spec.cls(**{f.name: bad})
+        with pytest.raises(FastForwardError, match=re.escape(words)):
+            build_decoder(name, **{knob.name: bad})
+        checked += 1
+    assert checked or name == "ar"
+
+
+def test_rules_between_options_hold_for_the_classes_too(capsys):
+    with pytest.raises(FastForwardError, match="sbd-slide needs a block of at least 2"):
+        SlidingSBDDecoder(block_size=1)
+    with pytest.raises(FastForwardError, match=re.escape("min match (5) must be <= max match (3)")):
+        PromptLookupDecoder(min_match=5, max_match=3)
+    assert main(["generate", "--decoder", "lookup", "--min-match", "5", "--max-match", "3", "hi"]) == 2
+    assert "min match (5) must be <= max match (3)" in capsys.readouterr().err
+    with pytest.raises(FastForwardError, match="temperature must be >= 0, got nan"):
+        Sampler(temperature=float("nan"))  # once taken: NaN < 0 is false
 
 
 def test_sweep_values_are_typed_and_checked_by_the_registry():

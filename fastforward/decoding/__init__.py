@@ -4,5 +4,6 @@
 - `policies`: which masked positions to reveal, which drafts to accept;
 - `sampling`: greedy and temperature sampling;
 - `metrics`: TPF, queries per token, speedup, AUP, defined once;
-- `decoders/`: one module per decoder, each registering itself in `decoders.registry`.
+- `options`: options as dataclass fields, with their help and bounds, checked on construction;
+- `decoders/`: one module per decoder, a dataclass of its options registering itself in `decoders.registry`.
 """

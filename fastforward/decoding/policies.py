@@ -16,6 +16,9 @@ import torch
 
 from fastforward.errors import FastForwardError
 
+# A reveal policy: (logits [B, k, V], masked [B, k]) → the positions to reveal [B, k] (a subset of `masked`).
+Policy = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy (nats) of softmax(logits) over the last axis."""
@@ -142,7 +145,7 @@ POLICIES = {
 }
 
 
-def make_policy(name: str, value: float):
+def make_policy(name: str, value: float) -> Policy:
     """Build a policy by name; `value` is γ (entropy, confidence), f (factor) or τ (threshold)."""
     if name not in POLICIES:
         raise FastForwardError(f"unknown reveal policy {name!r}; choose one of {', '.join(POLICIES)}")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastforward.errors import FastForwardError
+from fastforward.decoding.options import NON_NEGATIVE, SHARE, check_options, option
 
 _M32 = 0xFFFFFFFF
 
@@ -70,15 +70,12 @@ class Sampler:
     """How a session chooses tokens (`Session.sample`): temperature 0 is greedy (argmax); otherwise
     softmax(logits / T) within the top-p mass is sampled with each row's draw for each position."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
+    temperature: float = option(0.0, "sampling temperature (0 = greedy)", NON_NEGATIVE)
+    top_p: float = option(1.0, "nucleus sampling mass", SHARE)
+    seed: int = option(0, "seed of sampling and of random draft initialisation")
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise FastForwardError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise FastForwardError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_options(self)
 
     def inverse_cdf(self, logits: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
         """The token of logits [..., V] whose share of the sampling distribution's CDF holds each

@@ -17,7 +17,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -96,6 +96,14 @@ class TrainConfig:
             raise FastForwardError(f"lora_from {self.lora_from} continues a LoRA adapter: give its lora_rank too")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise FastForwardError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
+
+    def evaluates_after(self, step: int) -> bool:
+        """Every `eval_every` steps (0: never) and after the last."""
+        return bool(self.eval_every and step % self.eval_every == 0) or step == self.steps
+
+    def checkpoints_after(self, step: int) -> bool:
+        """Every `save_every` steps (0: never) but the last, which the final save follows."""
+        return bool(self.save_every and step % self.save_every == 0) and step < self.steps
 
 
 class _ObjectiveModule(nn.Module):
@@ -178,14 +186,32 @@ def _norms(accelerator: Accelerator, counts: list[dict[str, int]]) -> dict[str, 
     return {k: max(total, 1.0) / shares for k, total in zip(keys, totals, strict=True)}
 
 
-def _train_step(accelerator, module, optimizer, scheduler, data: TrainData, config: TrainConfig, step: int) -> dict:
-    """One optimizer step over grad_accum micro-batches of every process; returns metrics averaged over them.
+@dataclass
+class _Run:
+    """What the steps of one run share: the process group, the prepared module, optimizer and schedule,
+    and the checkpoints known to be intact (those a new checkpoint may prune)."""
+
+    accelerator: Accelerator
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    config: TrainConfig
+    out: Path
+    objective: str
+    intact: list[int] = field(default_factory=list)
+
+
+def _train_step(run: _Run, data: TrainData, step: int) -> dict:
+    """One optimizer step over grad_accum micro-batches of every process; returns metrics averaged over them,
+    and the tokens it trained per second.
 
     The step's rows are the data stream's rows step·R … (step+1)·R − 1 (R rows per step), process p's
     micro-batch m the B of them from (m·N + p)·B on. Every draw comes from the step's generator and each
     row's own stream, and the loss terms are divided by their counts over the whole step (`_norms`,
     counted before the first backward pass), so the update does not depend on how the rows are split.
     """
+    started = time.perf_counter()
+    accelerator, module, config = run.accelerator, run.module, run.config
     processes, micro_batches = accelerator.num_processes, config.grad_accum
     indices = [(step * micro_batches + micro) * processes + accelerator.process_index for micro in range(micro_batches)]
     batches = [data.batch(i, config.batch_size, config.seed).to(accelerator.device) for i in indices]
@@ -202,12 +228,13 @@ def _train_step(accelerator, module, optimizer, scheduler, data: TrainData, conf
             totals[key] = totals.get(key, 0.0) + value / micro_batches
     if config.max_grad_norm > 0:
         totals["grad_norm"] = float(accelerator.clip_grad_norm_(module.parameters(), config.max_grad_norm))
-    totals["lr"] = scheduler.get_last_lr()[0]
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    totals["lr"] = run.scheduler.get_last_lr()[0]
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
     metrics = _mean_over_processes(accelerator, {**totals, "tokens": float(sum(b.n_tokens for b in batches))})
     metrics["tokens"] *= processes  # the mean over processes times their number: the step's tokens
+    metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
     return metrics
 
 
@@ -281,76 +308,121 @@ def _train(
 ) -> list[dict]:
     """`train` once the model is ready (with its LoRA layers, in a LoRA run): the run directory, the loop,
     the final save."""
-    parameters = sum(p.numel() for p in model.hf.parameters())
-    record = {
+    record = _run_record(model, objective, train_data, config, accelerator)
+    with run_dir.claim(accelerator, out, record, overwrite) as checkpoint:
+        run = _prepare(model, objective, config, out, accelerator)
+        history = _loop(run, train_data, eval_data, _resume(run, checkpoint), callback)
+        provenance = {"base": record["model"]["name"], "objective": record["objective"], "train": record["train"]}
+        run_dir.save_final(accelerator, run.module, model, out, provenance)
+        accelerator.wait_for_everyone()
+        _hand_back(model, config)
+        return history
+
+
+def _run_record(
+    model: Model, objective: Objective, data: TrainData, config: TrainConfig, accelerator: Accelerator
+) -> dict:
+    """What the run directory records of a run: what a resumed run must share with the run it continues."""
+    return {
         "train": asdict(config),
         "rows_per_step": config.batch_size * config.grad_accum * accelerator.num_processes,
         "objective": objective.describe(),
-        "model": {"name": run_dir.model_identity(model.name), "parameters": parameters},
-        "data": train_data.fingerprint(),
+        "model": {
+            "name": run_dir.model_identity(model.name),
+            "parameters": sum(p.numel() for p in model.hf.parameters()),
+        },
+        "data": data.fingerprint(),
     }
-    with run_dir.claim(accelerator, out, record, overwrite) as checkpoint:
-        model.hf.train()
-        trained = [p for p in model.hf.parameters() if p.requires_grad]  # LoRA: its adapter's weights only
-        decay = [p for p in trained if p.ndim >= 2]
-        rest = [p for p in trained if p.ndim < 2]
-        # fused: one kernel over every tensor rather than a pass per operation (where torch has it: floating
-        # point on CPU and CUDA); the optimizer step is memory-bound, so the passes are its cost
-        fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in trained)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=config.lr,
-            fused=fused or None,
-        )
-        scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup, config.steps)
-        module, optimizer = accelerator.prepare(_ObjectiveModule(model, objective), optimizer)
-        accelerator.register_for_checkpointing(scheduler)
-        step = 0
-        if checkpoint is not None:
-            step = run_dir.load_checkpoint(accelerator, checkpoint)
-        valid = [step] if checkpoint is not None else []  # checkpoints known to be intact, for pruning
-        main = accelerator.is_main_process
-        if main:
-            run_dir.truncate_metrics(out / run_dir.METRICS, step)
-            if step:
-                tqdm.write(f"resuming {out} from step {step}")
 
-        history: list[dict] = []
-        bar = tqdm(
-            total=config.steps,
-            initial=step,
-            desc=f"train {objective.name}",
-            disable=None if main else True,
-            dynamic_ncols=True,
-        )
-        while step < config.steps:
-            started = time.perf_counter()
-            metrics = _train_step(accelerator, module, optimizer, scheduler, train_data, config, step)
-            step += 1
-            metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
-            entries = [{"step": step, "split": "train", **metrics}]
-            if eval_data is not None and (
-                (config.eval_every and step % config.eval_every == 0) or step == config.steps
-            ):
-                scores = evaluate(accelerator, module, eval_data, config)
-                entries.append({"step": step, "split": "eval", **scores})
-                if main:
-                    tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
-            if main:
-                run_dir.append_metrics(out, entries)
-            if config.save_every and step % config.save_every == 0 and step < config.steps:
-                run_dir.save_checkpoint(accelerator, out, step, config.keep_checkpoints, tuple(valid))
-                valid.append(step)
-            history.extend(entries)
-            if callback is not None:
-                callback(step, {k: v for e in entries for k, v in e.items() if k != "split"})
-        bar.close()
-        provenance = {"base": record["model"]["name"], "objective": record["objective"], "train": record["train"]}
-        run_dir.save_final(accelerator, module, model, out, provenance)
-        accelerator.wait_for_everyone()
-        if config.lora_rank:  # the caller goes on with a plain model, as the adapter's loaders give it
-            model.hf = model.hf.merge_and_unload()
-        model.hf.eval()
-        return history
+
+def _prepare(model: Model, objective: Objective, config: TrainConfig, out: Path, accelerator: Accelerator) -> _Run:
+    """The model in training mode, its optimizer and schedule, wrapped for the process group; the schedule
+    is saved with every checkpoint."""
+    model.hf.train()
+    optimizer = _optimizer(model, config)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup, config.steps)
+    module, optimizer = accelerator.prepare(_ObjectiveModule(model, objective), optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    return _Run(accelerator, module, optimizer, scheduler, config, out, objective.name)
+
+
+def _optimizer(model: Model, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the trained weights (a LoRA run's adapter weights only), without decay on biases and norms."""
+    trained = [p for p in model.hf.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim >= 2]
+    rest = [p for p in trained if p.ndim < 2]
+    # fused: one kernel over every tensor rather than a pass per operation (where torch has it: floating
+    # point on CPU and CUDA); the optimizer step is memory-bound, so the passes are its cost
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in trained)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=config.lr,
+        fused=fused or None,
+    )
+
+
+def _resume(run: _Run, checkpoint: Path | None) -> int:
+    """The step the run starts from: 0, or its checkpoint's (loaded), with the metrics logged after it dropped."""
+    step = 0
+    if checkpoint is not None:
+        step = run_dir.load_checkpoint(run.accelerator, checkpoint)
+        run.intact.append(step)
+    if run.accelerator.is_main_process:
+        run_dir.truncate_metrics(run.out / run_dir.METRICS, step)
+        if step:
+            tqdm.write(f"resuming {run.out} from step {step}")
+    return step
+
+
+def _loop(
+    run: _Run, train_data: TrainData, eval_data: TrainData | None, step: int, callback: Callback | None
+) -> list[dict]:
+    """The steps after `step`, each logged, then evaluated and checkpointed when due; returns the records."""
+    config, main = run.config, run.accelerator.is_main_process
+    history: list[dict] = []
+    bar = tqdm(
+        total=config.steps,
+        initial=step,
+        desc=f"train {run.objective}",
+        disable=None if main else True,
+        dynamic_ncols=True,
+    )
+    while step < config.steps:
+        metrics = _train_step(run, train_data, step)
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+        entries = [{"step": step, "split": "train", **metrics}]
+        if eval_data is not None and config.evaluates_after(step):
+            entries.append(_evaluation(run, eval_data, step))
+        if main:
+            run_dir.append_metrics(run.out, entries)
+        if config.checkpoints_after(step):
+            _save_checkpoint(run, step)
+        history.extend(entries)
+        if callback is not None:
+            callback(step, {k: v for e in entries for k, v in e.items() if k != "split"})
+    bar.close()
+    return history
+
+
+def _evaluation(run: _Run, data: TrainData, step: int) -> dict:
+    """The eval record after step `step`, also written to the terminal."""
+    scores = evaluate(run.accelerator, run.module, data, run.config)
+    if run.accelerator.is_main_process:
+        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+    return {"step": step, "split": "eval", **scores}
+
+
+def _save_checkpoint(run: _Run, step: int) -> None:
+    """A checkpoint after step `step`, pruning older intact ones down to `keep_checkpoints`."""
+    run_dir.save_checkpoint(run.accelerator, run.out, step, run.config.keep_checkpoints, tuple(run.intact))
+    run.intact.append(step)
+
+
+def _hand_back(model: Model, config: TrainConfig) -> None:
+    """The trained model as its caller goes on with it: in eval mode, and after a LoRA run a plain model
+    with the adapter merged, as the adapter's loaders give it."""
+    if config.lora_rank:
+        model.hf = model.hf.merge_and_unload()
+    model.hf.eval()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.decoders.registry import SAMPLING, register
+from fastforward.decoding.decoders.registry import register, sampling
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
 
@@ -18,13 +18,12 @@ class ARState:
     last: int  # the token the next forward feeds: the row's last sampled one
 
 
+@register("ar", summary="next-token decoding, one token per forward (the baseline)", lossless=True)
+@dataclass(eq=False)
 class ARDecoder(Decoder):
     """One token per forward at the next position, causal; greedy or sampled."""
 
-    name = "ar"
-
-    def __init__(self, sampler: Sampler | None = None):
-        self.sampler = sampler or Sampler()
+    sampler: Sampler = sampling()
 
     def begin(self, session: Session, rows: Sequence[int]) -> None:
         first = session.commit_next_tokens(rows)
@@ -40,8 +39,3 @@ class ARDecoder(Decoder):
             row.state.last = last
         session.append([[t] for t in sampled])
         session.advance(keep=1)
-
-
-@register("ar", knobs=SAMPLING, summary="next-token decoding, one token per forward (the baseline)", lossless=True)
-def _build(sampler: Sampler) -> ARDecoder:
-    return ARDecoder(sampler)

@@ -1,6 +1,7 @@
 """The decoder protocol: `begin` rows of a prefilled `Session` (`fastforward.decoding.runtime`), then
 `step` until every row stops. Rows may join and leave between steps (the server's continuous
-batching), so a decoder keeps each row's state in `Row.state`, which follows the row."""
+batching), so a decoder keeps each row's state in `Row.state`, which follows the row. A decoder is a
+dataclass whose fields are its options (`decoders.registry`), checked when it is made."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fastforward.decoding.options import check_options
 from fastforward.decoding.runtime import Generation, GenerationInterrupted, Prompt, Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
@@ -18,12 +20,17 @@ from fastforward.model import Model
 class Decoder(ABC):
     """A decoding method, as `begin` and `step` on a session's rows."""
 
-    name: str
+    name: str  # given by `decoders.registry.register`
     infills: bool = False  # can fill the gap of an infilling `Prompt` (prefix, gap, suffix)
     # Its rows' caches always equal a causal prefill of their prompts and first committed tokens (not
     # so where tokens are cached in the order they were revealed).
     causal_cache: bool = True
     sampler: Sampler = Sampler()  # how the sessions it opens choose tokens (`Session.sample`)
+
+    def __post_init__(self) -> None:
+        """Refuse option values outside their bounds, however the decoder is made (the CLI, the server
+        and Python alike); a decoder with rules between its options checks them after these."""
+        check_options(self)
 
     @abstractmethod
     def begin(self, session: Session, rows: Sequence[int]) -> None:

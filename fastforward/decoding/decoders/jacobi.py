@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.decoders.registry import BLOCK_SIZE, SAMPLING, Knob, register
+from fastforward.decoding.decoders.registry import BLOCK_SIZE, register, sampling
+from fastforward.decoding.options import option
 from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.decoding.steps import chain_step
@@ -31,6 +32,8 @@ class JacobiState:
     drafts: list[int]  # the tokens after it, to be confirmed
 
 
+@register("jacobi", summary="Jacobi decoding: n drafts refined in parallel, confirmed prefix accepted", lossless=True)
+@dataclass(eq=False)
 class JacobiDecoder(Decoder):
     """Jacobi decoding with blocks of `block_size` drafts, greedy or sampled.
 
@@ -39,12 +42,9 @@ class JacobiDecoder(Decoder):
     after one read-back of the forward's predictions per step (cheaper than a dozen small tensor ops).
     """
 
-    name = "jacobi"
-
-    def __init__(self, block_size: int = 16, init: str = "repeat", sampler: Sampler | None = None):
-        self.block_size = block_size
-        self.init = init
-        self.sampler = sampler or Sampler()
+    block_size: int = BLOCK_SIZE.field()
+    init: str = option("repeat", "jacobi: how fresh draft slots are filled", choices=DRAFT_INITS, name="draft_init")
+    sampler: Sampler = sampling()
 
     def _filler(self, session: Session, index: int, row: Row, last: int) -> list[int]:
         """Draft tokens for the n slots of a fresh block of one row (after its last token `last`)."""
@@ -79,16 +79,3 @@ class JacobiDecoder(Decoder):
             # The predictions past the first correction are the next drafts; fresh slots get filler.
             carried = guess[a + 1 :]
             state.drafts = carried + self._filler(session, index, row, state.last)[len(carried) :]
-
-
-DRAFT_INIT = Knob("draft_init", str, "repeat", "jacobi: how fresh draft slots are filled", DRAFT_INITS)
-
-
-@register(
-    "jacobi",
-    knobs=(BLOCK_SIZE, DRAFT_INIT, *SAMPLING),
-    summary="Jacobi decoding: n drafts refined in parallel, confirmed prefix accepted",
-    lossless=True,
-)
-def _build(block_size: int, draft_init: str, sampler: Sampler) -> JacobiDecoder:
-    return JacobiDecoder(block_size, draft_init, sampler)

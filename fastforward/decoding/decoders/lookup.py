@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.decoders.registry import SAMPLING, Knob, register
+from fastforward.decoding.decoders.registry import register, sampling
+from fastforward.decoding.options import AT_LEAST_ONE, NON_NEGATIVE, option
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.decoding.steps import chain_step, verify
@@ -94,6 +95,12 @@ class LookupState:
     chain: list[int] = field(default_factory=list)  # predictions carried past its accepted tokens
 
 
+@register(
+    "lookup",
+    summary="prompt lookup: n-gram drafts from the prompt and output, verified with a Jacobi chain",
+    lossless=True,
+)
+@dataclass(eq=False)
 class PromptLookupDecoder(Decoder):
     """Lossless prompt-lookup decoding with a carried Jacobi chain.
 
@@ -102,19 +109,16 @@ class PromptLookupDecoder(Decoder):
     again as a Jacobi chain (0: none).
     """
 
-    name = "lookup"
+    lookup_tokens: int = option(10, "lookup: longest n-gram draft", AT_LEAST_ONE)
+    max_match: int = option(3, "lookup: longest n-gram matched", AT_LEAST_ONE)
+    min_match: int = option(2, "lookup: shortest n-gram matched", AT_LEAST_ONE)
+    jacobi_drafts: int = option(0, "lookup: carried predictions refined as a Jacobi chain", NON_NEGATIVE)
+    sampler: Sampler = sampling()
 
-    def __init__(
-        self,
-        lookup_tokens: int = 10,
-        max_match: int = 3,
-        min_match: int = 2,
-        jacobi_drafts: int = 0,
-        sampler: Sampler | None = None,
-    ):
-        self.lookup_tokens, self.jacobi_drafts = lookup_tokens, jacobi_drafts
-        self.max_match, self.min_match = max_match, min_match
-        self.sampler = sampler or Sampler()
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_match > self.max_match:
+            raise FastForwardError(f"min match ({self.min_match}) must be <= max match ({self.max_match})")
 
     def begin(self, session: Session, rows: Sequence[int]) -> None:
         first = session.commit_next_tokens(rows)
@@ -165,30 +169,3 @@ class PromptLookupDecoder(Decoder):
             if draft:
                 state.length.update(len(draft), min(a, len(draft)))
             state.chain = guess[a + 1 :][: self.jacobi_drafts]
-
-
-@register(
-    "lookup",
-    knobs=(
-        Knob("lookup_tokens", int, 10, "lookup: longest n-gram draft", check=lambda v: v >= 1, rule=">= 1"),
-        Knob("max_match", int, 3, "lookup: longest n-gram matched", check=lambda v: v >= 1, rule=">= 1"),
-        Knob("min_match", int, 2, "lookup: shortest n-gram matched", check=lambda v: v >= 1, rule=">= 1"),
-        Knob(
-            "jacobi_drafts",
-            int,
-            0,
-            "lookup: carried predictions refined as a Jacobi chain",
-            check=lambda v: v >= 0,
-            rule=">= 0",
-        ),
-        *SAMPLING,
-    ),
-    summary="prompt lookup: n-gram drafts from the prompt and output, verified with a Jacobi chain",
-    lossless=True,
-)
-def _build(
-    lookup_tokens: int, max_match: int, min_match: int, jacobi_drafts: int, sampler: Sampler
-) -> PromptLookupDecoder:
-    if min_match > max_match:
-        raise FastForwardError(f"min match ({min_match}) must be <= max match ({max_match})")
-    return PromptLookupDecoder(lookup_tokens, max_match, min_match, jacobi_drafts, sampler)

@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.decoders.registry import BLOCK_SIZE, SAMPLING, Knob, fraction, register
+from fastforward.decoding.decoders.registry import BLOCK_SIZE, register, sampling
+from fastforward.decoding.options import AT_LEAST_ONE, FRACTION, option
 from fastforward.decoding.policies import entropy_and_confidence
 from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
@@ -83,25 +84,22 @@ class BufferState:
     cached: int = 0
 
 
+@register(
+    "mbd", summary="Multi-Block Diffusion: a buffer of mask blocks decoded at once, exact KV cache", needs_mask=True
+)
+@dataclass(eq=False)
 class MultiBlockDiffusionDecoder(Decoder):
     """Block Buffer decoding, greedy or sampled; see the module docstring for the rules."""
 
-    name = "mbd"
-
-    def __init__(
-        self,
-        block_size: int = 16,
-        buffer_size: int = 2,
-        add_threshold: float = 0.1,
-        accept_threshold: float = 0.9,
-        semi_threshold: float = 0.9,
-        static: bool = False,
-        sampler: Sampler | None = None,
-    ):
-        self.block_size, self.buffer_size = block_size, buffer_size
-        self.add_threshold, self.accept_threshold, self.semi_threshold = add_threshold, accept_threshold, semi_threshold
-        self.static = static
-        self.sampler = sampler or Sampler()
+    block_size: int = BLOCK_SIZE.field()
+    buffer_size: int = option(2, "mbd: blocks decoded at once (Block Buffer slots)", AT_LEAST_ONE)
+    add_threshold: float = option(0.1, "mbd: open a new block once the last one's progress reaches this", FRACTION)
+    accept_threshold: float = option(0.9, "mbd: reveal every masked token whose confidence is above this", FRACTION)
+    semi_threshold: float = option(
+        0.9, "mbd: force a block's top token only if the block before it is this complete", FRACTION
+    )
+    static: bool = option(False, "mbd: feed every forward at the fixed width (buffer_size + 1) x block_size")
+    sampler: Sampler = sampling()
 
     def begin(self, session: Session, rows: Sequence[int]) -> None:
         session.model.require_mask_token(self.name)
@@ -216,38 +214,3 @@ class MultiBlockDiffusionDecoder(Decoder):
                 break
             block.to_cache = True
         state.buffer = running
-
-
-@register(
-    "mbd",
-    knobs=(
-        BLOCK_SIZE,
-        Knob(
-            "buffer_size",
-            int,
-            2,
-            "mbd: blocks decoded at once (Block Buffer slots)",
-            check=lambda v: v >= 1,
-            rule=">= 1",
-        ),
-        fraction("add_threshold", 0.1, "mbd: open a new block once the last one's progress reaches this"),
-        fraction("accept_threshold", 0.9, "mbd: reveal every masked token whose confidence is above this"),
-        fraction("semi_threshold", 0.9, "mbd: force a block's top token only if the block before it is this complete"),
-        Knob("static", bool, False, "mbd: feed every forward at the fixed width (buffer_size + 1) x block_size"),
-        *SAMPLING,
-    ),
-    summary="Multi-Block Diffusion: a buffer of mask blocks decoded at once, exact KV cache",
-    needs_mask=True,
-)
-def _build(
-    block_size: int,
-    buffer_size: int,
-    add_threshold: float,
-    accept_threshold: float,
-    semi_threshold: float,
-    static: bool,
-    sampler: Sampler,
-) -> MultiBlockDiffusionDecoder:
-    return MultiBlockDiffusionDecoder(
-        block_size, buffer_size, add_threshold, accept_threshold, semi_threshold, static, sampler
-    )

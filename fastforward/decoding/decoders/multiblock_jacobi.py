@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.decoders.registry import BLOCK_SIZE, SAMPLING, Knob, register
+from fastforward.decoding.decoders.registry import BLOCK_SIZE, register, sampling
+from fastforward.decoding.options import AT_LEAST_ONE, NON_NEGATIVE, SHARE, option
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.decoding.steps import verify
@@ -55,28 +56,33 @@ class MultiBlockState:
     pseudo: int = 0  # pseudo-active blocks refined ahead of it
 
 
+@register(
+    "jacobi-mr", summary="multi-block Jacobi with rejection recycling (Jacobi Forcing, Algorithm 1)", lossless=True
+)
+@dataclass(eq=False)
 class MultiBlockJacobiDecoder(Decoder):
     """Lossless multi-block Jacobi decoding with rejection recycling.
 
     block_size n, max_blocks K, spawn_ratio r, verify: n-gram candidates checked per forward,
-    ngram: candidate length (default n).
+    ngram: candidate length (0: n).
     """
 
-    name = "jacobi-mr"
+    block_size: int = BLOCK_SIZE.field()
+    max_blocks: int = option(2, "jacobi-mr: blocks refined at once (K)", AT_LEAST_ONE)
+    spawn_ratio: float = option(0.85, "jacobi-mr: spawn a block at ⌈r·n⌉ confirmed", SHARE)
+    verify: int = option(2, "jacobi-mr: recycled n-gram candidates per forward", NON_NEGATIVE)
+    ngram: int = option(0, "jacobi-mr: candidate length (0: the block size)", NON_NEGATIVE)
+    sampler: Sampler = sampling()
 
-    def __init__(
-        self,
-        block_size: int = 16,
-        max_blocks: int = 2,
-        spawn_ratio: float = 0.85,
-        verify: int = 2,
-        ngram: int = 0,
-        sampler: Sampler | None = None,
-    ):
-        self.n, self.max_blocks, self.verify = block_size, max_blocks, verify
-        self.spawn_at = math.ceil(spawn_ratio * block_size)
-        self.ngram = ngram or block_size
-        self.sampler = sampler or Sampler()
+    @property
+    def spawn_at(self) -> int:
+        """Confirmed (or stationary) tokens of a block that spawn the next pseudo-active block: ⌈r·n⌉."""
+        return math.ceil(self.spawn_ratio * self.block_size)
+
+    @property
+    def gram(self) -> int:
+        """The length of a recycled candidate."""
+        return self.ngram or self.block_size
 
     def new_pool(self) -> NgramPool:
         """The candidate pool for one prompt (empty; a subclass may seed it, e.g. from the prompt)."""
@@ -84,11 +90,12 @@ class MultiBlockJacobiDecoder(Decoder):
 
     def begin(self, session: Session, rows: Sequence[int]) -> None:
         first = session.commit_next_tokens(rows)
+        n = self.block_size
         for index in rows:
-            session.rows[index].state = MultiBlockState(self.new_pool(), first[index], [first[index]] * self.n, self.n)
+            session.rows[index].state = MultiBlockState(self.new_pool(), first[index], [first[index]] * n, n)
 
     def step(self, session: Session) -> None:
-        n = self.n
+        n = self.block_size
         states: list[MultiBlockState] = [row.state for row in session.rows]
         running = [not row.finished for row in session.rows]
         # a finished row runs its last token alone (nothing of it is read)
@@ -100,7 +107,7 @@ class MultiBlockJacobiDecoder(Decoder):
         for state, runs, verdict in zip(states, running, verdicts, strict=True):
             if not runs:
                 continue
-            state.pool.add_rejected(state.drafts, verdict.chain_accepted, self.ngram)
+            state.pool.add_rejected(state.drafts, verdict.chain_accepted, self.gram)
             state.last = verdict.committed[-1]
             stationary = verdict.stationary if state.pseudo else verdict.accepted
             state.left -= verdict.accepted + 1
@@ -111,31 +118,3 @@ class MultiBlockJacobiDecoder(Decoder):
                 state.pseudo += 1
             want = max(state.left + n * state.pseudo, n)  # never fewer drafts than plain Jacobi
             state.drafts = (verdict.ahead + [state.last] * want)[:want]
-
-
-@register(
-    "jacobi-mr",
-    knobs=(
-        BLOCK_SIZE,
-        Knob("max_blocks", int, 2, "jacobi-mr: blocks refined at once (K)", check=lambda v: v >= 1, rule=">= 1"),
-        Knob(
-            "spawn_ratio",
-            float,
-            0.85,
-            "jacobi-mr: spawn a block at ⌈r·n⌉ confirmed",
-            check=lambda v: 0 < v <= 1,
-            rule="in (0, 1]",
-        ),
-        Knob(
-            "verify", int, 2, "jacobi-mr: recycled n-gram candidates per forward", check=lambda v: v >= 0, rule=">= 0"
-        ),
-        Knob("ngram", int, 0, "jacobi-mr: candidate length (0: the block size)", check=lambda v: v >= 0, rule=">= 0"),
-        *SAMPLING,
-    ),
-    summary="multi-block Jacobi with rejection recycling (Jacobi Forcing, Algorithm 1)",
-    lossless=True,
-)
-def _build(
-    block_size: int, max_blocks: int, spawn_ratio: float, verify: int, ngram: int, sampler: Sampler
-) -> MultiBlockJacobiDecoder:
-    return MultiBlockJacobiDecoder(block_size, max_blocks, spawn_ratio, verify, ngram, sampler)

@@ -1,71 +1,37 @@
-"""Decoder names and knobs, declared once: the CLI flags, `build_decoder`, sweeps and the table of docs/decoders.md
-all come from here.
+"""Decoder names and options, declared once: the CLI flags, `build_decoder`, the server's request
+fields, sweeps and the table of docs/decoders.md all come from here.
 
-A decoder module registers itself with `@register(name, knobs=..., summary=...)` on a function that
-builds the decoder from its knob values. Every module in `fastforward.decoding.decoders` is imported on first
-lookup, so a new method is one new file. Knobs with the same name are one knob (one CLI flag); a
-decoder may give it its own default with `knob.with_default(value)`. A decoder that declares the
-`SAMPLING` knobs gets them as one `Sampler`, its build function's `sampler` argument.
+A decoder is a dataclass whose option fields are its knobs (`fastforward.decoding.options`), each with
+its default, help and bounds beside it; `@register(name, summary=...)` on the class puts it in
+`DECODERS`. Every module in `fastforward.decoding.decoders` is imported on first lookup, so a new method
+is one new file. Knobs with the same name are one knob (one CLI flag): decoders share the declarations
+below (`BLOCK_SIZE.field()`, or `GAMMA.field(0.1)` at a default of their own); `sampling()` offers a
+decoder's `sampler` as --temperature, --top-p and --seed, `reveal_policy()` its `policy` as --policy and
+--gamma. Construction checks every value (`Decoder.__post_init__`), however the decoder is made.
+Decoders are `@dataclass(eq=False)`: compared by identity, and hashable, as plain objects are.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, fields, is_dataclass, replace
+from typing import Any, TypeVar
 
-from fastforward.decoding.policies import POLICIES
+from fastforward.decoding.decoders.base import Decoder
+from fastforward.decoding.options import NON_NEGATIVE, POSITIVE, Knob, built_from, knobs_of, value_of
+from fastforward.decoding.policies import POLICIES, make_policy
 from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
 from fastforward.registry import Registry
 
 
 @dataclass(frozen=True)
-class Knob:
-    """One decoder option: its type, default, help, and the rule a value must satisfy."""
-
-    name: str
-    type: type
-    default: Any
-    help: str
-    choices: tuple[str, ...] | None = None
-    check: Callable[[Any], bool] | None = None
-    rule: str = ""  # the `check` in words, for error messages: "> 0", "in (0, 1]"
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    def with_default(self, default: Any) -> Knob:
-        return replace(self, default=default)
-
-    def parse(self, text: str) -> Any:
-        """A value from command-line text (sweeps), validated."""
-        if self.type is bool:
-            return self.validate(text.strip().lower() in ("1", "true", "yes", "on"))
-        try:
-            return self.validate(self.type(text.strip()))
-        except ValueError as exc:
-            raise FastForwardError(f"{self.flag} takes {self.type.__name__} values, got {text!r}") from exc
-
-    def validate(self, value: Any, label: str | None = None) -> Any:
-        """The value, if allowed; label: how errors name the knob (default its CLI flag; the server
-        names its JSON field)."""
-        label = label or self.flag
-        if self.choices is not None and value not in self.choices:
-            raise FastForwardError(f"{label}: unknown value {value!r}; choose one of {', '.join(self.choices)}")
-        if self.check is not None and not self.check(value):
-            raise FastForwardError(f"{self.name.replace('_', ' ')} must be {self.rule}, got {value} ({label})")
-        return value
-
-
-@dataclass(frozen=True)
 class DecoderSpec:
-    """A registered decoder: how to build it, its knobs, and what it promises."""
+    """A registered decoder: its class, its knobs (read from the class's fields), and what it promises."""
 
     name: str
-    build: Callable[..., Any]
+    cls: type[Decoder]
     knobs: tuple[Knob, ...]
     summary: str
     lossless: bool = False  # output equals AR decoding of the same model (greedy, or sampled with the same seed)
@@ -74,16 +40,17 @@ class DecoderSpec:
     def knob(self, name: str) -> Knob | None:
         return next((k for k in self.knobs if k.name == name), None)
 
-    def create(self, **values: Any) -> Any:
+    def create(self, **values: Any) -> Decoder:
         """The decoder with these knob values (the rest at their defaults), errors naming CLI flags."""
         return self.make(values)
 
-    def make(self, values: dict[str, Any], label: Callable[[Knob], str] = lambda knob: knob.flag) -> Any:
+    def make(self, values: dict[str, Any], label: Callable[[Knob], str] = lambda knob: knob.flag) -> Decoder:
         """The decoder with these knob values (the rest at their defaults).
 
         A knob the decoder does not take is accepted only at its neutral default (so one set of
         options can serve several decoders); any other value, and any bad value, raises, naming
-        each knob by `label` (its CLI flag; the server passes its JSON field name).
+        each knob by `label` (its CLI flag; the server passes its JSON field name). The decoder's
+        own construction checks the values again, and the rules between them.
         """
         chosen = {k.name: k.default for k in self.knobs}
         known = all_knobs()
@@ -99,27 +66,28 @@ class DecoderSpec:
                 raise FastForwardError(
                     f"{label(known[name])} {value} does not apply to the {self.name!r} decoder; its options: {options}"
                 )
-        if all(self.knob(k.name) for k in SAMPLING):
-            chosen["sampler"] = Sampler(**{k.name: chosen.pop(k.name) for k in SAMPLING})
-        return self.build(**chosen)
+        return self.cls(**{f.name: value_of(f, chosen) for f in fields(self.cls) if knobs_of(f)})
 
 
 DECODERS: Registry[DecoderSpec] = Registry("decoder", "fastforward.decoding.decoders")
 _KNOBS: dict[str, Knob] = {}
+Kind = TypeVar("Kind", bound=type[Decoder])
 
 
-def register(
-    name: str, *, knobs: tuple[Knob, ...], summary: str, lossless: bool = False, needs_mask: bool = False
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Declare a decoder; decorates the function that builds it from keyword knob values."""
+def register(name: str, *, summary: str, lossless: bool = False, needs_mask: bool = False) -> Callable[[Kind], Kind]:
+    """Declare a decoder under `name`; decorates its class, a dataclass whose option fields are its knobs."""
 
-    def decorate(build: Callable[..., Any]) -> Callable[..., Any]:
+    def decorate(cls: Kind) -> Kind:
+        if not is_dataclass(cls):
+            raise TypeError(f"decoder {name!r}: register a dataclass, whose option fields are its knobs")
+        cls.name = name
+        knobs = tuple(knob for f in fields(cls) for knob in knobs_of(f))
         for knob in knobs:
             known = _KNOBS.setdefault(knob.name, knob)
             if replace(known, default=knob.default) != knob:
                 raise TypeError(f"decoder {name!r} declares knob {knob.name!r} unlike an earlier declaration")
-        DECODERS.add(name, DecoderSpec(name, build, knobs, summary, lossless, needs_mask), build.__module__)
-        return build
+        DECODERS.add(name, DecoderSpec(name, cls, knobs, summary, lossless, needs_mask), cls.__module__)
+        return cls
 
     return decorate
 
@@ -150,7 +118,7 @@ def knob_table() -> str:
         lines.append(f"| `{s.name}` | {s.summary} | {'yes' if s.lossless else 'no'} | {options} |")
     lines += ["", "| option | meaning |", "|---|---|"]
     for k in all_knobs().values():
-        allowed = f" One of {', '.join(k.choices)}." if k.choices else (f" Must be {k.rule}." if k.rule else "")
+        allowed = f" One of {', '.join(k.choices)}." if k.choices else (f" Must be {k.bound.rule}." if k.bound else "")
         lines.append(f"| `{k.flag}` | {k.help}.{allowed} |")
     return "\n".join(lines)
 
@@ -162,24 +130,14 @@ def _show(value: Any) -> str:
 
 
 # ---- knobs shared by several decoders ------------------------------------------------------------
-def _positive(value: float) -> bool:
-    return value > 0
-
-
-def fraction(name: str, default: float, help: str) -> Knob:
-    """A knob whose values are shares or probabilities, in [0, 1]."""
-    return Knob(name, float, default, help, check=lambda v: 0 <= v <= 1, rule="in [0, 1]")
-
-
-BLOCK_SIZE = Knob("block_size", int, 16, "tokens per block (masks or drafts)", check=_positive, rule="> 0")
+BLOCK_SIZE = Knob("block_size", int, 16, "tokens per block (masks or drafts)", bound=POSITIVE)
 POLICY = Knob("policy", str, "entropy", "reveal policy: which masked positions a forward fills", tuple(POLICIES))
 GAMMA = Knob(
     "gamma",
     float,
     0.35,
     "the policy's bound: entropy or confidence budget γ, factor f, or threshold τ",
-    check=lambda v: v >= 0,
-    rule=">= 0",
+    bound=NON_NEGATIVE,
 )
 FIRST_TOKEN_FROM_NTP = Knob(
     "first_token_from_ntp",
@@ -188,7 +146,14 @@ FIRST_TOKEN_FROM_NTP = Knob(
     "take the first masked position's token from the next-token prediction (sbd: each block's first; "
     "setdlm: every step's, then the run of confident positions after it)",
 )
-TEMPERATURE = Knob("temperature", float, 0.0, "sampling temperature (0 = greedy)", check=lambda v: v >= 0, rule=">= 0")
-TOP_P = Knob("top_p", float, 1.0, "nucleus sampling mass", check=lambda v: 0 < v <= 1, rule="in (0, 1]")
-SEED = Knob("seed", int, 0, "seed of sampling and of random draft initialisation")
-SAMPLING = (TEMPERATURE, TOP_P, SEED)
+SAMPLING = tuple(knob for f in fields(Sampler) for knob in knobs_of(f))  # temperature, top_p, seed
+
+
+def sampling() -> Any:
+    """A decoder's `sampler` field (greedy by default), offered as --temperature, --top-p and --seed."""
+    return built_from(SAMPLING, Sampler)
+
+
+def reveal_policy() -> Any:
+    """A decoder's `policy` field (entropy-bounded, γ = 0.35, by default), offered as --policy and --gamma."""
+    return built_from((POLICY, GAMMA), lambda policy, gamma: make_policy(policy, gamma))

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.decoders.registry import BLOCK_SIZE, FIRST_TOKEN_FROM_NTP, GAMMA, POLICY, SAMPLING, register
-from fastforward.decoding.policies import EntropyBounded, make_policy
+from fastforward.decoding.decoders.registry import BLOCK_SIZE, FIRST_TOKEN_FROM_NTP, register, reveal_policy, sampling
+from fastforward.decoding.policies import Policy
 from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.decoding.steps import carried_and_masks, commit_writes, next_token_logits
@@ -33,6 +33,8 @@ class SBDState:
     carried: list[tuple[int, int]] = field(default_factory=list)  # the full block before it, until cached
 
 
+@register("sbd", summary="Set Block Decoding: blocks of masks revealed by a policy, exact KV cache", needs_mask=True)
+@dataclass(eq=False)
 class SBDDecoder(Decoder):
     """Blocks of `block_size` masks, revealed by `policy` (default: entropy-bounded, γ = 0.35).
 
@@ -40,15 +42,10 @@ class SBDDecoder(Decoder):
     last committed token, which the commit forward (or the prefill) computes anyway.
     """
 
-    name = "sbd"
-
-    def __init__(
-        self, block_size: int = 16, policy=None, sampler: Sampler | None = None, first_token_from_ntp: bool = False
-    ):
-        self.block_size = block_size
-        self.policy = policy or EntropyBounded(0.35)
-        self.sampler = sampler or Sampler()
-        self.first_token_from_ntp = first_token_from_ntp
+    block_size: int = BLOCK_SIZE.field()
+    policy: Policy = reveal_policy()
+    sampler: Sampler = sampling()
+    first_token_from_ntp: bool = FIRST_TOKEN_FROM_NTP.field()
 
     def begin(self, session: Session, rows: Sequence[int]) -> None:
         """New rows open their first block; with `first_token_from_ntp` its first token is the
@@ -106,13 +103,3 @@ class SBDDecoder(Decoder):
         """The block's positions still to reveal, padded to `size`: none after a revealed stop token
         (the output is cut there, so no forward is worth spending on them)."""
         return [row.canvas[p] is None and p < row.first_stop for p in block] + [False] * (size - len(block))
-
-
-@register(
-    "sbd",
-    knobs=(BLOCK_SIZE, POLICY, GAMMA, FIRST_TOKEN_FROM_NTP, *SAMPLING),
-    summary="Set Block Decoding: blocks of masks revealed by a policy, exact KV cache",
-    needs_mask=True,
-)
-def _build(block_size: int, policy: str, gamma: float, first_token_from_ntp: bool, sampler: Sampler) -> SBDDecoder:
-    return SBDDecoder(block_size, make_policy(policy, gamma), sampler, first_token_from_ntp)

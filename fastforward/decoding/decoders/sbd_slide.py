@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.decoders.registry import BLOCK_SIZE, GAMMA, SAMPLING, register
+from fastforward.decoding.decoders.registry import BLOCK_SIZE, GAMMA, register, sampling
 from fastforward.decoding.policies import entropy
 from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
@@ -38,14 +38,25 @@ class SlideState:
     carried: list[tuple[int, int]] = field(default_factory=list)  # the run accepted last step, until cached
 
 
+@register(
+    "sbd-slide",
+    summary="Sliding SBD: AR's next token, then the run of sure masked predictions after it; exact KV cache",
+    needs_mask=True,
+)
+@dataclass(eq=False)
 class SlidingSBDDecoder(Decoder):
     """A block of `block_size` masks after the text so far, every forward; see the module docstring."""
 
-    name = "sbd-slide"
+    block_size: int = BLOCK_SIZE.field()
+    gamma: float = GAMMA.field(0.1)
+    sampler: Sampler = sampling()
 
-    def __init__(self, block_size: int = 16, gamma: float = 0.1, sampler: Sampler | None = None):
-        self.block_size, self.gamma = block_size, gamma
-        self.sampler = sampler or Sampler()
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_size < 2:
+            raise FastForwardError(
+                f"sbd-slide needs a block of at least 2 (a token and a mask after it), got {self.block_size}"
+            )
 
     def begin(self, session: Session, rows: Sequence[int]) -> None:
         """New rows carry nothing yet: their first token is the prefill's next-token prediction."""
@@ -87,15 +98,3 @@ class SlidingSBDDecoder(Decoder):
             if token in stops:
                 break
         return accepted
-
-
-@register(
-    "sbd-slide",
-    knobs=(BLOCK_SIZE, GAMMA.with_default(0.1), *SAMPLING),
-    summary="Sliding SBD: AR's next token, then the run of sure masked predictions after it; exact KV cache",
-    needs_mask=True,
-)
-def _build(block_size: int, gamma: float, sampler: Sampler) -> SlidingSBDDecoder:
-    if block_size < 2:
-        raise FastForwardError(f"sbd-slide needs a block of at least 2 (a token and a mask after it), got {block_size}")
-    return SlidingSBDDecoder(block_size, gamma, sampler)

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.decoders.registry import BLOCK_SIZE, GAMMA, POLICY, SAMPLING, register
-from fastforward.decoding.policies import EntropyBounded, greedy_prefix, make_policy
+from fastforward.decoding.decoders.registry import BLOCK_SIZE, register, reveal_policy, sampling
+from fastforward.decoding.policies import Policy, greedy_prefix
 from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.decoding.steps import carried_and_masks, commit_writes
@@ -59,6 +59,13 @@ class VerifiedState:
         return out
 
 
+@register(
+    "sbd-verified",
+    summary="SBD blocks as drafts, verified by next-token logits in the commit forward; TPF >= 1",
+    lossless=True,
+    needs_mask=True,
+)
+@dataclass(eq=False)
 class VerifiedSBDDecoder(Decoder):
     """Blocks of `block_size` (an exact first token, then masks revealed by `policy`), verified.
 
@@ -68,12 +75,9 @@ class VerifiedSBDDecoder(Decoder):
     leave between steps.
     """
 
-    name = "sbd-verified"
-
-    def __init__(self, block_size: int = 16, policy=None, sampler: Sampler | None = None):
-        self.block_size = block_size
-        self.policy = policy or EntropyBounded(0.35)
-        self.sampler = sampler or Sampler()
+    block_size: int = BLOCK_SIZE.field()
+    policy: Policy = reveal_policy()
+    sampler: Sampler = sampling()
 
     def begin(self, session: Session, rows: Sequence[int]) -> None:
         """New rows commit the prefill's next token (exact) and open their first block at it."""
@@ -161,14 +165,3 @@ class VerifiedSBDDecoder(Decoder):
         row_tokens = session.row_tokens()
         block = self.block_size if row_tokens is None else max(1, min(self.block_size, row_tokens // 2))
         return min(block, max(1, row.limit - row.frontier - drafted + 1))
-
-
-@register(
-    "sbd-verified",
-    knobs=(BLOCK_SIZE, POLICY, GAMMA, *SAMPLING),
-    summary="SBD blocks as drafts, verified by next-token logits in the commit forward; TPF >= 1",
-    lossless=True,
-    needs_mask=True,
-)
-def _build(block_size: int, policy: str, gamma: float, sampler: Sampler) -> VerifiedSBDDecoder:
-    return VerifiedSBDDecoder(block_size, make_policy(policy, gamma), sampler)

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.decoders.registry import FIRST_TOKEN_FROM_NTP, SAMPLING, Knob, register
+from fastforward.decoding.decoders.registry import FIRST_TOKEN_FROM_NTP, register, sampling
+from fastforward.decoding.options import AT_LEAST_ONE, NON_NEGATIVE, option
 from fastforward.decoding.runtime import Prompt, Row, Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.decoding.steps import carried_and_masks, commit_writes, next_token_logits
@@ -59,24 +60,33 @@ class SetDLMState:
     carried: list[tuple[int, int]] = field(default_factory=list)  # (position, token) the next forward caches
 
 
+@register(
+    "setdlm",
+    summary="Set Diffusion: a sliding window of masks, confident ones accepted anywhere in it, exact KV cache",
+    needs_mask=True,
+)
+@dataclass(eq=False)
 class SetDiffusionDecoder(Decoder):
     """Sliding-window Set Diffusion decoding; see the module docstring."""
 
-    name = "setdlm"
     infills = True
 
-    def __init__(
-        self,
-        window: int = 4,
-        threshold: float = 0.9,
-        suffix_cache: str = "promote",
-        sampler: Sampler | None = None,
-        first_token_from_ntp: bool = False,
-    ):
-        self.window, self.threshold, self.suffix_cache = window, threshold, suffix_cache
-        self.sampler = sampler or Sampler()
-        self.first_token_from_ntp = first_token_from_ntp
-        self.causal_cache = first_token_from_ntp  # else tokens enter the cache in reveal order
+    window: int = option(4, "setdlm: masked positions decoded at once, from the first masked one", AT_LEAST_ONE)
+    threshold: float = option(
+        0.9, "setdlm: also accept every candidate this probable (inf: only the most confident)", NON_NEGATIVE
+    )
+    suffix_cache: str = option(
+        "promote",
+        "setdlm infilling: the suffix enters the cache up front or as the window reaches it",
+        choices=SUFFIX_CACHE,
+    )
+    sampler: Sampler = sampling()
+    first_token_from_ntp: bool = FIRST_TOKEN_FROM_NTP.field()
+
+    @property
+    def causal_cache(self) -> bool:
+        """Tokens enter the cache in reveal order, unless every step starts from the NTP prediction."""
+        return self.first_token_from_ntp
 
     def open_session(
         self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int | Sequence[int]
@@ -158,41 +168,3 @@ class SetDiffusionDecoder(Decoder):
                 break
             run.append((p, int(choices[i])))
         return run
-
-
-@register(
-    "setdlm",
-    knobs=(
-        Knob(
-            "window",
-            int,
-            4,
-            "setdlm: masked positions decoded at once, from the first masked one",
-            check=lambda v: v >= 1,
-            rule=">= 1",
-        ),
-        Knob(
-            "threshold",
-            float,
-            0.9,
-            "setdlm: also accept every candidate this probable (inf: only the most confident)",
-            check=lambda v: v >= 0,
-            rule=">= 0",
-        ),
-        Knob(
-            "suffix_cache",
-            str,
-            "promote",
-            "setdlm infilling: the suffix enters the cache up front or as the window reaches it",
-            choices=SUFFIX_CACHE,
-        ),
-        FIRST_TOKEN_FROM_NTP,
-        *SAMPLING,
-    ),
-    summary="Set Diffusion: a sliding window of masks, confident ones accepted anywhere in it, exact KV cache",
-    needs_mask=True,
-)
-def _build(
-    window: int, threshold: float, suffix_cache: str, first_token_from_ntp: bool, sampler: Sampler
-) -> SetDiffusionDecoder:
-    return SetDiffusionDecoder(window, threshold, suffix_cache, sampler, first_token_from_ntp)
