@@ -31,8 +31,12 @@ Writes WORK/curve.json and prints the tables.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -154,6 +158,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-eval", action="store_true", help="train only (the control too)")
     p.add_argument("--skip-control", action="store_true", help="neither train nor evaluate the NTP control")
+    p.add_argument(
+        "--ship-to", type=Path, help="after the evaluation, write the shipped adapter and its provenance.json here"
+    )
     args = p.parse_args()
     threads = set_threads(args.threads)
     work = args.work
@@ -334,6 +341,41 @@ def evaluate(args, work: Path, points: list[int], threads: int) -> None:
     path.write_text(json.dumps(record, indent=2) + "\n")
     print_tables(record, last_step)
     log(f"wrote {path}")
+    if args.ship_to:
+        ship_preset(args, work, record, last_step, args.ship_to)
+
+
+def ship_preset(args, work: Path, record: dict, last_step: int, dest: Path) -> None:
+    """The flattened adapter and what made it (commit, command, data, training, the last point's figures)
+    as a preset directory (`fastforward/presets/<name>`): written beside `dest`, then renamed onto it."""
+    data = work / "train.jsonl"
+    provenance = {
+        "name": dest.name,
+        "base": BASE,
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "command": "python benchmarks/smollm2_jf_arithmetic.py " + " ".join(sys.argv[1:]),
+        "task": {"name": "arithmetic", "options": TASK, "chat_template": True},
+        "data": {"split": "train", "problems": args.problems, "seed": 0,
+                 "sha256": hashlib.sha256(data.read_bytes()).hexdigest()},
+        "training": {
+            "sft": {"objective": "ntp", "steps": args.sft_steps, "lr": args.lr},
+            "jacobi_forcing": {
+                "objective": json.loads((work / "jf" / "fastforward_adapter.json").read_text())["objective"],
+                "steps": last_step, "tokens": next(p["tokens"] for p in record["curve"] if p["step"] == last_step),
+                "schedule": f"{args.steps} steps at LR {args.lr:g}, then {args.more_steps} more at {args.more_lr:g}",
+            },
+        },
+        "measured": {"at": "int4 --exact, batch 1, greedy, 2 threads", "problems": args.n,
+                     **record[f"final-step-{last_step}"], "machine": record.get("machine")},
+        "recorded": "benchmarks/recorded/ (the run's curve.json)",
+    }  # fmt: skip
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(work / "shipped", tmp)
+    (tmp / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+    log(f"shipped {dest}")
 
 
 def print_tables(record: dict, last_step: int) -> None:
