@@ -49,7 +49,7 @@ from fastforward.model.flatten import flatten
 from fastforward.tasks import get_task
 from fastforward.training.data import PackedData, load_examples
 from fastforward.training.objectives import JacobiForcing, make_objective
-from fastforward.training.run_dir import finished_run
+from fastforward.training.run_dir import finished_run, model_identity
 from fastforward.training.trainer import TrainConfig, train
 from fastforward.training.trajectories import TrajectoryData, from_examples
 
@@ -106,7 +106,11 @@ def train_jf(start: str, data: Path, work: Path, args, more: bool = False) -> li
     examples = from_examples(load_examples(data, model.tokenizer), args.block_size, model.pad_token_id)
     rows = TrajectoryData(examples, args.seq_len)
     chosen = objective(args)
-    provenance = {"base": start, "objective": chosen.describe(), "recipe": "benchmarks/smollm2_jf_arithmetic.py"}
+    provenance = {
+        "base": model_identity(start),
+        "objective": chosen.describe(),
+        "recipe": "benchmarks/smollm2_jf_arithmetic.py",
+    }
 
     def snapshot(step: int, record: dict) -> None:
         if first + step in points and step < steps:
