@@ -277,7 +277,8 @@ def evaluate(args, work: Path, points: list[int], threads: int) -> None:
 
     def part(name: str, compute) -> None:
         if name not in record:
-            save(name, compute(), load_average())
+            before = load_average()
+            save(name, compute(), before)
             log(f"{name}: {json.dumps(record[name])}")
 
     def curve() -> None:
