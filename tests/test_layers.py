@@ -11,7 +11,7 @@ LAYERS = [
     {"errors", "home", "jsonl", "registry"},
     {"tasks"},
     {"cpu"},
-    {"model"},
+    {"model", "presets"},  # presets: the adapters shipped as data, which model loads by name
     {"decoding"},
     {"api"},
     {"training", "evaluation"},
