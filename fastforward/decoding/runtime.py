@@ -103,19 +103,17 @@ class Session:
         positions: torch.Tensor,
         rule: torch.Tensor | None = None,
         read: range | torch.Tensor | None = None,
-        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run new tokens [B, T] at `positions` under `rule` ([T, T], per row [B, T, T], None =
         causal); every new token also sees the row's valid cache. All T entries enter the cache
         until `advance` says which stay.
 
         read: the new tokens whose logits are returned (a range or an index tensor), float32
-        [B, len(read), V]. rows: the rows taking part (a bool tensor [B]; default: those still
-        running); each of them gets one forward in its NFE.
+        [B, len(read), V]. The rows still running take part: each gets one forward in its NFE.
         """
         if self._step is not None:
             raise RuntimeError("the previous step is still open: call session.advance(keep) after each forward")
-        taking_part = [not row.finished for row in self.rows] if rows is None else rows.tolist()
+        taking_part = [not row.finished for row in self.rows]
         length = tokens.shape[1]
         for row, part in zip(self.rows, taking_part, strict=True):
             row.forwards += part

@@ -126,8 +126,7 @@ class MultiBlockDiffusionDecoder(Decoder):
         low, high = min(start for start, _ in live), max(end for _, end in live)
         layout = torch.tensor([ids, positions], device=session.device)  # tokens, positions
         rule = rules[0] if len(rules) == 1 else torch.stack(rules)
-        running = torch.tensor([not row.finished for row in rows])
-        logits = session.forward(layout[0], layout[1], rule, read=range(low, high), rows=running)
+        logits = session.forward(layout[0], layout[1], rule, read=range(low, high))
         _, confidence = entropy_and_confidence(logits)
         tokens = session.sample(logits, layout[1, :, low:high])
         tokens, confidence = torch.stack([tokens.double(), confidence.double()]).tolist()

@@ -62,7 +62,6 @@ class SBDDecoder(Decoder):
         into the next forward and opens the next block."""
         mask_id = session.model.require_mask_token(self.name)
         states: list[SBDState] = [row.state for row in session.rows]
-        running = [not row.finished for row in session.rows]
         for row, state in zip(session.rows, states, strict=True):  # a full block rides along; the next opens
             if not row.finished and not any(self._masked(row, state.block, 0)):
                 state.carried = [(p, row.canvas[p]) for p in state.block]
@@ -73,7 +72,7 @@ class SBDDecoder(Decoder):
         tokens, positions, rule, width = carried_and_masks(session, carried, live, mask_id, True, revealed)
         ntp, device, size = self.first_token_from_ntp, session.device, tokens.shape[1] - width
         read = range(0 if ntp else width, tokens.shape[1])
-        logits = session.forward(tokens, positions, rule, read, rows=torch.tensor(running))
+        logits = session.forward(tokens, positions, rule, read)
         masked = [self._masked(row, block, size) for row, block in zip(session.rows, live, strict=True)]
         masked = torch.tensor(masked, device=device)
         at = positions[:, width:]

@@ -67,10 +67,9 @@ class SlidingSBDDecoder(Decoder):
         mask_id = session.model.require_mask_token(self.name)
         states: list[SlideState] = [row.state for row in session.rows]
         carried = [state.carried for state in states]
-        running = [not row.finished for row in session.rows]
         blocks = [self._block(row) if not row.finished else [] for row in session.rows]
         tokens, positions, rule, width = carried_and_masks(session, carried, blocks, mask_id, masks_see_masks=True)
-        logits = session.forward(tokens, positions, rule, range(tokens.shape[1]), rows=torch.tensor(running))
+        logits = session.forward(tokens, positions, rule, range(tokens.shape[1]))
         first = next_token_logits(session, logits, carried)
         masks = logits[:, width + 1 :]  # the masks after the first position
         sure = (entropy(masks).cumsum(-1) <= self.gamma).cumprod(-1).sum(-1)

@@ -108,7 +108,6 @@ class SetDiffusionDecoder(Decoder):
         mask_id = session.model.require_mask_token(self.name)
         ntp = self.first_token_from_ntp
         states: list[SetDLMState] = [row.state for row in session.rows]
-        running = [not row.finished for row in session.rows]
         candidates = [self._candidates(row) if not row.finished else [] for row in session.rows]
         for row, state in zip(session.rows, states, strict=True):
             if not row.finished and state.promoted >= 0:
@@ -116,7 +115,7 @@ class SetDiffusionDecoder(Decoder):
         carried = [state.carried for state in states]
         tokens, positions, rule, width = carried_and_masks(session, carried, candidates, mask_id)
         read = range(0 if ntp else width, tokens.shape[1])
-        logits = session.forward(tokens, positions, rule, read, rows=torch.tensor(running))
+        logits = session.forward(tokens, positions, rule, read)
         if ntp:  # the next-token prediction at each row's last accepted token, then the masks'
             first = next_token_logits(session, logits, carried)
             logits = logits[:, width:]
