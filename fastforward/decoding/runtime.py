@@ -172,15 +172,6 @@ class Session:
         self._mirrors.clear()
 
     # ---- sampling -----------------------------------------------------------------------------
-    @property
-    def sampling(self) -> bool:
-        """Whether any row samples (temperature > 0): else every `sample` is greedy."""
-        return any(row.sampler.temperature > 0 for row in self.rows)
-
-    def sampled_rows(self) -> torch.Tensor:
-        """[B] bool: the rows that sample (temperature > 0)."""
-        return torch.tensor([row.sampler.temperature > 0 for row in self.rows], device=self.device)
-
     def sample(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Tokens [B, ...] for logits [B, ..., V], the tokens to sit at RoPE `positions` [B, ...]:
         each row greedy, or sampled by its sampler with the row's draw for each position (a

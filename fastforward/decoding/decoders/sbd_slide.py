@@ -74,9 +74,8 @@ class SlidingSBDDecoder(Decoder):
         masks = logits[:, width + 1 :]  # the masks after the first position
         sure = (entropy(masks).cumsum(-1) <= self.gamma).cumprod(-1).sum(-1)
         masks[..., mask_id] = -math.inf
-        choice = torch.cat([session.sample(first[:, None], positions[:, width : width + 1]), masks.argmax(-1)], 1)
-        if session.sampling:  # (greedy rows: the argmax again)
-            choice[:, 1:] = session.sample(masks, positions[:, width + 1 :])
+        at = positions[:, width:]  # the first position's, then the masks'
+        choice = torch.cat([session.sample(first[:, None], at[:, :1]), session.sample(masks, at[:, 1:])], 1)
         stops = [row.stops for row in session.rows]
         runs = zip(blocks, choice.tolist(), sure.tolist(), stops, strict=True)
         accepted = [self._accept(block, choices, run, stop) for block, choices, run, stop in runs]

@@ -120,9 +120,8 @@ class SetDiffusionDecoder(Decoder):
             first = next_token_logits(session, logits, carried)
             logits = logits[:, width:]
         logits[..., mask_id] = -math.inf
-        confidence, choice = torch.softmax(logits, dim=-1).max(dim=-1)
-        if session.sampling:  # (greedy rows keep the softmax's own choice, as they always did)
-            choice = torch.where(session.sampled_rows()[:, None], session.sample(logits, positions[:, width:]), choice)
+        confidence = torch.softmax(logits, dim=-1).amax(dim=-1)
+        choice = session.sample(logits, positions[:, width:])
         if ntp:
             choice[:, 0] = session.sample(first, positions[:, width])
             confidence[:, 0] = math.inf
