@@ -46,7 +46,7 @@ import torch
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import BLOCK_SIZE, register, sampling
 from fastforward.decoding.options import AT_LEAST_ONE, FRACTION, option
-from fastforward.decoding.policies import entropy_and_confidence
+from fastforward.decoding.policies import entropy_and_confidence, most_confident
 from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.decoding.steps import commit_writes
@@ -175,7 +175,7 @@ class MultiBlockDiffusionDecoder(Decoder):
             masked = [j for j in range(block.size) if not block.done[j]]
             picks = [j for j in masked if conf[j] > self.accept_threshold]
             if masked and not picks and (i == 0 or running[i - 1].progress >= self.semi_threshold):
-                picks = [max(masked, key=lambda j: (conf[j], -j))]  # the first on a tie
+                picks = [most_confident(conf, masked)]
             chosen.append(picks)
         return chosen
 

@@ -45,6 +45,7 @@ import torch
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import FIRST_TOKEN_FROM_NTP, register, sampling
 from fastforward.decoding.options import AT_LEAST_ONE, NON_NEGATIVE, option
+from fastforward.decoding.policies import most_confident
 from fastforward.decoding.runtime import Prompt, Row, Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.decoding.steps import carried_and_masks, commit_writes, next_token_logits
@@ -152,9 +153,8 @@ class SetDiffusionDecoder(Decoder):
         """The most confident candidate (the first on a tie) and every one at or above the threshold."""
         if not candidates:
             return []
-        conf = confidences[: len(candidates)]
-        best = max(range(len(candidates)), key=lambda i: (conf[i], -i))
-        return [(p, int(choices[i])) for i, p in enumerate(candidates) if i == best or conf[i] >= self.threshold]
+        best = most_confident(confidences, range(len(candidates)))
+        return [(p, int(choices[i])) for i, p in enumerate(candidates) if i == best or confidences[i] >= self.threshold]
 
     def _accept_run(
         self, candidates: list[int], choices: list[float], confidences: list[float]
