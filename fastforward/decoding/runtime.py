@@ -39,7 +39,7 @@ import torch
 
 from fastforward.decoding.prefill import PREFILL_TOKENS, prefill
 from fastforward.decoding.rows import Generation, GenerationInterrupted, Prompt, Row, Stats, make_rows
-from fastforward.decoding.sampling import Sampler, greedy, row_key, uniforms
+from fastforward.decoding.sampling import Sampler, greedy, uniforms
 from fastforward.model import Layout, Model, visibility
 from fastforward.model.cache import KVCache
 
@@ -193,9 +193,7 @@ class Session:
     def _sampling_plan(self) -> tuple[torch.Tensor, list[tuple[Sampler, torch.Tensor | None]]]:
         """Each row's sampling key (its own seed, else its sampler's, hashed with its tokens), and the
         samplers at temperature > 0 with the rows they sample (None: every row)."""
-        keys = [
-            row_key(row.sampler.seed if row.seed is None else row.seed, row.prefix, row.suffix) for row in self.rows
-        ]
+        keys = [row.key for row in self.rows]
         rows_of: dict[tuple[float, float], list[int]] = {}
         for index, row in enumerate(self.rows):
             if row.sampler.temperature > 0:
