@@ -88,8 +88,8 @@ def test_decoding_layouts_against_a_padded_cache_match_dense(pair, rule):
     for model in (dense, flexed):
         cache = model.new_cache()
         with torch.inference_mode():
-            first = model.run(Layout(prompt, prompt_positions, prompt_seen, torch.arange(past), keep=past), cache)
-            later = model.run(Layout(step, step_positions, step_seen, torch.arange(new), keep=new), cache)
+            first = model.run(Layout(prompt, prompt_positions, prompt_seen, torch.arange(past)), cache)
+            later = model.run(Layout(step, step_positions, step_seen, torch.arange(new)), cache)
         outputs.append((first, later, cache.layers[0].keys))
     for got, want in zip(outputs[1], outputs[0], strict=True):
         torch.testing.assert_close(got, want, **TOL)

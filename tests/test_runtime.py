@@ -81,7 +81,7 @@ def _causal_cache(tiny, tokens: list[int], positions: list[int]):
     n = len(tokens)
     with torch.inference_mode():
         logits = tiny.run(
-            Layout(torch.tensor([tokens]), torch.tensor([positions]), visibility.causal(n)[None], torch.arange(n), n),
+            Layout(torch.tensor([tokens]), torch.tensor([positions]), visibility.causal(n)[None], torch.arange(n)),
             cache,
         )
     return cache, logits

@@ -40,7 +40,6 @@ def _step(model: Model, cache, tokens: list[int], rule: torch.Tensor | None = No
         torch.arange(past, past + length, device=device)[None],
         seen,
         torch.arange(length, device=device),
-        keep=length,
     )
     return model.run(layout, cache)
 

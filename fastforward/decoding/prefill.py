@@ -83,8 +83,8 @@ def _forward(model: Model, rows: list[Row], tokens: list[list[int]]) -> tuple[KV
         # Each row's attention alone, from its first token, under a one-prompt prefill's mask: its
         # entries and logits are a one-prompt prefill's bits (`padded_prefill`), padded or not.
         with padded_prefill.rows_apart(pads):
-            logits = model.run(Layout(ids, pos, None, reads, keep=width), cache)
+            logits = model.run(Layout(ids, pos, None, reads), cache)
     else:
-        logits = model.run(Layout(ids, pos, mask, reads, keep=width), cache)
+        logits = model.run(Layout(ids, pos, mask, reads), cache)
     pick = torch.tensor([read.index(e) for e in ends], device=device)
     return cache, logits[torch.arange(len(rows), device=device), pick]

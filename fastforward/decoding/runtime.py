@@ -131,7 +131,7 @@ class Session:
             mask = mask.expand(self.batch, -1, -1) if mask.dim() == 2 else mask
         else:
             mask = None  # the model's own causal path: no dense mask to build or read
-        return self.model.run(Layout(tokens, positions, mask, read, keep=length), self.cache)
+        return self.model.run(Layout(tokens, positions, mask, read), self.cache)
 
     def _read_index(self, read: range) -> torch.Tensor:
         key = (read.start, read.stop)
