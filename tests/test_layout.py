@@ -28,7 +28,7 @@ def test_block_against_cache_equals_uncached_forward(tiny):
         head = Layout(tokens[:, :prefix], torch.arange(prefix)[None], visibility.causal(prefix)[None])
         tiny.run(head, cache)
         rule = visibility.sbd_decode(commit, block)
-        mask = visibility.against_cache(rule, torch.ones(1, prefix + commit + block, dtype=torch.bool))
+        mask = visibility.over_cache(rule, prefix)
         step = Layout(
             tokens[:, prefix:],
             torch.arange(prefix, prefix + commit + block)[None],
@@ -51,7 +51,7 @@ def test_kept_entries_equal_causal_prefill(tiny):
         tiny.run(Layout(tokens[:, :12], torch.arange(12)[None], visibility.causal(12)[None]), split)
         # 8 committed tokens travel with 4 masks that are read and then dropped
         step_tokens = torch.cat([tokens[:, 12:], torch.full((1, 4), tiny.mask_token_id)], 1)
-        mask = visibility.against_cache(visibility.sbd_decode(8, 4), torch.ones(1, 24, dtype=torch.bool))
+        mask = visibility.over_cache(visibility.sbd_decode(8, 4), 12)
         tiny.run(Layout(step_tokens, torch.arange(12, 24)[None], mask, read=None), split)
         split.truncate(20)
     assert split.get_seq_length() == 20

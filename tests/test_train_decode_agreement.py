@@ -77,7 +77,7 @@ def decode(
     batch, length = tokens.shape
     past = cache.get_seq_length()
     positions = (past + torch.arange(length)).expand(batch, length)
-    mask = None if rule is None else visibility.against_cache(rule, torch.ones(batch, past + length, dtype=torch.bool))
+    mask = None if rule is None else visibility.over_cache(rule, past, batch=batch)
     logits = model.run(Layout(tokens, positions, mask, read=torch.arange(length)), cache)
     cache.truncate(past + keep)
     return logits

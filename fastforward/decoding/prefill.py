@@ -74,7 +74,7 @@ def _forward(model: Model, rows: list[Row], tokens: list[list[int]]) -> tuple[KV
     mask = None  # the model's own causal path: no dense mask to build or read
     if any(pads):
         cache.key_valid = torch.arange(width, device=device)[None] >= torch.tensor(pads, device=device)[:, None]
-        mask = visibility.against_cache(visibility.causal(width, device), cache.key_valid)
+        mask = visibility.over_cache(visibility.causal(width, device), 0, cache.key_valid)
     # Read where each prefix ends; rows with suffixes of different lengths read different slots.
     ends = [width - len(t) + row.origin - 1 for row, t in zip(rows, tokens, strict=True)]
     read = sorted(set(ends))

@@ -123,14 +123,10 @@ class Session:
         if isinstance(read, range):
             read = self._read_index(read)
         valid = self.cache.key_valid
-        if valid is not None:
+        mask = None  # causal over a cache without holes: the model's own path, no dense mask to build or read
+        if rule is not None or valid is not None:
             rule = visibility.causal(length, self.device) if rule is None else rule
-            mask = visibility.against_cache(rule, valid)
-        elif rule is not None:
-            mask = visibility.after_full_cache(rule, self._step.base)
-            mask = mask.expand(self.batch, -1, -1) if mask.dim() == 2 else mask
-        else:
-            mask = None  # the model's own causal path: no dense mask to build or read
+            mask = visibility.over_cache(rule, self._step.base, valid, self.batch)
         return self.model.run(Layout(tokens, positions, mask, read), self.cache)
 
     def _read_index(self, read: range) -> torch.Tensor:

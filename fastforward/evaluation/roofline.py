@@ -364,18 +364,15 @@ def measure_block_cost(
             prefill = Layout(
                 tokens=ids(cache_len),
                 positions=torch.arange(cache_len, device=device).expand(batch, -1),
-                visibility=visibility.against_cache(
-                    visibility.causal(cache_len, device), torch.ones(batch, cache_len, dtype=torch.bool, device=device)
-                ),
+                visibility=visibility.over_cache(visibility.causal(cache_len, device), 0, batch=batch),
             )
             model.run(prefill, cache)
         layouts = {}
         for k in ks:
-            key_valid = torch.ones(batch, cache_len + k, dtype=torch.bool, device=device)
             layouts[k] = Layout(
                 tokens=ids(k),
                 positions=torch.arange(cache_len, cache_len + k, device=device).expand(batch, -1),
-                visibility=visibility.against_cache(visibility.sbd_decode(0, k, device), key_valid)
+                visibility=visibility.over_cache(visibility.sbd_decode(0, k, device), cache_len, batch=batch)
                 if dense_mask
                 else None,
                 read=torch.arange(k, device=device) if read_logits else None,

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fastforward.cpu import attention as exact_attention
 from fastforward.cpu.quantize import prefill_kernels
 from fastforward.errors import FastForwardError
-from fastforward.model import flex, softcap, step_graphs, windows
+from fastforward.model import flex, softcap, step_graphs, visibility, windows
 from fastforward.model.cache import KVCache
 from fastforward.model.saving import save_atomically
 from fastforward.model.step_graphs import StepGraphs
@@ -258,7 +258,7 @@ class Model:
         keys = cache.track_positions(queries) if cache is not None else queries
         seen = layout.visibility
         if seen is None:
-            seen = windows.causal(batch, length, past, layout.tokens.device)
+            seen = visibility.over_cache(visibility.causal(length, layout.tokens.device), past, batch=batch)
         return windows.masks(self.window, seen, queries, keys)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
