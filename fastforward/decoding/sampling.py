@@ -30,7 +30,7 @@ from fastforward.decoding.options import NON_NEGATIVE, SHARE, check_options, opt
 
 _M32 = 0xFFFFFFFF
 _DRAFTS = 0x9E3779B9  # sets random drafts' draws apart from sampling's
-Bits = TypeVar("Bits", int, torch.Tensor)
+_Bits = TypeVar("_Bits", int, torch.Tensor)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -50,7 +50,7 @@ def row_key(seed: int, *tokens: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=4).digest(), "little")
 
 
-def _mix(x: Bits) -> Bits:
+def _mix(x: _Bits) -> _Bits:
     """A 32-bit integer hash (Wellons' lowbias32) of 32-bit values: ints, or int64 tensors. Both
     multipliers are below 2^31, so no int64 product overflows."""
     x = x ^ (x >> 16)
