@@ -60,7 +60,7 @@ def cache_is_prefill(tiny):
         n = len(ids)
         fresh = tiny.new_cache()
         with torch.inference_mode():
-            tiny.run(Layout(torch.tensor([ids]), torch.arange(n)[None], visibility.causal(n)[None], keep=n), fresh)
+            tiny.run(Layout(torch.tensor([ids]), torch.arange(n)[None], visibility.causal(n)[None]), fresh)
         assert cache.get_seq_length() >= n
         for a, b in zip(fresh.layers, cache.layers, strict=True):
             torch.testing.assert_close(b.keys[..., :n, :], a.keys, rtol=1e-4, atol=1e-4)
@@ -109,7 +109,7 @@ def cached_step():
         past = cache.get_seq_length()
         positions = torch.arange(past, past + len(tokens))[None]
         read = torch.tensor([len(tokens) - 1])
-        return model.run(Layout(torch.tensor([tokens]), positions, None, read, keep=len(tokens)), cache)
+        return model.run(Layout(torch.tensor([tokens]), positions, None, read), cache)
 
     return step
 

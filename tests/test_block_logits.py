@@ -41,8 +41,8 @@ def saved(tmp_path_factory):
 def feed(model, cache, tokens: list[int], dense_mask: bool) -> torch.Tensor:
     """Logits [len(tokens), V] of `tokens` fed in one forward after what `cache` holds."""
     past, n = cache.get_seq_length(), len(tokens)
-    rule = visibility.after_full_cache(visibility.causal(n), past)[None] if dense_mask else None
-    layout = Layout(torch.tensor([tokens]), torch.arange(past, past + n)[None], rule, torch.arange(n), keep=n)
+    rule = visibility.over_cache(visibility.causal(n), past) if dense_mask else None
+    layout = Layout(torch.tensor([tokens]), torch.arange(past, past + n)[None], rule, torch.arange(n))
     return model.run(layout, cache)[0]
 
 

@@ -69,7 +69,7 @@ def _check_cache(tiny, session) -> None:
         fresh = tiny.new_cache()
         n = len(ids)
         with torch.inference_mode():
-            tiny.run(Layout(torch.tensor([ids]), torch.arange(n)[None], None, keep=n), fresh)
+            tiny.run(Layout(torch.tensor([ids]), torch.arange(n)[None], None), fresh)
         for a, b in zip(fresh.layers, session.cache.layers, strict=True):
             keys, values = b.keys[index][:, valid[index]], b.values[index][:, valid[index]]
             torch.testing.assert_close(keys, a.keys[0], rtol=1e-4, atol=1e-4)

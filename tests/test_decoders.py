@@ -217,6 +217,30 @@ def test_jacobi_stops_inside_a_block(tiny, prompts, decoder, stop_on):
     assert gen.token_ids == free[: free.index(free[11]) + 1]
 
 
+def test_random_drafts_do_not_depend_on_the_rows_slot_in_its_batch(tiny, prompts, monkeypatch):
+    """`jacobi --draft-init random` draws a row's drafts from its own seed and each slot's position: a
+    request feeds the same forwards (so takes as many) wherever it sits in a batch."""
+    fed: list[dict[tuple[int, ...], list[int]]] = []  # per forward: what each running row fed, by prompt
+    forward = Session.forward
+
+    def spy(session, tokens, *args, **kwargs):
+        rows = zip(session.rows, tokens.tolist(), strict=True)
+        fed.append({tuple(row.prefix): line for row, line in rows if not row.finished})
+        return forward(session, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(Session, "forward", spy)
+
+    def run(batch: list[list[int]]) -> tuple[list[list[int]], list[int], int]:
+        fed.clear()
+        generation = JacobiDecoder(4, "random").generate(tiny, batch, max_new_tokens=24)[batch.index(prompts[0])]
+        mine = [step[tuple(prompts[0])] for step in fed if tuple(prompts[0]) in step]
+        return mine, generation.token_ids, generation.stats.nfe
+
+    alone = run([prompts[0]])
+    assert run([prompts[1], prompts[0]]) == alone
+    assert run([prompts[2], prompts[3], prompts[0]]) == alone
+
+
 def test_cache_after_jacobi_equals_fresh_prefill(tiny, prompts, decode_and_check_cache):
     # everything but the last committed token (it rides in front of the next forward) is cached,
     # and verified tokens past max_new_tokens may follow

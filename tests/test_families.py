@@ -105,8 +105,8 @@ def test_cached_logits_equal_uncached(family, prompts):
     with torch.inference_mode():
         whole = model.run(Layout(ids, positions, None, read=torch.arange(n)), None)
         cache = model.new_cache()
-        model.run(Layout(ids[:, : n - k], positions[:, : n - k], None, keep=n - k), cache)
-        block = model.run(Layout(ids[:, n - k :], positions[:, n - k :], None, read=torch.arange(k), keep=k), cache)
+        model.run(Layout(ids[:, : n - k], positions[:, : n - k], None), cache)
+        block = model.run(Layout(ids[:, n - k :], positions[:, n - k :], None, read=torch.arange(k)), cache)
     torch.testing.assert_close(block[0], whole[0, n - k :], rtol=1e-4, atol=1e-4)
 
 

@@ -74,7 +74,7 @@ def test_decoding_layouts_against_a_padded_cache_match_dense(pair, rule):
     if rule != "plain":  # a plain causal layout (visibility None) has unpadded rows
         key_valid[1, :2] = False
     prompt = _tokens(dense, 2, past, seed=1)
-    prompt_seen = visibility.against_cache(visibility.causal(past, device), key_valid)
+    prompt_seen = visibility.over_cache(visibility.causal(past, device), 0, key_valid)
     prompt_positions = (key_valid.cumsum(1) - 1).clamp(min=0)
     new = 5 if rule == "plain" else _decoding_rules()[rule].shape[0]
     step = _tokens(dense, 2, new, seed=2)
@@ -83,13 +83,13 @@ def test_decoding_layouts_against_a_padded_cache_match_dense(pair, rule):
         step_seen = None
     else:
         step_valid = torch.cat([key_valid, torch.ones(2, new, dtype=torch.bool, device=device)], dim=1)
-        step_seen = visibility.against_cache(_decoding_rules()[rule].to(device), step_valid)
+        step_seen = visibility.over_cache(_decoding_rules()[rule].to(device), past, step_valid)
     outputs = []
     for model in (dense, flexed):
         cache = model.new_cache()
         with torch.inference_mode():
-            first = model.run(Layout(prompt, prompt_positions, prompt_seen, torch.arange(past), keep=past), cache)
-            later = model.run(Layout(step, step_positions, step_seen, torch.arange(new), keep=new), cache)
+            first = model.run(Layout(prompt, prompt_positions, prompt_seen, torch.arange(past)), cache)
+            later = model.run(Layout(step, step_positions, step_seen, torch.arange(new)), cache)
         outputs.append((first, later, cache.layers[0].keys))
     for got, want in zip(outputs[1], outputs[0], strict=True):
         torch.testing.assert_close(got, want, **TOL)

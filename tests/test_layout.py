@@ -25,18 +25,18 @@ def test_block_against_cache_equals_uncached_forward(tiny):
 
     cache = tiny.new_cache()
     with torch.inference_mode():
-        head = Layout(tokens[:, :prefix], torch.arange(prefix)[None], visibility.causal(prefix)[None], keep=prefix)
+        head = Layout(tokens[:, :prefix], torch.arange(prefix)[None], visibility.causal(prefix)[None])
         tiny.run(head, cache)
         rule = visibility.sbd_decode(commit, block)
-        mask = visibility.against_cache(rule, torch.ones(1, prefix + commit + block, dtype=torch.bool))
+        mask = visibility.over_cache(rule, prefix)
         step = Layout(
             tokens[:, prefix:],
             torch.arange(prefix, prefix + commit + block)[None],
             mask,
             read=torch.arange(commit, commit + block),
-            keep=commit,
         )
         got = tiny.run(step, cache)
+        cache.truncate(prefix + commit)  # the committed tokens stay, the block's masks go
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert cache.get_seq_length() == prefix + commit
 
@@ -47,12 +47,13 @@ def test_kept_entries_equal_causal_prefill(tiny):
     full = tiny.new_cache()
     split = tiny.new_cache()
     with torch.inference_mode():
-        tiny.run(Layout(tokens, torch.arange(20)[None], visibility.causal(20)[None], keep=20), full)
-        tiny.run(Layout(tokens[:, :12], torch.arange(12)[None], visibility.causal(12)[None], keep=12), split)
+        tiny.run(Layout(tokens, torch.arange(20)[None], visibility.causal(20)[None]), full)
+        tiny.run(Layout(tokens[:, :12], torch.arange(12)[None], visibility.causal(12)[None]), split)
         # 8 committed tokens travel with 4 masks that are read and then dropped
         step_tokens = torch.cat([tokens[:, 12:], torch.full((1, 4), tiny.mask_token_id)], 1)
-        mask = visibility.against_cache(visibility.sbd_decode(8, 4), torch.ones(1, 24, dtype=torch.bool))
-        tiny.run(Layout(step_tokens, torch.arange(12, 24)[None], mask, read=None, keep=8), split)
+        mask = visibility.over_cache(visibility.sbd_decode(8, 4), 12)
+        tiny.run(Layout(step_tokens, torch.arange(12, 24)[None], mask, read=None), split)
+        split.truncate(20)
     assert split.get_seq_length() == 20
     for a, b in zip(full.layers, split.layers, strict=True):
         torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-5)

@@ -23,7 +23,7 @@ class _Recording(MultiBlockDiffusionDecoder):
         self.last_position = 0
         original = session.forward
 
-        def forward(tokens, positions, rule, read, rows=None):
+        def forward(tokens, positions, rule, read):
             if rule.dim() == 2:  # one row: its running blocks start where the read starts
                 sizes, i = [], read.start
                 while i < rule.shape[0]:  # a block's first token sees up to the end of its block
@@ -33,7 +33,7 @@ class _Recording(MultiBlockDiffusionDecoder):
                 self.forwards.append(tuple(sizes))
             for row, places in zip(session.rows, positions, strict=True):
                 self.last_position = max(self.last_position, int(places.max()) - row.origin)
-            return original(tokens, positions, rule, read, rows)
+            return original(tokens, positions, rule, read)
 
         session.forward = forward
         super().decode(session)
@@ -191,9 +191,9 @@ class _Widths(MultiBlockDiffusionDecoder):
         self.widths: list[int] = []
         original = session.forward
 
-        def forward(tokens, positions, rule, read, rows=None):
+        def forward(tokens, positions, rule, read):
             self.widths.append(tokens.shape[1])
-            return original(tokens, positions, rule, read, rows)
+            return original(tokens, positions, rule, read)
 
         session.forward = forward
         super().decode(session)

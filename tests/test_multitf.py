@@ -134,7 +134,7 @@ def test_noisy_block_never_sees_a_later_group_or_its_own_clean_tokens():
     def noisy_hidden(t):
         from fastforward.model import Layout
 
-        layout = Layout(t, positions, visibility.against_cache(rule, torch.ones(1, 24, dtype=torch.bool)))
+        layout = Layout(t, positions, visibility.over_cache(rule, 0, torch.ones(1, 24, dtype=torch.bool)))
         return model.hidden_states(layout)[0, 12:]
 
     before = noisy_hidden(tokens)
@@ -235,6 +235,6 @@ def test_a_noise_group_sees_what_the_mbd_decoder_shows_its_running_blocks():
     start, end = 6, 12
     noisy = slice(length + start, length + end)
     seen = torch.cat([rule[noisy, :start], rule[noisy, noisy]], dim=1)
-    decode = visibility.after_full_cache(visibility.block_causal_decode(0, (2, 2, 2)), start)
+    decode = visibility.over_cache(visibility.block_causal_decode(0, (2, 2, 2)), start)[0]
     assert torch.equal(seen, decode)
     assert not rule[noisy, start:length].any() and not rule[noisy, length : length + start].any()

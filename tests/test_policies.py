@@ -18,6 +18,7 @@ from fastforward.decoding.policies import (
     Threshold,
     entropy_and_confidence,
     make_policy,
+    most_confident,
 )
 from fastforward.decoding.sampling import greedy
 from fastforward.errors import FastForwardError
@@ -122,6 +123,13 @@ def test_greedy_breaks_ties_like_argmax():
     for vocab in (2, 5, 17, 513, 4099):
         logits = torch.randint(0, 3, (64, 16, vocab), generator=generator).float()  # ties everywhere
         assert torch.equal(greedy(logits), logits.argmax(-1))
+
+
+def test_most_confident_picks_the_first_on_a_tie_among_the_given_positions():
+    confidence = [0.9, 0.2, 0.7, 0.7, 0.1]
+    assert most_confident(confidence, range(5)) == 0
+    assert most_confident(confidence, [1, 3, 2, 4]) == 2
+    assert most_confident(confidence, [4]) == 4
 
 
 def _reference(policy, logits, masked):

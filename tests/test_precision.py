@@ -73,7 +73,7 @@ def test_lossless_decoders_equal_ar_after_a_bfloat16_prefill(monkeypatch):
     model = _model("float32", "int4/pytorch")
     prompt = [3 + (i * 7) % 50 for i in range(DENSE_ROWS + 9)]
     ids = torch.tensor([prompt])
-    layout = Layout(tokens=ids, positions=torch.arange(len(prompt))[None], visibility=None, read=None, keep=len(prompt))
+    layout = Layout(tokens=ids, positions=torch.arange(len(prompt))[None], visibility=None, read=None)
     with torch.inference_mode():
         run_cache, kernel_cache = model.new_cache(), model.new_cache()
         model.run(layout, run_cache)

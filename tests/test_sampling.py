@@ -194,10 +194,10 @@ def test_sbd_samples_each_revealed_position_from_its_distribution(tiny, prompt):
     gens = decoder.generate(tiny, [Prompt(prompt, seed=s) for s in range(rows)], size)
     cache, n = tiny.new_cache(), len(prompt)
     with torch.inference_mode():
-        tiny.run(Layout(torch.tensor([prompt]), torch.arange(n)[None], None, keep=n), cache)
+        tiny.run(Layout(torch.tensor([prompt]), torch.arange(n)[None], None), cache)
         block = torch.full((1, size), tiny.mask_token_id)
-        mask = visibility.against_cache(visibility.sbd_decode(0, size), torch.ones(1, n + size, dtype=torch.bool))
-        logits = tiny.run(Layout(block, torch.arange(n, n + size)[None], mask, read=torch.arange(size), keep=0), cache)
+        mask = visibility.over_cache(visibility.sbd_decode(0, size), n)
+        logits = tiny.run(Layout(block, torch.arange(n, n + size)[None], mask, read=torch.arange(size)), cache)
     for position, probs in enumerate(target(logits[0], SAMPLER).tolist()):
         tokens = [(g.token_ids[position],) for g in gens]
         stat, p_value = chi_square(tokens, {(t,): q for t, q in enumerate(probs) if q > 0})

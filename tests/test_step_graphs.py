@@ -34,13 +34,12 @@ def _step(model: Model, cache, tokens: list[int], rule: torch.Tensor | None = No
     the logits of every new token."""
     past, length = cache.get_seq_length(), len(tokens)
     device = model.device
-    seen = None if rule is None else visibility.after_full_cache(rule, past)[None].to(device)
+    seen = None if rule is None else visibility.over_cache(rule, past).to(device)
     layout = Layout(
         torch.tensor([tokens], device=device),
         torch.arange(past, past + length, device=device)[None],
         seen,
         torch.arange(length, device=device),
-        keep=length,
     )
     return model.run(layout, cache)
 

@@ -64,7 +64,7 @@ def prefill(model: Model, context: list[list[int]]) -> KVCache:
     ids = torch.tensor(context)
     batch, length = ids.shape
     cache = model.new_cache()
-    model.run(Layout(ids, torch.arange(length).expand(batch, length), None, keep=length), cache)
+    model.run(Layout(ids, torch.arange(length).expand(batch, length), None), cache)
     return cache
 
 
@@ -72,12 +72,15 @@ def decode(
     model: Model, cache: KVCache, tokens: torch.Tensor, rule: torch.Tensor | None, keep: int = 0
 ) -> torch.Tensor:
     """A decoding forward: `tokens` [B, T] at the positions after the cache, under `rule` over the new tokens
-    (None: causal, the model's own path) and seeing the whole cache; logits of every new token."""
+    (None: causal, the model's own path) and seeing the whole cache; logits of every new token. The
+    first `keep` new entries stay in the cache."""
     batch, length = tokens.shape
     past = cache.get_seq_length()
     positions = (past + torch.arange(length)).expand(batch, length)
-    mask = None if rule is None else visibility.against_cache(rule, torch.ones(batch, past + length, dtype=torch.bool))
-    return model.run(Layout(tokens, positions, mask, read=torch.arange(length), keep=keep), cache)
+    mask = None if rule is None else visibility.over_cache(rule, past, batch=batch)
+    logits = model.run(Layout(tokens, positions, mask, read=torch.arange(length)), cache)
+    cache.truncate(past + keep)
+    return logits
 
 
 def decode_after(

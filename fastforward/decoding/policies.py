@@ -9,7 +9,7 @@ sampled token.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -152,6 +152,12 @@ def make_policy(name: str, value: float) -> Policy:
     if math.isnan(value) or value < 0:
         raise FastForwardError(f"the {name} policy needs a value >= 0 (γ, f or τ), got {value}")
     return POLICIES[name](value)
+
+
+def most_confident(confidence: Sequence[float], among: Iterable[int]) -> int:
+    """The index among `among` whose confidence is highest, the first on a tie (as `sampling.greedy`
+    breaks its ties): the position a mask decoder reveals when none passes its threshold."""
+    return max(among, key=lambda i: (confidence[i], -i))
 
 
 def greedy_prefix(drafts, predictions):

@@ -74,7 +74,7 @@ def _forward(model: Model, rows: list[Row], tokens: list[list[int]]) -> tuple[KV
     mask = None  # the model's own causal path: no dense mask to build or read
     if any(pads):
         cache.key_valid = torch.arange(width, device=device)[None] >= torch.tensor(pads, device=device)[:, None]
-        mask = visibility.against_cache(visibility.causal(width, device), cache.key_valid)
+        mask = visibility.over_cache(visibility.causal(width, device), 0, cache.key_valid)
     # Read where each prefix ends; rows with suffixes of different lengths read different slots.
     ends = [width - len(t) + row.origin - 1 for row, t in zip(rows, tokens, strict=True)]
     read = sorted(set(ends))
@@ -83,8 +83,8 @@ def _forward(model: Model, rows: list[Row], tokens: list[list[int]]) -> tuple[KV
         # Each row's attention alone, from its first token, under a one-prompt prefill's mask: its
         # entries and logits are a one-prompt prefill's bits (`padded_prefill`), padded or not.
         with padded_prefill.rows_apart(pads):
-            logits = model.run(Layout(ids, pos, None, reads, keep=width), cache)
+            logits = model.run(Layout(ids, pos, None, reads), cache)
     else:
-        logits = model.run(Layout(ids, pos, mask, reads, keep=width), cache)
+        logits = model.run(Layout(ids, pos, mask, reads), cache)
     pick = torch.tensor([read.index(e) for e in ends], device=device)
     return cache, logits[torch.arange(len(rows), device=device), pick]

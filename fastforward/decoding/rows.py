@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from fastforward.decoding import metrics
-from fastforward.decoding.sampling import Sampler
+from fastforward.decoding.sampling import Sampler, row_key
 from fastforward.errors import FastForwardError
 
 
@@ -140,6 +141,12 @@ class Row:
     @property
     def origin(self) -> int:
         return len(self.prefix)
+
+    @cached_property
+    def key(self) -> int:
+        """The key of its random draws (`sampling.row_key`): its own seed, else its sampler's, hashed
+        with its prompt, so that what it draws depends on nothing else in its batch."""
+        return row_key(self.sampler.seed if self.seed is None else self.seed, self.prefix, self.suffix)
 
     @property
     def length(self) -> int:

@@ -39,7 +39,7 @@ import torch
 
 from fastforward.decoding.prefill import PREFILL_TOKENS, prefill
 from fastforward.decoding.rows import Generation, GenerationInterrupted, Prompt, Row, Stats, make_rows
-from fastforward.decoding.sampling import Sampler, greedy, row_key, uniforms
+from fastforward.decoding.sampling import Sampler, greedy, uniforms
 from fastforward.model import Layout, Model, visibility
 from fastforward.model.cache import KVCache
 
@@ -103,19 +103,17 @@ class Session:
         positions: torch.Tensor,
         rule: torch.Tensor | None = None,
         read: range | torch.Tensor | None = None,
-        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run new tokens [B, T] at `positions` under `rule` ([T, T], per row [B, T, T], None =
         causal); every new token also sees the row's valid cache. All T entries enter the cache
         until `advance` says which stay.
 
         read: the new tokens whose logits are returned (a range or an index tensor), float32
-        [B, len(read), V]. rows: the rows taking part (a bool tensor [B]; default: those still
-        running); each of them gets one forward in its NFE.
+        [B, len(read), V]. The rows still running take part: each gets one forward in its NFE.
         """
         if self._step is not None:
             raise RuntimeError("the previous step is still open: call session.advance(keep) after each forward")
-        taking_part = [not row.finished for row in self.rows] if rows is None else rows.tolist()
+        taking_part = [not row.finished for row in self.rows]
         length = tokens.shape[1]
         for row, part in zip(self.rows, taking_part, strict=True):
             row.forwards += part
@@ -125,15 +123,11 @@ class Session:
         if isinstance(read, range):
             read = self._read_index(read)
         valid = self.cache.key_valid
-        if valid is not None:
+        mask = None  # causal over a cache without holes: the model's own path, no dense mask to build or read
+        if rule is not None or valid is not None:
             rule = visibility.causal(length, self.device) if rule is None else rule
-            mask = visibility.against_cache(rule, valid)
-        elif rule is not None:
-            mask = visibility.after_full_cache(rule, self._step.base)
-            mask = mask.expand(self.batch, -1, -1) if mask.dim() == 2 else mask
-        else:
-            mask = None  # the model's own causal path: no dense mask to build or read
-        return self.model.run(Layout(tokens, positions, mask, read, keep=length), self.cache)
+            mask = visibility.over_cache(rule, self._step.base, valid, self.batch)
+        return self.model.run(Layout(tokens, positions, mask, read), self.cache)
 
     def _read_index(self, read: range) -> torch.Tensor:
         key = (read.start, read.stop)
@@ -174,15 +168,6 @@ class Session:
         self._mirrors.clear()
 
     # ---- sampling -----------------------------------------------------------------------------
-    @property
-    def sampling(self) -> bool:
-        """Whether any row samples (temperature > 0): else every `sample` is greedy."""
-        return any(row.sampler.temperature > 0 for row in self.rows)
-
-    def sampled_rows(self) -> torch.Tensor:
-        """[B] bool: the rows that sample (temperature > 0)."""
-        return torch.tensor([row.sampler.temperature > 0 for row in self.rows], device=self.device)
-
     def sample(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Tokens [B, ...] for logits [B, ..., V], the tokens to sit at RoPE `positions` [B, ...]:
         each row greedy, or sampled by its sampler with the row's draw for each position (a
@@ -204,9 +189,7 @@ class Session:
     def _sampling_plan(self) -> tuple[torch.Tensor, list[tuple[Sampler, torch.Tensor | None]]]:
         """Each row's sampling key (its own seed, else its sampler's, hashed with its tokens), and the
         samplers at temperature > 0 with the rows they sample (None: every row)."""
-        keys = [
-            row_key(row.sampler.seed if row.seed is None else row.seed, row.prefix, row.suffix) for row in self.rows
-        ]
+        keys = [row.key for row in self.rows]
         rows_of: dict[tuple[float, float], list[int]] = {}
         for index, row in enumerate(self.rows):
             if row.sampler.temperature > 0:

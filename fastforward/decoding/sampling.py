@@ -20,14 +20,17 @@ targets more often, and the output is still exact.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from fastforward.decoding.options import NON_NEGATIVE, SHARE, check_options, option
 
 _M32 = 0xFFFFFFFF
+_DRAFTS = 0x9E3779B9  # sets random drafts' draws apart from sampling's
+_Bits = TypeVar("_Bits", int, torch.Tensor)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -47,8 +50,8 @@ def row_key(seed: int, *tokens: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=4).digest(), "little")
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Wellons' lowbias32) of int64 tensors holding 32-bit values. Both
+def _mix(x: _Bits) -> _Bits:
+    """A 32-bit integer hash (Wellons' lowbias32) of 32-bit values: ints, or int64 tensors. Both
     multipliers are below 2^31, so no int64 product overflows."""
     x = x ^ (x >> 16)
     x = (x * 0x21F0AAAD) & _M32
@@ -63,6 +66,14 @@ def uniforms(keys: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     key = keys.view(-1, *([1] * (at.dim() - 1)))
     bits = _mix(key ^ _mix(at.long() & _M32))
     return (bits.double() + 0.5) / 2.0**32
+
+
+def random_tokens(key: int, positions: Iterable[int], vocab: int) -> list[int]:
+    """Random ids in [0, vocab) for draft slots at RoPE `positions` of the row with `key`: like every
+    draw here a function of (key, position) alone, apart from the sampling draws, so a row's random
+    drafts do not depend on its batch, its slot in it, or how many steps led to a slot."""
+    stream = _mix(key ^ _DRAFTS)
+    return [(_mix(stream ^ _mix(p & _M32)) * vocab) >> 32 for p in positions]
 
 
 @dataclass(frozen=True)

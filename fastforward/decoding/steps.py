@@ -1,5 +1,7 @@
 """Step code that several decoders share, written against the runtime (`Session`) alone.
 
+* `next_block`: a block's canvas positions from a row's frontier; `masked_before_stop`: which of a
+  block's slots are still worth a forward (sbd, sbd-slide, sbd-verified).
 * `carried_and_masks`: the layout `[carried tokens (kept, causal) ; masks (read)]` of the mask
   decoders (sbd, sbd-slide, sbd-verified, setdlm), padded per row, and `next_token_logits` at the
   last carried token.
@@ -12,13 +14,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fastforward.decoding.policies import greedy_prefix
-from fastforward.decoding.runtime import Session
+from fastforward.decoding.runtime import Row, Session
 from fastforward.model import visibility
+
+
+def next_block(row: Row, size: int) -> list[int]:
+    """The canvas positions of a block of `size` from the row's frontier, cut at its budget."""
+    return list(range(row.frontier, min(row.frontier + size, row.limit)))
+
+
+def masked_before_stop(tokens: Sequence[int | None], stops: frozenset[int]) -> list[bool]:
+    """Which of a block's tokens (None: masked) are still to reveal: the masked ones before its first
+    stop token. The output is cut at that stop, so no forward is worth spending on those after it."""
+    masked, stopped = [], False
+    for token in tokens:
+        masked.append(token is None and not stopped)
+        stopped = stopped or (token is not None and token in stops)
+    return masked
 
 
 def carried_and_masks(

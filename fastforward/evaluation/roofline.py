@@ -335,7 +335,7 @@ def measure_block_cost(
 
     The cache is filled by one prefill of random ids (into `cache` when given: it must be empty).
     Each timed forward is an SBD decoding step — k tokens that see the whole cache and each other,
-    their logits read (read_logits) and their entries dropped (keep=0), so the cache is the same
+    their logits read (read_logits) and their entries dropped (a truncate), so the cache is the same
     for every repeat. Block sizes are interleaved within each repeat so drift hits all alike; the
     median of `repeats` timings after `warmup` untimed rounds is reported. k=1 is always measured.
     dense_mask=False runs the same tokens through the model's own mask-free causal path instead:
@@ -364,23 +364,18 @@ def measure_block_cost(
             prefill = Layout(
                 tokens=ids(cache_len),
                 positions=torch.arange(cache_len, device=device).expand(batch, -1),
-                visibility=visibility.against_cache(
-                    visibility.causal(cache_len, device), torch.ones(batch, cache_len, dtype=torch.bool, device=device)
-                ),
-                keep=cache_len,
+                visibility=visibility.over_cache(visibility.causal(cache_len, device), 0, batch=batch),
             )
             model.run(prefill, cache)
         layouts = {}
         for k in ks:
-            key_valid = torch.ones(batch, cache_len + k, dtype=torch.bool, device=device)
             layouts[k] = Layout(
                 tokens=ids(k),
                 positions=torch.arange(cache_len, cache_len + k, device=device).expand(batch, -1),
-                visibility=visibility.against_cache(visibility.sbd_decode(0, k, device), key_valid)
+                visibility=visibility.over_cache(visibility.sbd_decode(0, k, device), cache_len, batch=batch)
                 if dense_mask
                 else None,
                 read=torch.arange(k, device=device) if read_logits else None,
-                keep=0,
             )
         samples: dict[int, list[float]] = {k: [] for k in ks}
         for round_ in range(warmup + repeats):
@@ -388,6 +383,7 @@ def measure_block_cost(
                 _sync(device)
                 start = time.perf_counter()
                 model.run(layouts[k], cache)
+                cache.truncate(cache_len)
                 _sync(device)
                 if round_ >= warmup:
                     samples[k].append(time.perf_counter() - start)

@@ -2,8 +2,9 @@
 
 A *layout* is everything one forward pass needs: tokens, their RoPE positions, a boolean
 visibility rule over (query, key) pairs — keys being the cached entries followed by the new
-tokens — the positions whose logits are read, and how many of the new entries are kept in the
-cache. Every method in fastforward, training and decoding, is a way of building layouts.
+tokens — and the positions whose logits are read. Its new entries all enter the cache; which of
+them stay is the caller's choice (`KVCache.keep`, `KVCache.truncate`). Every method in fastforward,
+training and decoding, is a way of building layouts.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fastforward.cpu import attention as exact_attention
 from fastforward.cpu.quantize import prefill_kernels
 from fastforward.errors import FastForwardError
-from fastforward.model import flex, softcap, step_graphs, windows
+from fastforward.model import flex, softcap, step_graphs, visibility, windows
 from fastforward.model.cache import KVCache
 from fastforward.model.saving import save_atomically
 from fastforward.model.step_graphs import StepGraphs
@@ -32,19 +33,17 @@ MASK_CONFIG_KEY = "fastforward_mask_token_id"
 
 @dataclass
 class Layout:
-    """One forward pass: what to feed, where it sits, who sees whom, what to read, what to keep.
+    """One forward pass: what to feed, where it sits, who sees whom, what to read.
 
     tokens, positions: [B, T]. visibility: [B, T, P + T] booleans (True = may attend), where P is
     the number of entries already in the cache; None means plain causal over unpadded rows (the
-    model's own fast path). read: indices into T whose logits are returned
-    (None: none). keep: the first `keep` new entries stay in the cache; the rest are dropped.
+    model's own fast path). read: indices into T whose logits are returned (None: none).
     """
 
     tokens: torch.Tensor
     positions: torch.Tensor
     visibility: torch.Tensor | None
     read: torch.Tensor | None = None
-    keep: int = 0
 
 
 class Model:
@@ -179,7 +178,8 @@ class Model:
         return KVCache.new(self.hf.config)
 
     def run(self, layout: Layout, cache: KVCache | None) -> torch.Tensor | None:
-        """Execute a layout against `cache` (appending, then dropping all but `keep` new entries).
+        """Execute a layout against `cache`, appending its new entries (a caller that keeps fewer cuts
+        them after: `KVCache.keep`, `KVCache.truncate`).
 
         Returns float32 logits [B, len(read), V] for the read positions, or None when nothing is read.
         """
@@ -193,7 +193,6 @@ class Model:
         graphed = self.step_graphs is not None and not self.step_graphs.failed
         if graphed and past > 0 and step_graphs.supports(cache):
             logits = self.step_graphs.run(layout.tokens, layout.positions, layout.visibility, read, cache.hf)
-            cache.truncate(past + layout.keep)
             return logits if layout.read is not None else None
         forward, tokens, positions = self.hf, layout.tokens, layout.positions
         if self.compiled_forward is not None and past > 0:  # a step: one memory layout, one graph per kind
@@ -210,8 +209,6 @@ class Model:
                 use_cache=cache is not None,
                 logits_to_keep=read,
             )
-        if cache is not None:
-            cache.truncate(past + layout.keep)
         return out.logits.float() if layout.read is not None else None
 
     def compile_steps(self, store: Store | None = None) -> None:
@@ -261,7 +258,7 @@ class Model:
         keys = cache.track_positions(queries) if cache is not None else queries
         seen = layout.visibility
         if seen is None:
-            seen = windows.causal(batch, length, past, layout.tokens.device)
+            seen = visibility.over_cache(visibility.causal(length, layout.tokens.device), past, batch=batch)
         return windows.masks(self.window, seen, queries, keys)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Boolean attention rules: True where a query may attend to a key.
 
-Rules over the new tokens of a forward are [T, T] matrices shared by the batch; `against_cache`
-adds the cached keys and per-row padding to give the dense [B, T, P + T] mask SDPA takes. Decoding
+Rules over the new tokens of a forward are [T, T] matrices shared by the batch (or [B, T, T], one
+per row); `over_cache` adds the cached keys and per-row padding to give the dense [B, T, P + T] mask
+SDPA takes: every attention mask of a forward, in training and decoding, is built there. Decoding
 rules depend only on a few sizes, so they are built once per shape and shared (never mutate one).
 """
 
@@ -164,25 +165,24 @@ def jacobi_candidates(chain: int, candidates: Sequence[int], device: torch.devic
     return rule.tril()
 
 
-def against_cache(rule: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
-    """Dense mask [B, T, P + T] for `rule` ([T, T], or [B, T, T] per row) over T new tokens after P
-    cached entries.
+def over_cache(rule: torch.Tensor, past: int, key_valid: torch.Tensor | None = None, batch: int = 1) -> torch.Tensor:
+    """The dense mask [B, T, P + T] of T new tokens under `rule` ([T, T], or [B, T, T] per row) after
+    P = `past` cached entries.
 
-    key_valid [B, P + T] marks real (non-padding) keys. Every query also sees itself, so padded
-    queries never have an empty row (SDPA would return NaN there and poison the cache).
+    key_valid [B, P + T] marks the real (non-padding) keys; every query then also sees itself, so a
+    padded query never has an empty row (SDPA would return NaN there and poison the cache). None:
+    every key is real, and a shared rule is expanded over `batch` rows (a view, nothing copied).
     """
-    total, new = key_valid.shape[1], rule.shape[-1]
-    past = total - new
+    new = rule.shape[-1]
+    if key_valid is None:
+        mask = torch.cat([rule.new_ones(*rule.shape[:-1], past), rule], dim=-1)
+        return mask.expand(batch, -1, -1) if mask.dim() == 2 else mask
+    if key_valid.shape[1] != past + new:
+        raise ValueError(f"key_valid covers {key_valid.shape[1]} keys, expected {past} cached + {new} new")
     mask = key_valid[:, None, :].expand(-1, new, -1).clone()
     mask[:, :, past:] &= rule
     mask[:, :, past:] |= _identity(new, rule.device)
     return mask
-
-
-def after_full_cache(rule: torch.Tensor, past: int) -> torch.Tensor:
-    """[..., T, P + T]: `rule` ([T, T] or per row [B, T, T]) over the new tokens, every one of the
-    P cached entries visible to all."""
-    return torch.cat([rule.new_ones(*rule.shape[:-1], past), rule], dim=-1)
 
 
 @lru_cache(maxsize=64)

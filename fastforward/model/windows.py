@@ -62,12 +62,6 @@ def sliding_window(hf: PreTrainedModel) -> SlidingWindow | None:
     return SlidingWindow(int(size), mixed)
 
 
-def causal(batch: int, length: int, past: int, device: torch.device) -> torch.Tensor:
-    """The causal rule of a layout with no visibility given: [B, T, past + T]."""
-    keys = torch.arange(past + length, device=device)
-    return (keys[None, :] <= past + torch.arange(length, device=device)[:, None]).expand(batch, -1, -1)
-
-
 def masks(
     window: SlidingWindow, visibility: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor
 ) -> torch.Tensor | dict[str, torch.Tensor]:

@@ -14,13 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import BLOCK_SIZE, register, sampling
 from fastforward.decoding.options import option
 from fastforward.decoding.runtime import Row, Session
-from fastforward.decoding.sampling import Sampler
+from fastforward.decoding.sampling import Sampler, random_tokens
 from fastforward.decoding.steps import chain_step
 
 DRAFT_INITS = ("repeat", "random")
@@ -38,22 +36,25 @@ class JacobiDecoder(Decoder):
     """Jacobi decoding with blocks of `block_size` drafts, greedy or sampled.
 
     init: how fresh draft slots are filled — "repeat" copies the last committed token, "random"
-    draws random vocabulary ids (seeded by the sampler's seed). Acceptance is decided on the host
-    after one read-back of the forward's predictions per step (cheaper than a dozen small tensor ops).
+    draws random vocabulary ids (keyed by the row's seed and each slot's position). Acceptance is
+    decided on the host after one read-back of the forward's predictions per step (cheaper than a
+    dozen small tensor ops).
     """
 
     block_size: int = BLOCK_SIZE.field()
     init: str = option("repeat", "jacobi: how fresh draft slots are filled", choices=DRAFT_INITS, name="draft_init")
     sampler: Sampler = sampling()
 
-    def _filler(self, session: Session, index: int, row: Row, last: int) -> list[int]:
-        """Draft tokens for the n slots of a fresh block of one row (after its last token `last`)."""
-        n = self.block_size
+    def _fill(self, session: Session, row: Row, drafts: list[int], last: int, n: int) -> list[int]:
+        """A row's `drafts` cut or completed to n slots (slot i at its canvas position frontier + i, after
+        its last token `last`). A fresh slot repeats `last`, or with init "random" takes the row's own
+        random id for its position (`sampling.random_tokens`): a request's drafts, and so its forwards,
+        do not depend on its slot in a batch."""
+        fresh = range(len(drafts), n)
         if self.init == "repeat":
-            return [last] * n
-        vocab = session.model.vocab_size
-        generator = torch.Generator().manual_seed(session.sampler.seed + 1000003 * index + row.frontier)
-        return torch.randint(0, vocab, (n,), generator=generator).tolist()
+            return drafts[:n] + [last] * len(fresh)
+        first = row.origin + row.frontier
+        return drafts[:n] + random_tokens(row.key, [first + i for i in fresh], session.model.vocab_size)
 
     def _drafts(self, session: Session) -> int:
         """Drafts per row this step: the block size, or fewer when `session.step_tokens` bounds the
@@ -65,17 +66,16 @@ class JacobiDecoder(Decoder):
         first = session.commit_next_tokens(rows)
         for index in rows:
             row = session.rows[index]
-            row.state = JacobiState(first[index], self._filler(session, index, row, first[index]))
+            row.state = JacobiState(first[index], self._fill(session, row, [], first[index], self.block_size))
 
     def step(self, session: Session) -> None:
         n = self._drafts(session)
         states: list[JacobiState] = [row.state for row in session.rows]
-        for index, (row, state) in enumerate(zip(session.rows, states, strict=True)):
+        for row, state in zip(session.rows, states, strict=True):
             if len(state.drafts) != n:  # fewer drafts while many rows share the forward, more again later
-                state.drafts = (state.drafts + self._filler(session, index, row, state.last))[:n]
+                state.drafts = self._fill(session, row, state.drafts, state.last, n)
         guesses, accepted = chain_step(session, [s.last for s in states], [s.drafts for s in states])
-        for index, (row, state, guess, a) in enumerate(zip(session.rows, states, guesses, accepted, strict=True)):
+        for row, state, guess, a in zip(session.rows, states, guesses, accepted, strict=True):
             state.last = guess[a]
             # The predictions past the first correction are the next drafts; fresh slots get filler.
-            carried = guess[a + 1 :]
-            state.drafts = carried + self._filler(session, index, row, state.last)[len(carried) :]
+            state.drafts = self._fill(session, row, guess[a + 1 :], state.last, self.block_size)

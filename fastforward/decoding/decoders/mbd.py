@@ -46,7 +46,7 @@ import torch
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import BLOCK_SIZE, register, sampling
 from fastforward.decoding.options import AT_LEAST_ONE, FRACTION, option
-from fastforward.decoding.policies import entropy_and_confidence
+from fastforward.decoding.policies import entropy_and_confidence, most_confident
 from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.decoding.steps import commit_writes
@@ -126,8 +126,7 @@ class MultiBlockDiffusionDecoder(Decoder):
         low, high = min(start for start, _ in live), max(end for _, end in live)
         layout = torch.tensor([ids, positions], device=session.device)  # tokens, positions
         rule = rules[0] if len(rules) == 1 else torch.stack(rules)
-        running = torch.tensor([not row.finished for row in rows])
-        logits = session.forward(layout[0], layout[1], rule, read=range(low, high), rows=running)
+        logits = session.forward(layout[0], layout[1], rule, read=range(low, high))
         _, confidence = entropy_and_confidence(logits)
         tokens = session.sample(logits, layout[1, :, low:high])
         tokens, confidence = torch.stack([tokens.double(), confidence.double()]).tolist()
@@ -176,7 +175,7 @@ class MultiBlockDiffusionDecoder(Decoder):
             masked = [j for j in range(block.size) if not block.done[j]]
             picks = [j for j in masked if conf[j] > self.accept_threshold]
             if masked and not picks and (i == 0 or running[i - 1].progress >= self.semi_threshold):
-                picks = [max(masked, key=lambda j: (conf[j], -j))]  # the first on a tie
+                picks = [most_confident(conf, masked)]
             chosen.append(picks)
         return chosen
 

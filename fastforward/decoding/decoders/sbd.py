@@ -24,7 +24,13 @@ from fastforward.decoding.decoders.registry import BLOCK_SIZE, FIRST_TOKEN_FROM_
 from fastforward.decoding.policies import Policy
 from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
-from fastforward.decoding.steps import carried_and_masks, commit_writes, next_token_logits
+from fastforward.decoding.steps import (
+    carried_and_masks,
+    commit_writes,
+    masked_before_stop,
+    next_block,
+    next_token_logits,
+)
 
 
 @dataclass
@@ -52,7 +58,7 @@ class SBDDecoder(Decoder):
         prefill's next-token prediction, known before the block's first forward."""
         for index in rows:
             row = session.rows[index]
-            row.state = SBDState(self._block(row))
+            row.state = SBDState(next_block(row, self.block_size))
         if self.first_token_from_ntp:
             session.commit_next_tokens(rows)
 
@@ -62,18 +68,17 @@ class SBDDecoder(Decoder):
         into the next forward and opens the next block."""
         mask_id = session.model.require_mask_token(self.name)
         states: list[SBDState] = [row.state for row in session.rows]
-        running = [not row.finished for row in session.rows]
         for row, state in zip(session.rows, states, strict=True):  # a full block rides along; the next opens
             if not row.finished and not any(self._masked(row, state.block, 0)):
                 state.carried = [(p, row.canvas[p]) for p in state.block]
-                state.block = self._block(row)
+                state.block = next_block(row, self.block_size)
         carried = [state.carried for state in states]
         live = [state.block if not row.finished else [] for row, state in zip(session.rows, states, strict=True)]
         revealed = [[row.canvas[p] for p in block] for row, block in zip(session.rows, live, strict=True)]
         tokens, positions, rule, width = carried_and_masks(session, carried, live, mask_id, True, revealed)
         ntp, device, size = self.first_token_from_ntp, session.device, tokens.shape[1] - width
         read = range(0 if ntp else width, tokens.shape[1])
-        logits = session.forward(tokens, positions, rule, read, rows=torch.tensor(running))
+        logits = session.forward(tokens, positions, rule, read)
         masked = [self._masked(row, block, size) for row, block in zip(session.rows, live, strict=True)]
         masked = torch.tensor(masked, device=device)
         at = positions[:, width:]
@@ -95,11 +100,7 @@ class SBDDecoder(Decoder):
         for state in states:
             state.carried = []  # in the cache now
 
-    def _block(self, row: Row) -> list[int]:
-        return list(range(row.frontier, min(row.frontier + self.block_size, row.limit)))
-
     @staticmethod
     def _masked(row: Row, block: list[int], size: int) -> list[bool]:
-        """The block's positions still to reveal, padded to `size`: none after a revealed stop token
-        (the output is cut there, so no forward is worth spending on them)."""
-        return [row.canvas[p] is None and p < row.first_stop for p in block] + [False] * (size - len(block))
+        """The block's positions still to reveal (`masked_before_stop`), padded to `size`."""
+        return masked_before_stop([row.canvas[p] for p in block], row.stops) + [False] * (size - len(block))

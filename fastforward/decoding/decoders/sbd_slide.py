@@ -27,9 +27,9 @@ import torch
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import BLOCK_SIZE, GAMMA, register, sampling
 from fastforward.decoding.policies import entropy
-from fastforward.decoding.runtime import Row, Session
+from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
-from fastforward.decoding.steps import carried_and_masks, commit_writes, next_token_logits
+from fastforward.decoding.steps import carried_and_masks, commit_writes, next_block, next_token_logits
 from fastforward.errors import FastForwardError
 
 
@@ -67,17 +67,15 @@ class SlidingSBDDecoder(Decoder):
         mask_id = session.model.require_mask_token(self.name)
         states: list[SlideState] = [row.state for row in session.rows]
         carried = [state.carried for state in states]
-        running = [not row.finished for row in session.rows]
-        blocks = [self._block(row) if not row.finished else [] for row in session.rows]
+        blocks = [next_block(row, self.block_size) if not row.finished else [] for row in session.rows]
         tokens, positions, rule, width = carried_and_masks(session, carried, blocks, mask_id, masks_see_masks=True)
-        logits = session.forward(tokens, positions, rule, range(tokens.shape[1]), rows=torch.tensor(running))
+        logits = session.forward(tokens, positions, rule, range(tokens.shape[1]))
         first = next_token_logits(session, logits, carried)
         masks = logits[:, width + 1 :]  # the masks after the first position
         sure = (entropy(masks).cumsum(-1) <= self.gamma).cumprod(-1).sum(-1)
         masks[..., mask_id] = -math.inf
-        choice = torch.cat([session.sample(first[:, None], positions[:, width : width + 1]), masks.argmax(-1)], 1)
-        if session.sampling:  # (greedy rows: the argmax again)
-            choice[:, 1:] = session.sample(masks, positions[:, width + 1 :])
+        at = positions[:, width:]  # the first position's, then the masks'
+        choice = torch.cat([session.sample(first[:, None], at[:, :1]), session.sample(masks, at[:, 1:])], 1)
         stops = [row.stops for row in session.rows]
         runs = zip(blocks, choice.tolist(), sure.tolist(), stops, strict=True)
         accepted = [self._accept(block, choices, run, stop) for block, choices, run, stop in runs]
@@ -85,9 +83,6 @@ class SlidingSBDDecoder(Decoder):
         session.advance(keep=[len(c) for c in carried])
         for row, state, run in zip(session.rows, states, accepted, strict=True):  # what the next forward caches
             state.carried = [] if row.finished else run
-
-    def _block(self, row: Row) -> list[int]:
-        return list(range(row.frontier, min(row.frontier + self.block_size, row.limit)))
 
     @staticmethod
     def _accept(block: list[int], choices: list[int], run: int, stops: frozenset[int]) -> list[tuple[int, int]]:

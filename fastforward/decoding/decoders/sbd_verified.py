@@ -38,7 +38,7 @@ from fastforward.decoding.decoders.registry import BLOCK_SIZE, register, reveal_
 from fastforward.decoding.policies import Policy, greedy_prefix
 from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
-from fastforward.decoding.steps import carried_and_masks, commit_writes
+from fastforward.decoding.steps import carried_and_masks, commit_writes, masked_before_stop
 
 
 @dataclass
@@ -48,15 +48,6 @@ class VerifiedState:
 
     draft: list[int | None]
     start: int
-
-    def masked(self, stops: frozenset[int]) -> list[bool]:
-        """The draft's positions still to reveal: none after a revealed stop token (the output is cut
-        there, so no forward is worth spending on them)."""
-        out, stopped = [], False
-        for token in self.draft:
-            out.append(token is None and not stopped)
-            stopped = stopped or (token is not None and token in stops)
-        return out
 
 
 @register(
@@ -93,7 +84,10 @@ class VerifiedSBDDecoder(Decoder):
         when the whole draft held); a row out of credit then fills its draft at once."""
         mask_id = session.model.require_mask_token(self.name)
         rows, states = session.rows, [row.state for row in session.rows]
-        masked = [[] if row.finished else state.masked(row.stops) for row, state in zip(rows, states, strict=True)]
+        masked = [
+            [] if row.finished else masked_before_stop(state.draft, row.stops)
+            for row, state in zip(rows, states, strict=True)
+        ]
         verifying = [not row.finished and not any(m) for row, m in zip(rows, masked, strict=True)]
         # per row: the draft to verify, the positions read as a block, and the tokens known there
         carried, region, known = [], [], []
@@ -133,14 +127,14 @@ class VerifiedSBDDecoder(Decoder):
             fallback[index] = predicted[accepted : accepted + following]
             state.start, state.draft = start + accepted + 1, [fallback[index][0]] + [None] * (following - 1)
             if accepted == len(draft) - 1:  # the whole draft held: this forward's masks saw the right context
-                reveal_from[index][:following] = state.masked(row.stops)
+                reveal_from[index][:following] = masked_before_stop(state.draft, row.stops)
         commit_writes(session, writes)
         session.advance(keep=keep)
         self._reveal(session, logits[:, width:], reveal_from, own)
         for row, state, guess in zip(rows, states, fallback, strict=True):
             if not row.finished and row.length - row.forwards < 1:
                 # as many forwards as tokens: the rest of the draft at once, from the best guesses at hand
-                for slot, still in enumerate(state.masked(row.stops)):
+                for slot, still in enumerate(masked_before_stop(state.draft, row.stops)):
                     if still:
                         state.draft[slot] = guess[slot]
 

@@ -45,6 +45,7 @@ import torch
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import FIRST_TOKEN_FROM_NTP, register, sampling
 from fastforward.decoding.options import AT_LEAST_ONE, NON_NEGATIVE, option
+from fastforward.decoding.policies import most_confident
 from fastforward.decoding.runtime import Prompt, Row, Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.decoding.steps import carried_and_masks, commit_writes, next_token_logits
@@ -108,7 +109,6 @@ class SetDiffusionDecoder(Decoder):
         mask_id = session.model.require_mask_token(self.name)
         ntp = self.first_token_from_ntp
         states: list[SetDLMState] = [row.state for row in session.rows]
-        running = [not row.finished for row in session.rows]
         candidates = [self._candidates(row) if not row.finished else [] for row in session.rows]
         for row, state in zip(session.rows, states, strict=True):
             if not row.finished and state.promoted >= 0:
@@ -116,14 +116,13 @@ class SetDiffusionDecoder(Decoder):
         carried = [state.carried for state in states]
         tokens, positions, rule, width = carried_and_masks(session, carried, candidates, mask_id)
         read = range(0 if ntp else width, tokens.shape[1])
-        logits = session.forward(tokens, positions, rule, read, rows=torch.tensor(running))
+        logits = session.forward(tokens, positions, rule, read)
         if ntp:  # the next-token prediction at each row's last accepted token, then the masks'
             first = next_token_logits(session, logits, carried)
             logits = logits[:, width:]
         logits[..., mask_id] = -math.inf
-        confidence, choice = torch.softmax(logits, dim=-1).max(dim=-1)
-        if session.sampling:  # (greedy rows keep the softmax's own choice, as they always did)
-            choice = torch.where(session.sampled_rows()[:, None], session.sample(logits, positions[:, width:]), choice)
+        confidence = torch.softmax(logits, dim=-1).amax(dim=-1)
+        choice = session.sample(logits, positions[:, width:])
         if ntp:
             choice[:, 0] = session.sample(first, positions[:, width])
             confidence[:, 0] = math.inf
@@ -154,9 +153,8 @@ class SetDiffusionDecoder(Decoder):
         """The most confident candidate (the first on a tie) and every one at or above the threshold."""
         if not candidates:
             return []
-        conf = confidences[: len(candidates)]
-        best = max(range(len(candidates)), key=lambda i: (conf[i], -i))
-        return [(p, int(choices[i])) for i, p in enumerate(candidates) if i == best or conf[i] >= self.threshold]
+        best = most_confident(confidences, range(len(candidates)))
+        return [(p, int(choices[i])) for i, p in enumerate(candidates) if i == best or confidences[i] >= self.threshold]
 
     def _accept_run(
         self, candidates: list[int], choices: list[float], confidences: list[float]

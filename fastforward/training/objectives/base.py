@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fastforward.model import Layout, Model
-from fastforward.model.visibility import against_cache, causal
+from fastforward.model.visibility import causal, over_cache
 from fastforward.training.data import Batch, derive_seed
 
 IGNORE = -100
@@ -68,7 +68,7 @@ def positions(batch: Batch) -> torch.Tensor:
 def causal_layout(batch: Batch) -> Layout:
     """Plain causal pass over packed rows; padding keys are hidden."""
     rule = causal(batch.tokens.shape[1], batch.tokens.device)
-    return Layout(batch.tokens, positions(batch), against_cache(rule, batch.valid))
+    return Layout(batch.tokens, positions(batch), over_cache(rule, 0, batch.valid))
 
 
 def next_token_labels(batch: Batch) -> torch.Tensor:

@@ -191,7 +191,7 @@ def pack(
         rule[: len(seq), : len(seq)] = visibility.jacobi_forcing_train(
             len(prompt), [len(b) for b in clean], noisy_context
         )
-        masks.append(visibility.against_cache(rule, (torch.arange(width) < len(seq))[None]))
+        masks.append(visibility.over_cache(rule, 0, (torch.arange(width) < len(seq))[None]))
     noisy_t = torch.tensor(noisy_slots, dtype=torch.long, device=device).view(-1, 2)
     read_t = torch.tensor(read, dtype=torch.long, device=device).view(-1, 2)
     return Packed(

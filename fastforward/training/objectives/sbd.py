@@ -76,7 +76,7 @@ def dual_stream_layout(
     layout = Layout(
         tokens=torch.cat([batch.tokens, copy], dim=1),
         positions=positions(batch).repeat(1, 2),
-        visibility=visibility.against_cache(rule, batch.valid.repeat(1, 2)),
+        visibility=visibility.over_cache(rule, 0, batch.valid.repeat(1, 2)),
     )
     labels = torch.cat([next_token_labels(batch), batch.tokens.masked_fill(~masked, IGNORE)], dim=1)
     return layout, labels

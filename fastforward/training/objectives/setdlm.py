@@ -101,7 +101,7 @@ def setdlm_layout(
     layout = Layout(
         tokens=torch.cat([batch.tokens, copy], dim=1),
         positions=positions(batch).repeat(1, 2),
-        visibility=visibility.against_cache(rule, batch.valid.repeat(1, 2)),
+        visibility=visibility.over_cache(rule, 0, batch.valid.repeat(1, 2)),
     )
     labels = torch.cat([torch.full_like(batch.tokens, IGNORE), batch.tokens.masked_fill(~targets, IGNORE)], 1)
     return layout, labels
