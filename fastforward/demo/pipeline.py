@@ -296,6 +296,21 @@ def table_row(model: str, result: EvalResult, gamma: float | None) -> dict[str, 
     }
 
 
+def labelled_rows(
+    model: str, measured: dict[str, EvalResult], gamma_of: Callable[[str], float | None] = lambda label: None
+) -> tuple[list[dict[str, Any]], list[EvalResult]]:
+    """One `compare` call's table rows (each decoder by its label, AR as "AR") and its results, their
+    records tagged with `model`."""
+    rows = []
+    for label, result in measured.items():
+        row = table_row(model, result, gamma_of(label))
+        row["decoder"] = "AR" if label == AR else label
+        rows.append(row)
+        for record in result.records:
+            record["model"] = model
+    return rows, list(measured.values())
+
+
 def format_demo_table(rows: list[dict[str, Any]]) -> str:
     return format_table(
         rows,

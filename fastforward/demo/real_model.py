@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastforward.api import build_decoder
-from fastforward.demo.pipeline import table_row
-from fastforward.evaluation.evaluate import AR, EvalResult, compare
+from fastforward.demo.pipeline import labelled_rows
+from fastforward.evaluation.evaluate import EvalResult, compare
 from fastforward.model import PRESETS, SHIPPED_ADAPTERS, load_model
 from fastforward.tasks import get_task
 
@@ -63,11 +63,6 @@ def evaluate_real_model(settings: RealSettings, progress: bool = True) -> tuple[
         model = load_model(name, **SERVED)
         measured = compare(model, task, decoders, examples, max_new_tokens=settings.max_new_tokens,
                            chat_template=True, progress=progress, desc=f"eval {LABELS[name]}")  # fmt: skip
-        for label, result in measured.items():
-            row = table_row(LABELS[name], result, None)
-            row["decoder"] = "AR" if label == AR else label
-            rows.append(row)
-            for record in result.records:
-                record["model"] = LABELS[name]
-            results.append(result)
+        more, each = labelled_rows(LABELS[name], measured)
+        rows, results = rows + more, results + each
     return rows, results

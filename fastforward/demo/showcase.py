@@ -36,8 +36,8 @@ from typing import Any
 from fastforward.api import build_decoder
 from fastforward.decoding.metrics import aup
 from fastforward.demo import real_model
-from fastforward.demo.pipeline import DemoConfig, DemoResult, table_row
-from fastforward.evaluation.evaluate import AR, compare
+from fastforward.demo.pipeline import DemoConfig, DemoResult, labelled_rows
+from fastforward.evaluation.evaluate import compare
 from fastforward.evaluation.plots import Mark, plot_methods
 from fastforward.evaluation.report import format_table, write_json, write_records
 from fastforward.model import load_model
@@ -64,6 +64,11 @@ class Settings:
 
 def _gamma(g: float) -> str:
     return f"sbd γ={g:g}"
+
+
+def _gamma_of(s: Settings, label: str) -> float | None:
+    """The γ of an `sbd` sweep point's label, else None."""
+    return next((g for g in s.gammas if label == _gamma(g)), None)
 
 
 def _window(s: Settings, w: int) -> str:
@@ -120,14 +125,8 @@ def evaluate_checkpoints(
     for name, chosen in decoders(settings).items():
         model = load_model(str(models / name), precision=config.precision())
         measured = compare(model, task, chosen, examples, desc=f"eval {MODELS[name]} model", **options)
-        for label, result in measured.items():
-            gamma = next((g for g in settings.gammas if label == _gamma(g)), None)
-            row = table_row(MODELS[name], result, gamma)
-            row["decoder"] = "AR" if label == AR else label
-            rows.append(row)
-            for record in result.records:
-                record["model"] = MODELS[name]
-            results.append(result)
+        more, each = labelled_rows(MODELS[name], measured, lambda label: _gamma_of(settings, label))
+        rows, results = rows + more, results + each
     return rows, results
 
 
