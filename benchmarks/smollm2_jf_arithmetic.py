@@ -85,9 +85,11 @@ def train_ntp(start: str, data: Path, run: Path, args, steps: int, lr: float, lo
     train(model, make_objective("ntp"), rows, config(args, steps, args.ntp_batch_size, lr, lora_from), run)
 
 
-def objective(args) -> JacobiForcing:
+def objective(args, more: bool = False) -> JacobiForcing:
+    """The Jacobi Forcing objective of the first run, or of the --more-steps (their own AR weight)."""
+    ar_weight = args.more_ar_weight if more and args.more_ar_weight is not None else args.ar_weight
     return JacobiForcing(
-        noise_schedule=args.noise_schedule, noise_window=args.block_size, ar_weight=args.ar_weight,
+        noise_schedule=args.noise_schedule, noise_window=args.block_size, ar_weight=ar_weight,
         states=args.states, block_size=args.block_size,
     )  # fmt: skip
 
@@ -105,7 +107,7 @@ def train_jf(start: str, data: Path, work: Path, args, more: bool = False) -> li
     model = load_model(start)
     examples = from_examples(load_examples(data, model.tokenizer), args.block_size, model.pad_token_id)
     rows = TrajectoryData(examples, args.seq_len)
-    chosen = objective(args)
+    chosen = objective(args, more)
     provenance = {
         "base": model_identity(start),
         "objective": chosen.describe(),
@@ -147,7 +149,8 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16, help="training blocks, noise window and jacobi's block")
     p.add_argument("--states", default="random-tail", help="the jacobi_forcing objective's state source")
     p.add_argument("--noise-schedule", default="random")
-    p.add_argument("--ar-weight", type=float, default=1.0)
+    p.add_argument("--ar-weight", type=float, default=1.0, help="weight of the AR loss beside the consistency loss")
+    p.add_argument("--more-ar-weight", type=float, help="the AR weight of the --more-steps (default: --ar-weight)")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast in training")
     p.add_argument("--n", type=int, default=300, help="held-out problems at the last point")
     p.add_argument("--curve-n", type=int, default=60, help="held-out problems at the other points")
@@ -368,6 +371,7 @@ def ship_preset(args, work: Path, record: dict, last_step: int, dest: Path) -> N
                 "objective": json.loads((work / "jf" / "fastforward_adapter.json").read_text())["objective"],
                 "steps": last_step, "tokens": next(p["tokens"] for p in record["curve"] if p["step"] == last_step),
                 "schedule": f"{args.steps} steps at LR {args.lr:g}, then {args.more_steps} more at {args.more_lr:g}",
+                "more_objective": objective(args, more=True).describe() if args.more_steps else None,
             },
         },
         "measured": {"at": "int4 --exact, batch 1, greedy, 2 threads", "problems": args.n,
