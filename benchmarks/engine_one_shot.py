@@ -45,11 +45,11 @@ from common import (
     write_report,
 )
 
-from fastforward.cpu.threads import auto_threads
 from fastforward.model import load_model
 from fastforward.tasks import get_task
 
 LOSSLESS = ("ar", "lookup", "jacobi")  # greedy AR's tokens on an untrained model
+THREADS = 2  # the engine's and llama.cpp's (`common.LLAMA_ONE_SHOT` too)
 
 
 def main() -> None:
@@ -77,7 +77,8 @@ def main() -> None:
         },
         args.rounds,
     )
-    subprocess.run([fastforward, "engine", "start", "--wait"], check=True)
+    # The engine and llama.cpp at 2 threads (the engine's own default picks the cores not busy at its start).
+    subprocess.run([fastforward, "engine", "start", "--wait", "--threads", str(THREADS)], check=True)
     try:
         one_shot = paired(
             {
@@ -94,7 +95,7 @@ def main() -> None:
     write_report(
         RESULTS / "engine_one_shot.json",
         load_before,
-        auto_threads(),
+        THREADS,
         args=vars(args),
         cold=cold,
         one_shot=one_shot,
@@ -118,7 +119,7 @@ def steady_state(generate, args: argparse.Namespace) -> dict[str, dict]:
     """Per group and decoder: each prompt's tokens/s through the engine over llama.cpp's on the same
     prompt, requests interleaved with llama.cpp's runs."""
     model = load_model("smollm2-135m")  # llama.cpp's prompt ids and stop tokens, as `cpu_speed.py`
-    llama = preset_llama_cpp(threads=2)
+    llama = preset_llama_cpp(threads=THREADS)
     assert llama is not None
     texts = {"chat": CHAT[: args.n], "pycode": [ex.prompt for ex in get_task("pycode").examples("test", n=args.n)]}
     out: dict[str, dict] = {}
