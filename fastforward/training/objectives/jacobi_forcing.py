@@ -293,14 +293,14 @@ class JacobiForcing(Objective):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         rows = self.rows(batch, generator, model.stop_token_ids)
         packed = pack(rows, model.pad_token_id, self.noisy_context, model.device)
-        hidden = model.hidden_states(packed.layout)
         # Only the slots a loss reads are projected to the vocabulary: noisy ones and the clean stream.
-        student = F.log_softmax(model.logits(hidden[packed.noisy]).float(), dim=-1)
+        student, clean = model.logits_at(packed.layout, packed.noisy, packed.read)
+        student = F.log_softmax(student, dim=-1)
         with torch.no_grad() if self.ar_weight == 0 else contextlib.nullcontext():
-            clean = model.logits(hidden[packed.read]).float()
-            ar_sum = F.cross_entropy(clean, packed.labels, ignore_index=IGNORE, reduction="sum")
+            clean = F.log_softmax(clean, dim=-1)  # once, for the AR term and the teacher
+            ar_sum = F.nll_loss(clean, packed.labels, ignore_index=IGNORE, reduction="sum")
             ar = mean_over(ar_sum, labelled(packed.labels), term_norm(norms, "ar"))
-        teacher = F.log_softmax(clean[packed.teacher].detach(), dim=-1)  # θ⁻: stop-gradient
+        teacher = clean[packed.teacher].detach()  # θ⁻: stop-gradient
         kl = F.kl_div(student, teacher, log_target=True, reduction="sum")
         consistency = mean_over(kl, len(student), term_norm(norms, "consistency"))
         loss = consistency + self.ar_weight * ar
