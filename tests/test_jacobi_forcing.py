@@ -148,9 +148,9 @@ def test_rows_share_bins_at_their_own_positions_and_see_only_themselves():
 def test_bins_grow_only_while_padding_saved_outweighs_the_attention_it_adds():
     assert bin_capacity([100] * 8, crossover=1500) == 100  # equal rows: nothing to fill
     assert bin_capacity([200, 100, 100], crossover=1500) == 200  # the short rows pair up beside the long one
-    assert bin_capacity([200, 100, 100, 100], crossover=1500) == 600  # 500 tokens in one bin beat 3 × 200 slots
-    assert bin_capacity([200, 120, 120, 120, 120], crossover=1500) == 400  # 2 + 2 rows fill two bins of 400 better
-    assert bin_capacity([200, 120, 120, 120, 120], crossover=100) == 200  # attention dear: no wider bins
+    assert bin_capacity([200, 120, 120, 120, 120], crossover=1500) == 250  # pairs of 120 in bins of 250
+    assert bin_capacity([200, 100, 100, 100], crossover=1500) == 500  # 500 tokens in one bin beat 3 × 200 slots
+    assert bin_capacity([200, 100, 100, 100], crossover=100) == 200  # attention dear: 3 bins of 200 rather
 
 
 def test_blocks_are_cut_after_the_first_stop_token():

@@ -177,10 +177,12 @@ def places(lengths: Sequence[int], capacity: int | None = None) -> list[tuple[in
 
 
 def bin_capacity(lengths: Sequence[int], crossover: float, most: int = 4) -> int:
-    """The bin size, k · the longest row for k ≤ `most`, of least estimated cost: bins × width × (1 + width /
-    `crossover`), width being the fullest bin (linear layers cost per slot, padding included; a dense
-    attention mask makes every slot pay for every slot of its bin). Rows of equal length: k = 1."""
+    """The bin size, k · the longest row for k in 1, 9/8, 10/8 … `most`, of least estimated cost: bins × width ×
+    (1 + width / `crossover`), width being the fullest bin (linear layers cost per slot, padding included; a
+    dense attention mask makes every slot pay for every slot of its bin); the smallest on a tie. Rows of
+    equal length: k = 1."""
     longest = max(lengths)
+    sizes = sorted({longest * eighths // 8 for eighths in range(8, 8 * most + 1)})
 
     def cost(capacity: int) -> float:
         bins: dict[int, int] = {}
@@ -189,7 +191,7 @@ def bin_capacity(lengths: Sequence[int], crossover: float, most: int = 4) -> int
         width = max(bins.values())
         return len(bins) * width * (1 + width / crossover)
 
-    return min((k * longest for k in range(1, most + 1)), key=cost)
+    return min(sizes, key=cost)
 
 
 def attention_crossover(model: Model) -> float:
