@@ -16,7 +16,7 @@ import transformers as T
 import fastforward as ff
 from fastforward.decoding.decoders import registry
 from fastforward.errors import FastForwardError
-from fastforward.model import Layout, load_model
+from fastforward.model import Layout, core, load_model
 from fastforward.model.tiny import DEFAULT_CORPUS, fit_tokenizer
 from fastforward.training.data import Batch
 from fastforward.training.objectives import SBD, JacobiForcing, MultiTF, SetDLM
@@ -147,9 +147,12 @@ def test_sbd_verified_equals_ar_after_a_mask_token(family, prompts):
     assert got == expected
 
 
-def test_losses_read_the_models_own_logits_at_their_slots(family, prompts):
+@pytest.mark.parametrize("masked_keep", [True, False], ids=["row-slots", "shared-columns"])
+def test_losses_read_the_models_own_logits_at_their_slots(family, prompts, masked_keep, monkeypatch):
     """`Model.logits_at`, which every training loss reads, gives transformers' logits at the slots asked for,
-    the family's output head included (Gemma 2's final soft-capping, Cohere 2's logit scale), on padded rows."""
+    the family's output head included (Gemma 2's final soft-capping, Cohere 2's logit scale), on padded rows:
+    with each row's own slots kept (transformers >= 5.2x) and with the columns any row needs (older ones)."""
+    monkeypatch.setattr(core, "MASKED_KEEP", masked_keep)
     model = load_model(str(family[1]))
     width = max(map(len, prompts))
     tokens = torch.tensor([p + [model.pad_token_id] * (width - len(p)) for p in prompts])
