@@ -15,13 +15,17 @@ Rows: `ntp`, `sbd`, `multitf` and `setdlm` train on `pycode` records packed into
 `jacobi_forcing` on trajectory-shaped rows cut from the same text (a 96-token prompt, then blocks of
 16 whose fixed points are the next tokens and whose earlier states replace a share of them with other
 tokens of the text): a training step's cost does not depend on the token values, and collecting real
-trajectories would take most of the benchmark's time. tokens/s counts the tokens a step's rows hold
-(`jacobi_forcing`: the prompt and both copies of every block), the trainer's own measure. The first
-step of each run is left out (allocations, one-time set-up).
+trajectories would take most of the benchmark's time. Those rows are all of one length; `--jf-lengths
+varied` draws each row's prompt (48-96 tokens) and block count (2-8) and ends its response at a stop
+token inside the last block, as real responses do, so that the rows of a batch differ in length.
+tokens/s counts the tokens a step's rows hold (`jacobi_forcing`: the prompt and both copies of every
+block, padding not counted), the trainer's own measure. The first step of each run is left out
+(allocations, one-time set-up).
 
     python benchmarks/train_speed.py                       # SmolLM2-135M, every objective, 3 rounds
     python benchmarks/train_speed.py --objectives jacobi_forcing --rounds 5
     python benchmarks/train_speed.py --model tiny --rounds 1  # that it runs, in seconds
+    python benchmarks/train_speed.py --objectives jacobi_forcing --contenders bf16+lora --jf-lengths varied
 
 Target (issue 52): `jacobi_forcing` at least 2x the float32 trainer's tokens/s on SmolLM2.
 """
@@ -65,26 +69,34 @@ def text_ids(model, n_records: int) -> list[list[int]]:
     return [model.tokenizer(r["prompt"] + r["completion"])["input_ids"] for r in records]
 
 
-def trajectory_rows(ids: list[list[int]], n: int, prompt: int = 96, blocks: int = 8, size: int = 16) -> list:
-    """Trajectory-shaped examples from real text: states replace 3/4, 1/2 and 1/4 of a block's tokens."""
-    flat = [t for row in ids for t in row]
+def trajectory_rows(
+    ids: list[list[int]], n: int, prompt: int = 96, blocks: int = 8, size: int = 16, stop: int | None = None
+) -> list:
+    """Trajectory-shaped examples from real text: states replace 3/4, 1/2 and 1/4 of a block's tokens.
+    With a `stop` token: each row's prompt of 48 to `prompt` tokens, 2 to `blocks` blocks, and the stop token
+    at a random place of the last block (training cuts the response after it)."""
+    flat = [t for row in ids for t in row if t != stop]
     rng = random.Random(0)
-    out, span = [], prompt + blocks * size
+    out = []
     for i in range(n):
-        start = rng.randrange(0, len(flat) - span)
-        text = flat[start : start + span]
+        length, count = (prompt, blocks) if stop is None else (rng.randint(48, prompt), rng.randint(2, blocks))
+        start = rng.randrange(0, len(flat) - length - count * size)
+        text = flat[start : start + length + count * size]
+        if stop is not None:
+            text[len(text) - rng.randint(1, size)] = stop
         made = []
-        for b in range(blocks):
-            fixed = text[prompt + b * size : prompt + (b + 1) * size]
+        for b in range(count):
+            fixed = text[length + b * size : length + (b + 1) * size]
             states = [[rng.choice(flat) if rng.random() < share else t for t in fixed] for share in (0.75, 0.5, 0.25)]
             made.append(Block(states, fixed))
-        out.append(Trajectory(text[:prompt], made, size, index=i))
+        out.append(Trajectory(text[:length], made, size, index=i))
     return out
 
 
-def dataset(objective: str, model, ids: list[list[int]], seq_len: int):
+def dataset(objective: str, model, ids: list[list[int]], seq_len: int, varied: bool = False):
     if objective == "jacobi_forcing":
-        return TrajectoryData(trajectory_rows(ids, 64), seq_len * 2)
+        stop = model.stop_token_ids[0] if varied else None
+        return TrajectoryData(trajectory_rows(ids, 64, stop=stop), seq_len * 2)
     examples = [encode_record({"text": model.tokenizer.decode(row)}, model.tokenizer) for row in ids]
     return PackedData(examples, seq_len, model.pad_token_id)
 
@@ -101,7 +113,7 @@ def one_run(args, objective: str, options: dict, work: Path) -> float:
         with mock.patch.object(torch.optim, "AdamW", foreach_adamw):
             return one_run(args, objective, options, work)
     model = fresh_model(args.model)
-    data = dataset(objective, model, text_ids(model, 200), args.seq_len)
+    data = dataset(objective, model, text_ids(model, 200), args.seq_len, args.jf_lengths == "varied")
     config = TrainConfig(
         steps=args.steps + 1,
         seq_len=data.seq_len,
@@ -125,6 +137,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256, help="row length (jacobi_forcing: twice this at most)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--jf-lengths", choices=("fixed", "varied"), default="fixed", help="jacobi_forcing rows' lengths")
     p.add_argument("--out", type=Path, default=RESULTS / "train_speed.json")
     args = p.parse_args()
     threads = set_threads(args.threads)
@@ -148,7 +161,8 @@ def main() -> None:
         log(f"| {objective} | {' | '.join(f'{m:.0f}' for m in medians.values())} | {ratio} |")
         rows.append({"objective": objective, "tokens_per_s": by, "median": medians})
     write_report(args.out, load_before, threads, model=args.model, batch_size=args.batch_size,
-                 seq_len=args.seq_len, steps=args.steps, rounds=args.rounds, rows=rows)  # fmt: skip
+                 seq_len=args.seq_len, steps=args.steps, rounds=args.rounds, jf_lengths=args.jf_lengths,
+                 rows=rows)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ output layers. Prompts are longer than the window (6 positions), so every slidin
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import transformers as T
@@ -14,10 +16,11 @@ import transformers as T
 import fastforward as ff
 from fastforward.decoding.decoders import registry
 from fastforward.errors import FastForwardError
-from fastforward.model import Layout, load_model
+from fastforward.model import Layout, core, load_model
 from fastforward.model.tiny import DEFAULT_CORPUS, fit_tokenizer
 from fastforward.training.data import Batch
 from fastforward.training.objectives import SBD, JacobiForcing, MultiTF, SetDLM
+from fastforward.training.objectives.base import causal_layout
 from fastforward.training.trajectories import TrajectoryData, collect
 
 WINDOW = 6
@@ -142,6 +145,28 @@ def test_sbd_verified_equals_ar_after_a_mask_token(family, prompts):
     expected = [g.token_ids for g in ff.build_decoder("ar").generate(model, prompts, NEW_TOKENS)]
     got = [g.token_ids for g in ff.build_decoder("sbd-verified", block_size=4).generate(model, prompts, NEW_TOKENS)]
     assert got == expected
+
+
+@pytest.mark.parametrize("masked_keep", [True, False], ids=["row-slots", "shared-columns"])
+def test_losses_read_the_models_own_logits_at_their_slots(family, prompts, masked_keep, monkeypatch):
+    """`Model.logits_at`, which every training loss reads, gives transformers' logits at the slots asked for,
+    the family's output head included (Gemma 2's final soft-capping, Cohere 2's logit scale), on padded rows:
+    with each row's own slots kept (transformers >= 5.2x) and with the columns any row needs (older ones)."""
+    monkeypatch.setattr(core, "MASKED_KEEP", masked_keep)
+    model = load_model(str(family[1]))
+    width = max(map(len, prompts))
+    tokens = torch.tensor([p + [model.pad_token_id] * (width - len(p)) for p in prompts])
+    valid = torch.arange(width) < torch.tensor([[len(p)] for p in prompts])
+    layout = causal_layout(Batch(tokens, valid, valid))
+    first = (torch.tensor([0, 2, 1, 0]), torch.tensor([3, 0, 5, 1]))
+    second = (torch.tensor([1, 0]), torch.tensor([2, 3]))  # (0, 3) in both
+    full = model.run(replace(layout, read=torch.arange(width)), None)
+    got = model.logits_at(layout, first, second)
+    for logits, (rows, slots) in zip(got, (first, second), strict=True):
+        torch.testing.assert_close(logits, full[rows, slots], rtol=1e-5, atol=1e-5)
+    if family[0] in ("gemma2", "cohere2"):  # what the output layer alone would give differs
+        raw = model.hf.get_output_embeddings()(model.hidden_states(layout))
+        assert not torch.allclose(raw[first], full[first], atol=1e-2)
 
 
 def test_every_objective_takes_a_training_step(family, prompts, tmp_path):

@@ -11,21 +11,25 @@ import torch
 from fastforward.api import build_decoder
 from fastforward.cli import main
 from fastforward.errors import FastForwardError
-from fastforward.model import load_model
-from fastforward.model.tiny import tiny_model
+from fastforward.model import Model, adapters, load_model
+from fastforward.model.tiny import DEFAULT_CORPUS, fit_tokenizer, tiny_model
 from fastforward.model.visibility import jacobi_forcing_train as jacobi_forcing_rule
+from fastforward.training import lora
 from fastforward.training.data import Example
 from fastforward.training.jacobi_trajectories import Block, Trajectory
 from fastforward.training.objectives import JacobiForcing, make_objective
-from fastforward.training.objectives.base import IGNORE
 from fastforward.training.objectives.jacobi_forcing import (
     TAIL_POOL,
+    attention_crossover,
+    bin_capacity,
     choose_point,
     cut_after_stop,
     half_corrected,
     noise_ratios,
     pack,
+    places,
     random_tail,
+    row_length,
 )
 from fastforward.training.trainer import TrainConfig, train
 from fastforward.training.trajectories import (
@@ -112,9 +116,41 @@ def test_packing_shares_positions_and_pairs_noisy_with_clean_slots():
     read = list(zip(*(t.tolist() for t in packed.read), strict=True))
     assert noisy == [(0, 2), (0, 3), (0, 6), (1, 1)]  # a response's last slot has nothing to predict
     assert [read[j] for j in packed.teacher.tolist()] == [(0, 4), (0, 5), (0, 8), (1, 3)]
-    labels = dict(zip(read, packed.labels.tolist(), strict=True))
-    assert labels == {(0, 1): 1, (0, 4): 2, (0, 5): 3, (0, 8): 4, (0, 9): IGNORE, (1, 0): 1, (1, 3): 2, (1, 4): IGNORE}
+    labels = dict(zip(read, packed.labels.tolist(), strict=True))  # a response's last clean slot is not read
+    assert labels == {(0, 1): 1, (0, 4): 2, (0, 5): 3, (0, 8): 4, (1, 0): 1, (1, 3): 2}
     assert packed.noise == pytest.approx(4 / 6)
+
+
+def test_rows_share_bins_at_their_own_positions_and_see_only_themselves():
+    rows = [([7, 8], [[9, 9], [3, 9]], [[1, 2], [3, 4]]), ([5], [[1, 9]], [[1, 2]]), ([6, 6, 6], [[2]], [[4]])]
+    assert [row_length(r) for r in rows] == [10, 5, 5]
+    assert places([10, 5, 5], 10) == [(0, 0), (1, 0), (1, 5)]  # first fit, longest first
+    assert places([10, 5, 5]) == [(0, 0), (1, 0), (2, 0)]
+    with pytest.raises(FastForwardError, match="cannot hold"):
+        places([10, 5], 9)
+    alone, binned = pack(rows, pad_id=0), pack(rows, pad_id=0, capacity=10)
+    assert binned.places == [(0, 0), (1, 0), (1, 5)] and binned.layout.tokens.shape == (2, 10)
+    assert binned.layout.tokens[1].tolist() == [5, 1, 9, 1, 2, 6, 6, 6, 2, 4]
+    assert binned.layout.positions[1].tolist() == [0, 1, 2, 1, 2, 0, 1, 2, 3, 3]
+    seen = binned.layout.visibility[1]
+    assert not seen[:5, 5:].any() and not seen[5:, :5].any()  # neighbours in a bin never see each other
+    assert torch.equal(seen[5:, 5:], alone.layout.visibility[2, :5, :5])
+    assert torch.equal(binned.teacher, alone.teacher) and torch.equal(binned.labels, alone.labels)
+    shift = {(2, 0): (1, 5), (1, 0): (1, 0), (0, 0): (0, 0)}  # row r at (bin, offset) instead of (r, 0)
+
+    def moved(index):
+        return [(shift[(r, 0)][0], shift[(r, 0)][1] + s) for r, s in zip(*(t.tolist() for t in index), strict=True)]
+
+    assert moved(alone.noisy) == list(zip(*(t.tolist() for t in binned.noisy), strict=True))
+    assert moved(alone.read) == list(zip(*(t.tolist() for t in binned.read), strict=True))
+
+
+def test_bins_grow_only_while_padding_saved_outweighs_the_attention_it_adds():
+    assert bin_capacity([100] * 8, crossover=1500) == 100  # equal rows: nothing to fill
+    assert bin_capacity([200, 100, 100], crossover=1500) == 200  # the short rows pair up beside the long one
+    assert bin_capacity([200, 120, 120, 120, 120], crossover=1500) == 250  # pairs of 120 in bins of 250
+    assert bin_capacity([200, 100, 100, 100], crossover=1500) == 500  # 500 tokens in one bin beat 3 × 200 slots
+    assert bin_capacity([200, 100, 100, 100], crossover=100) == 200  # attention dear: 3 bins of 200 rather
 
 
 def test_blocks_are_cut_after_the_first_stop_token():
@@ -177,6 +213,94 @@ def test_ar_term_is_the_next_token_loss_of_the_clean_stream(model):
             total += torch.nn.functional.cross_entropy(logits[start:-1], targets, reduction="sum").item()
             count += len(targets)
     assert metrics["ar_loss"] == pytest.approx(total / count, rel=1e-4)
+
+
+def reference_loss(model, rows: list, noisy_context: str, ar_weight: float) -> torch.Tensor:
+    """Eq. 9 computed row by row, each row alone in a forward of transformers' own that returns logits for
+    every slot (its family's output head included): what the packed path must give, which shares rows
+    out over bins and projects only the slots a loss reads."""
+    kl = ar = torch.zeros(())
+    kl_count = ar_count = 0
+    for prompt, noisy, clean in rows:
+        lengths = [len(block) for block in clean]
+        tokens, positions, students, readers = list(prompt), list(range(len(prompt))), [], [len(prompt) - 1]
+        for noisy_block, clean_block in zip(noisy, clean, strict=True):
+            n, at, start = len(clean_block), len(tokens), len(positions) - len(students)  # = prompt + done
+            tokens += noisy_block + clean_block
+            positions += [*range(start, start + n), *range(start, start + n)]
+            students += range(at, at + n)
+            readers += range(at + n, at + 2 * n)
+        rule = jacobi_forcing_rule(len(prompt), lengths, noisy_context)
+        logits = model.hf(
+            input_ids=torch.tensor([tokens]), position_ids=torch.tensor([positions]), attention_mask=rule[None, None]
+        ).logits[0]
+        logp = logits.float().log_softmax(-1)
+        response = [t for block in clean for t in block]
+        for i, target in enumerate(response):  # readers[i] (the last prompt slot, then clean slots) predicts token i
+            ar = ar - logp[readers[i], target]
+        for i in range(len(response) - 1):  # noisy slot i against clean slot i (readers[i + 1]), detached
+            teacher = logp[readers[i + 1]].detach()
+            kl = kl + (teacher.exp() * (teacher - logp[students[i]])).sum()
+        kl_count += len(response) - 1
+        ar_count += len(response)
+    return kl / kl_count + ar_weight * ar / ar_count
+
+
+def varied_batch(seed: int = 0) -> TrajectoryBatch:
+    """Trajectories of different prompt lengths and block counts, so that rows share bins."""
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for index, (prompt_len, blocks) in enumerate([(3, 3), (5, 2), (2, 1), (7, 1), (4, 2)]):
+        prompt = torch.randint(2, 200, (prompt_len,), generator=g).tolist()
+        fixed = [torch.randint(2, 200, (4,), generator=g).tolist() for _ in range(blocks)]
+        states = [[torch.randint(2, 200, (4,), generator=g).tolist()] for _ in fixed]
+        examples.append(Trajectory(prompt, [Block(s, f) for s, f in zip(states, fixed, strict=True)], 4, index))
+    return TrajectoryBatch(examples)
+
+
+def softcapped_gemma2(folder) -> Model:
+    """A tiny Gemma 2 (final logit soft-capping at 30 and attention soft-capping), saved and loaded as a user's."""
+    import transformers as T
+
+    tokenizer = fit_tokenizer(DEFAULT_CORPUS, 300)
+    config = T.Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.5,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )  # fmt: skip
+    assert config.final_logit_softcapping == 30.0
+    torch.manual_seed(0)
+    T.Gemma2ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return load_model(str(folder))
+
+
+@pytest.mark.parametrize(("family", "lora_rank"), [("llama", 0), ("llama", 4), ("gemma2", 4)])
+@pytest.mark.parametrize("context", ["noisy", "clean"])
+def test_binned_loss_and_its_gradients_equal_a_full_logits_forward_of_each_row_alone(
+    family, lora_rank, context, tmp_path
+):
+    model = tiny_model(seed=0, init_std=0.5) if family == "llama" else softcapped_gemma2(tmp_path)
+    if lora_rank:
+        lora.wrap(model, lora_rank, 0.0, adapters.DEFAULT_TARGETS, seed=0)
+        with torch.no_grad():  # LoRA's B starts at zero, which would leave A without gradient
+            for name, p in model.hf.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    trained = [p for p in model.hf.parameters() if p.requires_grad]
+    objective = JacobiForcing(noise_schedule="random", noise_window=4, noisy_context=context, ar_weight=0.7)
+    batch = varied_batch()
+    rows = objective.rows(batch, torch.Generator().manual_seed(3), model.stop_token_ids)
+    lengths = [row_length(r) for r in rows]
+    assert bin_capacity(lengths, attention_crossover(model)) > max(lengths)  # some rows do share a bin
+
+    loss, _ = objective.loss(model, batch, torch.Generator().manual_seed(3))
+    grads = torch.autograd.grad(loss, trained)
+    expected = reference_loss(model, rows, context, ar_weight=0.7)
+    expected_grads = torch.autograd.grad(expected, trained)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_options_are_checked_and_text_batches_refused(model):

@@ -6,14 +6,23 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fastforward.errors import FastForwardError
-from fastforward.model import MASK_CONFIG_KEY, visibility
+from fastforward.model import MASK_CONFIG_KEY, adapters, visibility
 from fastforward.model.tiny import tiny_model
+from fastforward.training import lora
 from fastforward.training.data import Batch
-from fastforward.training.objectives import NTP, SBD, make_objective
-from fastforward.training.objectives.base import IGNORE
-from fastforward.training.objectives.sbd import draw_block, draw_block_suffixes, draw_masked, sbd_layout
+from fastforward.training.objectives import NTP, SBD, MultiTF, SetDLM, make_objective
+from fastforward.training.objectives.base import IGNORE, causal_layout, next_token_labels
+from fastforward.training.objectives.sbd import (
+    draw_block,
+    draw_block_suffixes,
+    draw_masked,
+    dual_stream_layout,
+    sbd_layout,
+)
+from fastforward.training.objectives.setdlm import setdlm_layout
 
 # SBD paper Fig. 8: L = 8, k = 4. Rows are queries, columns keys; [clean x1..x8 ; copy x̂1..x̂8].
 FIG8 = """
@@ -170,3 +179,55 @@ def test_bad_objective_options_are_clear():
     with pytest.raises(FastForwardError, match="min_block <= max_block"):
         SBD(min_block=5, max_block=3)
     assert make_objective("ntp", max_block=4).describe() == {"name": "ntp"}
+
+
+def full_logits_mean(model, layout, labels: torch.Tensor) -> torch.Tensor:
+    """The mean cross entropy against `labels` [B, T] from transformers' logits of every slot of the layout
+    (the path that projects everything, padding and prompts included)."""
+    logits = model.run(replace(layout, read=torch.arange(layout.tokens.shape[1])), None)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
+
+
+def full_logits_loss(objective, model, batch: Batch, generator: torch.Generator) -> torch.Tensor:
+    """Each objective's loss from `full_logits_mean`, its draws made as its own `loss` makes them."""
+    ntp = full_logits_mean(model, causal_layout(batch), next_token_labels(batch))
+    if isinstance(objective, NTP):
+        return ntp
+    if isinstance(objective, SetDLM):
+        targets, ranks = objective.draw(batch, generator)
+        layout, labels = setdlm_layout(batch, targets, ranks, model.mask_token_id)
+        return full_logits_mean(model, layout, labels) + objective.ntp_weight * ntp
+    masking = objective.draw(batch, generator)
+    rule = objective.rule(batch.tokens.shape[1], masking, batch.tokens.device)
+    layout, labels = dual_stream_layout(batch, masking.masked, rule, model.mask_token_id)
+    length = batch.tokens.shape[1]
+    clean, copy = labels.clone(), labels.clone()
+    clean[:, length:], copy[:, :length] = IGNORE, IGNORE
+    return full_logits_mean(model, layout, copy) + objective.ntp_weight * full_logits_mean(model, layout, clean)
+
+
+@pytest.mark.parametrize(
+    "objective",
+    [NTP(), SBD(ntp_weight=0.5), MultiTF(min_block=2, max_block=4), SetDLM(ntp_weight=0.7)],
+    ids=lambda o: o.name,
+)
+def test_losses_and_lora_gradients_equal_the_full_logits_path(objective):
+    """Losses project only their labelled slots (`Model.logits_at`): the same loss and LoRA gradients as
+    cross entropy over every slot's logits with the unlabelled ones ignored, on padded rows."""
+    model = tiny_model(seed=1, init_std=0.5)
+    objective.setup(model)
+    lora.wrap(model, 4, 0.0, adapters.DEFAULT_TARGETS, seed=0)
+    with torch.no_grad():  # LoRA's B starts at zero, which would leave A without gradient
+        for name, p in model.hf.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    trained = [p for p in model.hf.parameters() if p.requires_grad]
+    tokens = torch.randint(2, 250, (3, 20), generator=torch.Generator().manual_seed(4))
+    valid = torch.arange(20) < torch.tensor([[20], [13], [17]])
+    targets = valid & (torch.arange(20) >= torch.tensor([[5], [3], [8]]))  # prompts carry no loss
+    batch = Batch(tokens.masked_fill(~valid, model.pad_token_id), targets, valid)
+    loss, _ = objective.loss(model, batch, torch.Generator().manual_seed(2))
+    expected = full_logits_loss(objective, model, batch, torch.Generator().manual_seed(2))
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(loss, trained), torch.autograd.grad(expected, trained), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

@@ -141,8 +141,8 @@ def reference(
         tokens = [t for _, t in clean] + [mask_id] * len(candidates)
         positions = [p for p, _ in clean] + [len(prompt) + p for p in candidates]
         rule = visibility.reveal_order(torch.arange(len(clean))[None], torch.full((1, len(candidates)), len(clean)))
-        layout = Layout(torch.tensor([tokens]), torch.tensor([positions]), rule)
-        logits = model.logits(model.hidden_states(layout)[0, len(clean) :]).float()
+        layout = Layout(torch.tensor([tokens]), torch.tensor([positions]), rule, torch.arange(len(clean), len(tokens)))
+        logits = model.run(layout, None)[0]
         logits[:, mask_id] = -math.inf
         confidence, choice = torch.softmax(logits, dim=-1).max(dim=-1)
         forwards += 1

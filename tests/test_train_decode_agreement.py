@@ -33,6 +33,8 @@ read j equals noisy slot j of the training block [last, d_1 … d_n].
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -96,8 +98,7 @@ def sbd_block_logits(model: Model, x: torch.Tensor, masked: torch.Tensor, k: int
     length = x.shape[1]
     batch = Batch(x, loss_mask=torch.ones_like(x, dtype=torch.bool), valid=torch.ones_like(x, dtype=torch.bool))
     layout, _ = sbd_layout(batch, masked, k, model.mask_token_id)
-    hidden = model.hidden_states(layout)
-    return model.logits(hidden[:, length + b * k : length + (b + 1) * k]).float()
+    return model.run(replace(layout, read=torch.arange(length + b * k, length + (b + 1) * k)), None)
 
 
 def masks(length: int, k: int, b: int, inside: str, outside: str, seed: int) -> torch.Tensor:
@@ -206,7 +207,7 @@ def noisy_slots(prompt_len: int, block_lens: list[int], i: int) -> list[int]:
 def packed_logits(model: Model, rows: list, context: str):
     """The packed layout and the logits of every packed token (a training forward)."""
     packed = pack(rows, model.pad_token_id, context)
-    return packed, model.logits(model.hidden_states(packed.layout)).float()
+    return packed, model.run(replace(packed.layout, read=torch.arange(packed.layout.tokens.shape[1])), None)
 
 
 def pairs(index: tuple[torch.Tensor, torch.Tensor]) -> list[tuple[int, int]]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers.modeling_utils
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastforward.cpu import attention as exact_attention
@@ -29,6 +30,9 @@ from fastforward.model.store import Store
 
 MASK_TOKEN = "<|mask|>"
 MASK_CONFIG_KEY = "fastforward_mask_token_id"
+# transformers >= 5.2x takes a [B, T] boolean `logits_to_keep` (each row its own slots, flattened); older ones
+# take the positions kept in every row, so a row's slots are then projected wherever any row needs them.
+MASKED_KEEP = hasattr(transformers.modeling_utils, "slice_logits_to_keep")
 
 
 @dataclass
@@ -237,13 +241,38 @@ class Model:
         self.step_graphs = step_graphs.StepGraphs(self.hf, self.cache_argument, capture, step_length)
 
     def hidden_states(self, layout: Layout) -> torch.Tensor:
-        """Last hidden states [B, T, H] of an uncached layout (training: the loss picks its own rows)."""
+        """Last hidden states [B, T, H] of an uncached layout (losses read logits instead: `logits_at`)."""
         return self.hf.get_decoder()(
             input_ids=layout.tokens,
             position_ids=layout.positions,
             attention_mask=self._masks(layout, None, 0),
             use_cache=False,
         ).last_hidden_state
+
+    def logits_at(self, layout: Layout, *slots: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
+        """Float32 logits [N, V] of an uncached layout at each set of N (row, slot) pairs (training: a loss
+        reads only the slots it needs), from the model's own forward: its output layer runs on those slots
+        only (`logits_to_keep`), and whatever its family applies after it (Gemma's final soft-capping,
+        Cohere's and Granite's logit scales) is applied as in decoding."""
+        batch, length = layout.tokens.shape
+        keep = torch.zeros(batch, length, dtype=torch.bool, device=layout.tokens.device)
+        for rows, columns in slots:
+            keep[rows, columns] = True
+        if MASKED_KEEP:  # every kept slot once, row by row: the k-th True of `keep` is the k-th row of logits
+            logits, place = self._training_logits(layout, keep), keep.flatten().cumsum(0) - 1
+            return [logits[place[rows * length + columns]].float() for rows, columns in slots]
+        kept = keep.any(dim=0)
+        logits, place = self._training_logits(layout, kept.nonzero().flatten()), kept.cumsum(0) - 1
+        return [logits[rows, place[columns]].float() for rows, columns in slots]
+
+    def _training_logits(self, layout: Layout, keep: torch.Tensor) -> torch.Tensor:
+        return self.hf(
+            input_ids=layout.tokens,
+            position_ids=layout.positions,
+            attention_mask=self._masks(layout, None, 0),
+            use_cache=False,
+            logits_to_keep=keep,
+        ).logits
 
     def _masks(self, layout: Layout, cache: KVCache | None, past: int) -> torch.Tensor | dict | None:
         """The attention mask argument of a layout's forward: its visibility [B, 1, T, S] (None: causal),
@@ -260,10 +289,6 @@ class Model:
         if seen is None:
             seen = visibility.over_cache(visibility.causal(length, layout.tokens.device), past, batch=batch)
         return windows.masks(self.window, seen, queries, keys)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Project selected hidden states to the vocabulary (only those a loss or sampler needs)."""
-        return self.hf.get_output_embeddings()(hidden)
 
     # ---- persistence --------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:

@@ -1,8 +1,8 @@
 """What every training objective shares: the interface the trainer calls and the label-masked loss.
 
 An objective turns a batch into a layout, runs it, and returns a scalar loss plus float metrics.
-Labels use -100 (IGNORE) where a row has no target, like Hugging Face; only the rows that have a
-label are projected to the vocabulary, so full-sequence logits are never materialised.
+Labels use -100 (IGNORE) where a row has no target, like Hugging Face; only the slots that have a
+label are projected to the vocabulary (`Model.logits_at`), so full-sequence logits are never materialised.
 
 So that a training step gives the same update however its rows are split across processes and
 micro-batches, an objective's loss is a weighted sum of terms, each a sum over its tokens divided
@@ -107,15 +107,25 @@ def labelled(labels: torch.Tensor) -> int:
     return int((labels != IGNORE).sum())
 
 
-def label_loss(
-    model: Model, hidden: torch.Tensor, labels: torch.Tensor, norm: float | None = None
-) -> tuple[torch.Tensor, int]:
-    """Cross entropy (fp32) summed over the rows of `hidden` that have a label, over `norm` (default:
-    their count, a mean), and their count.
+def labelled_slots(labels: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, slots) of the positions of `labels` [B, T] that have a label, row by row (the order of
+    `labels[labels != IGNORE]`), the slots shifted by `offset` (labels of a layout's later part)."""
+    rows, slots = (labels != IGNORE).nonzero().unbind(1)
+    return rows, slots + offset
 
-    With no labelled row the loss is an exact zero that still belongs to the graph.
+
+def label_loss(logits: torch.Tensor, labels: torch.Tensor, norm: float | None = None) -> tuple[torch.Tensor, int]:
+    """Cross entropy summed over `logits` [N, V] (fp32, the `labelled_slots` of `labels`, in their order)
+    against those labels, over `norm` (default: their count, a mean), and their count.
+
+    With no labelled slot the loss is an exact zero that still belongs to the graph.
     """
-    chosen = labels != IGNORE
-    logits = model.logits(hidden[chosen]).float()
-    count = int(chosen.sum())
-    return mean_over(F.cross_entropy(logits, labels[chosen], reduction="sum"), count, norm), count
+    targets = labels[labels != IGNORE]
+    return mean_over(F.cross_entropy(logits, targets, reduction="sum"), len(targets), norm), len(targets)
+
+
+def next_token_loss(model: Model, batch: Batch, norm: float | None = None) -> tuple[torch.Tensor, int]:
+    """`label_loss` of a plain causal pass over `batch` against `next_token_labels` (the NTP loss)."""
+    labels = next_token_labels(batch)
+    (logits,) = model.logits_at(causal_layout(batch), labelled_slots(labels))
+    return label_loss(logits, labels, norm)

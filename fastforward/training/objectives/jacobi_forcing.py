@@ -12,6 +12,8 @@ with noisy_i and clean_i at the same positions. Under the noise-conditioned caus
 clean_i sees the prompt, the clean blocks before it and itself causally, so the clean stream is an
 ordinary causal LM over `[prompt, response]`. The clean-context rule (Fig. 2a,
 `noisy_context="clean"`) lets noisy_i see the clean blocks before it instead of the noisy ones.
+Rows of unequal length share bins (`pack`, `bin_capacity`): a short row sits beside others, at its
+own positions and seeing only itself, rather than padded to the longest, where that costs less.
 
 Loss (eq. 9) = L_pc + ar_weight · L_AR, one forward:
 - L_pc (eq. 8): KL(p_θ⁻(· | clean slot) ‖ p_θ(· | noisy slot)) for every slot of every noisy block
@@ -134,11 +136,11 @@ def cut_after_stop(
 class Packed:
     """A packed batch: the layout, the slots each loss reads, and the AR labels.
 
-    `noisy` (rows, slots): the student's slots, those with a next response token. `read` (rows,
+    `noisy` (bins, slots): the student's slots, those with a next response token. `read` (bins,
     slots): the clean stream's slots that are projected — each row's last prompt slot, then every
-    clean slot. `teacher[j]` indexes the `read` slot matching noisy slot j (same block, same
-    offset). `labels[i]`: the next response token after `read` slot i, or IGNORE past the end of
-    the response.
+    clean slot but the response's last (it predicts nothing). `teacher[j]` indexes the `read` slot
+    matching noisy slot j (same block, same offset). `labels[i]`: the next response token after
+    `read` slot i. `places[r]`: the (bin, offset) where row r starts.
     """
 
     layout: Layout
@@ -147,6 +149,62 @@ class Packed:
     teacher: torch.Tensor
     labels: torch.Tensor
     noise: float  # mean unconverged fraction of the noisy blocks
+    places: list[tuple[int, int]]
+
+
+def row_length(row: tuple[list[int], list[list[int]], list[list[int]]]) -> int:
+    """Slots of `[prompt, noisy₁, clean₁, …]`."""
+    prompt, _, clean = row
+    return len(prompt) + 2 * sum(map(len, clean))
+
+
+def places(lengths: Sequence[int], capacity: int | None = None) -> list[tuple[int, int]]:
+    """(bin, offset) of each row: first fit, longest rows first, into bins of `capacity` slots (at least
+    the longest row); None: every row in a bin of its own."""
+    if capacity is None:
+        return [(r, 0) for r in range(len(lengths))]
+    if capacity < max(lengths):
+        raise FastForwardError(f"a bin of {capacity} slots cannot hold a row of {max(lengths)}")
+    used: list[int] = []
+    out: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+    for r in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        b = next((b for b, filled in enumerate(used) if filled + lengths[r] <= capacity), len(used))
+        if b == len(used):
+            used.append(0)
+        out[r] = (b, used[b])
+        used[b] += lengths[r]
+    return out
+
+
+def bin_capacity(lengths: Sequence[int], crossover: float, most: int = 4) -> int:
+    """The bin size, k · the longest row for k in 1, 9/8, 10/8 … `most`, of least estimated cost: bins × width ×
+    (1 + width / `crossover`), width being the fullest bin (linear layers cost per slot, padding included; a
+    dense attention mask makes every slot pay for every slot of its bin); the smallest on a tie. Rows of
+    equal length: k = 1."""
+    longest = max(lengths)
+    sizes = sorted({longest * eighths // 8 for eighths in range(8, 8 * most + 1)})
+
+    def cost(capacity: int) -> float:
+        bins: dict[int, int] = {}
+        for (b, _), n in zip(places(lengths, capacity), lengths, strict=True):
+            bins[b] = bins.get(b, 0) + n
+        width = max(bins.values())
+        return len(bins) * width * (1 + width / crossover)
+
+    return min(sizes, key=cost)
+
+
+def attention_crossover(model: Model) -> float:
+    """The context length at which a token's attention costs about what its linear layers cost, forward and
+    backward: about 8 × heads × head size multiply-adds per key (scores and weighted values, their gradients,
+    the scores recomputed) against twice the layer's weights (SmolLM2-135M: about 1,500 keys)."""
+    config = model.hf.config.get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    ends = (model.hf.get_input_embeddings(), model.hf.get_output_embeddings())
+    embeddings = {id(getattr(end, "weight", None)) for end in ends}
+    weights = sum(p.numel() for p in model.hf.parameters() if p.ndim >= 2 and id(p) not in embeddings)
+    return 2 * weights / config.num_hidden_layers / (8 * heads * head_dim)
 
 
 def pack(
@@ -154,53 +212,60 @@ def pack(
     pad_id: int,
     noisy_context: str = "noisy",
     device: torch.device | str = "cpu",
+    capacity: int | None = None,
 ) -> Packed:
-    """Pack (prompt, noisy blocks, clean blocks) rows into one right-padded layout [B, T]."""
-    width = max(len(p) + 2 * sum(map(len, clean)) for p, _, clean in rows)
-    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    positions = torch.zeros(len(rows), width, dtype=torch.long)
-    masks = []
+    """Pack (prompt, noisy blocks, clean blocks) rows into one right-padded layout [bins, T]: each row in a
+    bin of its own, or, with `capacity`, several rows side by side in bins of that many slots (`places`),
+    each row at its own positions from 0 and seeing only itself, so that a row's logits are those it has
+    alone (up to float rounding) and padding is cut. The loss slots are listed row by row either way."""
+    lengths = [row_length(row) for row in rows]
+    where = places(lengths, capacity)
+    bins = 1 + max(b for b, _ in where)
+    width = max(offset + n for (_, offset), n in zip(where, lengths, strict=True))
+    tokens = torch.full((bins, width), pad_id, dtype=torch.long)
+    positions = torch.zeros(bins, width, dtype=torch.long)
+    rules = torch.zeros(bins, width, width, dtype=torch.bool)
+    valid = torch.zeros(bins, width, dtype=torch.bool)
     noisy_slots: list[tuple[int, int]] = []
     read: list[tuple[int, int]] = []
     teacher: list[int] = []
     labels: list[int] = []
     differing = total = 0
-    for r, (prompt, noisy, clean) in enumerate(rows):
+    for (prompt, noisy, clean), (b, offset) in zip(rows, where, strict=True):
         seq, pos = list(prompt), list(range(len(prompt)))
         response = [t for block in clean for t in block]
-        read.append((r, len(prompt) - 1))
+        read.append((b, offset + len(prompt) - 1))
         labels.append(response[0])
         done = 0
         for noisy_block, clean_block in zip(noisy, clean, strict=True):
-            n, start, at = len(clean_block), len(prompt) + done, len(seq)
+            n, start, at = len(clean_block), len(prompt) + done, offset + len(seq)
             seq += noisy_block + clean_block
             pos += list(range(start, start + n)) * 2
             for k in range(n):
                 following = done + k + 1  # the response index this slot predicts
                 if following < len(response):  # the last slot predicts past the end: no target
-                    noisy_slots.append((r, at + k))
+                    noisy_slots.append((b, at + k))
                     teacher.append(len(read))
-                read.append((r, at + n + k))
-                labels.append(response[following] if following < len(response) else IGNORE)
-            differing += sum(a != b for a, b in zip(noisy_block, clean_block, strict=True))
+                    read.append((b, at + n + k))
+                    labels.append(response[following])
+            differing += sum(x != y for x, y in zip(noisy_block, clean_block, strict=True))
             total += n
             done += n
-        tokens[r, : len(seq)] = torch.tensor(seq)
-        positions[r, : len(pos)] = torch.tensor(pos)
-        rule = torch.zeros(width, width, dtype=torch.bool)
-        rule[: len(seq), : len(seq)] = visibility.jacobi_forcing_train(
-            len(prompt), [len(b) for b in clean], noisy_context
-        )
-        masks.append(visibility.over_cache(rule, 0, (torch.arange(width) < len(seq))[None]))
+        span = slice(offset, offset + len(seq))
+        tokens[b, span] = torch.tensor(seq)
+        positions[b, span] = torch.tensor(pos)
+        valid[b, span] = True
+        rules[b, span, span] = visibility.jacobi_forcing_train(len(prompt), [len(c) for c in clean], noisy_context)
     noisy_t = torch.tensor(noisy_slots, dtype=torch.long, device=device).view(-1, 2)
     read_t = torch.tensor(read, dtype=torch.long, device=device).view(-1, 2)
     return Packed(
-        layout=Layout(tokens.to(device), positions.to(device), torch.cat(masks).to(device)),
+        layout=Layout(tokens.to(device), positions.to(device), visibility.over_cache(rules, 0, valid).to(device)),
         noisy=(noisy_t[:, 0], noisy_t[:, 1]),
         read=(read_t[:, 0], read_t[:, 1]),
         teacher=torch.tensor(teacher, dtype=torch.long, device=device),
         labels=torch.tensor(labels, dtype=torch.long, device=device),
         noise=differing / max(total, 1),
+        places=where,
     )
 
 
@@ -292,15 +357,17 @@ class JacobiForcing(Objective):
         self, model: Model, batch: TrajectoryBatch, generator: torch.Generator, norms: Norms = None
     ) -> tuple[torch.Tensor, dict[str, float]]:
         rows = self.rows(batch, generator, model.stop_token_ids)
-        packed = pack(rows, model.pad_token_id, self.noisy_context, model.device)
-        hidden = model.hidden_states(packed.layout)
+        lengths = [row_length(row) for row in rows]  # rows share bins: no padding between them
+        capacity = bin_capacity(lengths, attention_crossover(model))
+        packed = pack(rows, model.pad_token_id, self.noisy_context, model.device, capacity)
         # Only the slots a loss reads are projected to the vocabulary: noisy ones and the clean stream.
-        student = F.log_softmax(model.logits(hidden[packed.noisy]).float(), dim=-1)
+        student, clean = model.logits_at(packed.layout, packed.noisy, packed.read)
+        student = F.log_softmax(student, dim=-1)
         with torch.no_grad() if self.ar_weight == 0 else contextlib.nullcontext():
-            clean = model.logits(hidden[packed.read]).float()
-            ar_sum = F.cross_entropy(clean, packed.labels, ignore_index=IGNORE, reduction="sum")
+            clean = F.log_softmax(clean, dim=-1)  # once, for the AR term and the teacher
+            ar_sum = F.nll_loss(clean, packed.labels, ignore_index=IGNORE, reduction="sum")
             ar = mean_over(ar_sum, labelled(packed.labels), term_norm(norms, "ar"))
-        teacher = F.log_softmax(clean[packed.teacher].detach(), dim=-1)  # θ⁻: stop-gradient
+        teacher = clean[packed.teacher].detach()  # θ⁻: stop-gradient
         kl = F.kl_div(student, teacher, log_target=True, reduction="sum")
         consistency = mean_over(kl, len(student), term_norm(norms, "consistency"))
         loss = consistency + self.ar_weight * ar
@@ -318,11 +385,15 @@ class JacobiForcing(Objective):
 
 __all__ = [
     "JacobiForcing",
+    "attention_crossover",
+    "bin_capacity",
     "choose_point",
     "cut_after_stop",
     "half_corrected",
     "noise_ratios",
     "pack",
+    "places",
     "random_tail",
+    "row_length",
     "slot_counts",
 ]

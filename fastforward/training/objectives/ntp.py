@@ -11,10 +11,9 @@ from fastforward.training.data import Batch
 from fastforward.training.objectives.base import (
     Norms,
     Objective,
-    causal_layout,
-    label_loss,
     labelled,
     next_token_labels,
+    next_token_loss,
     term_norm,
 )
 from fastforward.training.objectives.registry import register
@@ -28,8 +27,7 @@ class NTP(Objective):
     def loss(
         self, model: Model, batch: Batch, generator: torch.Generator, norms: Norms = None
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        hidden = model.hidden_states(causal_layout(batch))
-        loss, count = label_loss(model, hidden, next_token_labels(batch), term_norm(norms, "ntp"))
+        loss, count = next_token_loss(model, batch, term_norm(norms, "ntp"))
         return loss, {"loss": loss.item(), "ntp_loss": loss.item(), "ntp_tokens": float(count)}
 
     def counts(self, model: Model, batch: Batch, generator: torch.Generator) -> dict[str, int]:

@@ -32,6 +32,7 @@ from fastforward.training.objectives.base import (
     Objective,
     label_loss,
     labelled,
+    labelled_slots,
     next_token_labels,
     per_row,
     positions,
@@ -95,11 +96,12 @@ def dual_stream_loss(
     and logged at weight 0, without gradient); `mask_rate` is the share of target tokens masked.
     The terms' denominators are `norms["mask"]` and `norms["ntp"]` (see `Objective.loss`)."""
     layout, labels = dual_stream_layout(batch, masked, rule, mask_id)
-    hidden = model.hidden_states(layout)
     length = batch.tokens.shape[1]
+    clean, copy = labels[:, :length], labels[:, length:]
+    clean_logits, copy_logits = model.logits_at(layout, labelled_slots(clean), labelled_slots(copy, length))
     with torch.no_grad() if ntp_weight == 0 else contextlib.nullcontext():
-        ntp, _ = label_loss(model, hidden[:, :length], labels[:, :length], term_norm(norms, "ntp"))
-    mask, count = label_loss(model, hidden[:, length:], labels[:, length:], term_norm(norms, "mask"))
+        ntp, _ = label_loss(clean_logits, clean, term_norm(norms, "ntp"))
+    mask, count = label_loss(copy_logits, copy, term_norm(norms, "mask"))
     loss = mask + ntp_weight * ntp
     rate = count / max(int(batch.loss_mask.sum()), 1)
     return loss, {"loss": loss.item(), "ntp_loss": ntp.item(), "mask_loss": mask.item(), "mask_rate": rate}

@@ -33,10 +33,11 @@ from fastforward.training.objectives.base import (
     IGNORE,
     Norms,
     Objective,
-    causal_layout,
     label_loss,
     labelled,
+    labelled_slots,
     next_token_labels,
+    next_token_loss,
     per_row,
     positions,
     term_norm,
@@ -150,14 +151,12 @@ class SetDLM(Objective):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         targets, ranks = self.draw(batch, generator)
         layout, labels = setdlm_layout(batch, targets, ranks, model.require_mask_token(self.name))
-        length = batch.tokens.shape[1]
-        hidden = model.hidden_states(layout)[:, length:]
-        mask, count = label_loss(model, hidden, labels[:, length:], term_norm(norms, "mask"))
+        (logits,) = model.logits_at(layout, labelled_slots(labels))  # only the copy's masks are labelled
+        mask, count = label_loss(logits, labels, term_norm(norms, "mask"))
         metrics = {"mask_loss": mask.item(), "masked": float(count)}
         loss = mask
         if self.ntp_weight > 0:
-            clean = model.hidden_states(causal_layout(batch))
-            ntp, _ = label_loss(model, clean, next_token_labels(batch), term_norm(norms, "ntp"))
+            ntp, _ = next_token_loss(model, batch, term_norm(norms, "ntp"))
             loss = mask + self.ntp_weight * ntp
             metrics["ntp_loss"] = ntp.item()
         return loss, {"loss": loss.item(), **metrics}
