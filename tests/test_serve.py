@@ -231,9 +231,9 @@ def test_a_burst_joins_over_several_turns_within_the_prefill_budget(tiny, serve_
     from fastforward.serving.engine import Engine
 
     seen = []
-    join = Engine._join
+    admit = Engine._admit
     monkeypatch.setattr(
-        Engine, "_join", lambda self, setting, jobs: seen.append(len(jobs)) or join(self, setting, jobs)
+        Engine, "_admit", lambda self, setting, jobs: seen.append(len(jobs)) or admit(self, setting, jobs)
     )
     prompts = PROMPTS[:4]
     assert [len(tiny.encode_prompt(p, chat_template=False)) for p in prompts] == [9, 6, 20, 1]
@@ -277,7 +277,8 @@ def test_a_long_request_of_one_decoder_holds_up_no_other(tiny, job_texts):
             jobs.append(server.job(CompletionRequest(model="tiny", prompt=prompt), tiny.encode_prompt(prompt), 10))
             engine.submit(jobs[-1])
         texts = await job_texts(jobs)
-        still_decoding = not long.done
+        heard = [long.events.get_nowait() for _ in range(long.events.qsize())]
+        still_decoding = all(event.finish_reason is None for event in heard)
         engine.cancel(long)
         await asyncio.to_thread(engine.stop)
         return texts, still_decoding
