@@ -54,9 +54,7 @@ class BlockInfill(SBDDecoder):
     name = "block-infill"
     infills = True
     continuous = False  # one row at a time through `generate`'s loop is enough here
-
-    def open_session(self, model, prompts, max_new_tokens) -> Session:
-        return Session(model, prompts, max_new_tokens, suffix_upfront=True, sampler=self.sampler)
+    suffix_upfront = True
 
     def decode(self, session: Session) -> None:
         self.begin(session, range(session.batch))

@@ -3,7 +3,7 @@
     python benchmarks/prefill_chunks.py                    # SmolLM2-135M, int4 --exact (the server's defaults)
     python benchmarks/prefill_chunks.py --model demo-jf --quantize none --no-exact
 
-A `Session` prefills its prompts left-padded, in one forward unless their lengths differ by more than
+New rows are prefilled left-padded (`prefill.prefill`), in one forward unless their lengths differ by more than
 about 2x or their padded tokens pass `runtime.PREFILL_TOKENS` (then in chunks: `prefill_chunks`).
 Two measurements, each repeated --rounds times with the settings interleaved:
 
@@ -29,7 +29,7 @@ import torch
 from common import CHAT, RESULTS, load_average, log, write_report
 
 from fastforward.decoding import prefill
-from fastforward.decoding.runtime import Session
+from fastforward.decoding.runtime import start
 from fastforward.model import load_model
 from fastforward.tasks import get_task
 
@@ -49,7 +49,7 @@ def prefill_seconds(model, batch: list[list[int]], one_forward: bool = False) ->
     one = mock.patch.object(prefill, "prefill_chunks", lambda lengths, budget: [list(range(len(lengths)))])
     with torch.inference_mode(), one if one_forward else contextlib.nullcontext():
         started = time.perf_counter()
-        Session(model, batch, 1)
+        start(model, batch, 1)
         return time.perf_counter() - started
 
 

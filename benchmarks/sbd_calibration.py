@@ -27,7 +27,8 @@ import torch
 from common import RESULTS, machine_info, set_threads
 
 from fastforward.decoding.decoders import ARDecoder
-from fastforward.decoding.runtime import Session
+from fastforward.decoding.runtime import start
+from fastforward.decoding.steps import span
 from fastforward.evaluation.report import format_table, write_json
 from fastforward.model import load_model, visibility
 from fastforward.tasks import get_task
@@ -43,10 +44,10 @@ def bin_of(confidence: float) -> str:
 
 def run_block(model, context: list[int], pending: list[int], block: torch.Tensor) -> torch.Tensor:
     """Logits [k, V] of `block` after `context` (cached) and `pending` (causal, in the same forward)."""
-    session = Session(model, [context], max_new_tokens=1)
+    session = start(model, [context], 1)
     commit, size = len(pending), block.shape[1]
     tokens = torch.cat([torch.tensor([pending], dtype=torch.long), block], dim=1)
-    positions = session.next_pos[:, None] + torch.arange(commit + size)[None]
+    positions = span(session, 0, commit + size)
     rule = visibility.sbd_decode(commit, size)
     logits = session.forward(tokens, positions, rule, read=range(commit, commit + size))
     session.advance(keep=commit)

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from fastforward.decoding.runtime import Session
+from fastforward.decoding.runtime import Session, start
 from fastforward.model import Layout, visibility
 from fastforward.model.tiny import tiny_model
 
@@ -92,9 +92,9 @@ def decode_and_check_cache(tiny, cache_is_prefill):
 
     def run(decoder, prompt: list[int], max_new_tokens: int) -> Session:
         with torch.inference_mode():
-            session = Session(tiny, [prompt], max_new_tokens=max_new_tokens)
+            session = start(tiny, [prompt], max_new_tokens)
             decoder.decode(session)
-        cache_is_prefill(session.cache, prompt + session.outputs[0][:-1])
+        cache_is_prefill(session.cache, prompt + session.rows[0].output[:-1])
         return session
 
     return run

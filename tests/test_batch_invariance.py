@@ -15,7 +15,7 @@ import fastforward as ff
 from fastforward.cpu import row_chunks
 from fastforward.cpu.row_chunks import SIZES, RowChunkedLinear, chunk_rows, plan
 from fastforward.decoding.decoders import registry
-from fastforward.decoding.runtime import Session
+from fastforward.decoding.runtime import start
 from fastforward.model import load_model
 from fastforward.model.tiny import tiny_model
 
@@ -121,15 +121,15 @@ def test_a_padded_prefill_gives_each_row_a_one_prompt_prefills_bits(saved, setti
     model = load_model(saved, **SETTINGS[setting.split(",")[0]])
     prompts = [model.encode_prompt(text) for text in TEXTS]
     with torch.inference_mode():
-        batch = Session(model, prompts, 4)
+        batch = start(model, prompts, 4)
         for row, prompt in enumerate(prompts):
-            alone = Session(model, [prompt], 4)
+            alone = start(model, [prompt], 4)
             assert torch.equal(batch.next_logits[row], alone.next_logits[0])
             valid = batch.cache.validity(batch.batch)[row]
             for mine, theirs in zip(batch.cache.layers, alone.cache.layers, strict=True):
                 assert torch.equal(mine.keys[row][:, valid], theirs.keys[0])
                 assert torch.equal(mine.values[row][:, valid], theirs.values[0])
-        unpadded, alone = Session(model, [prompts[3]] * 3, 4), Session(model, [prompts[3]], 4)  # no padding
+        unpadded, alone = start(model, [prompts[3]] * 3, 4), start(model, [prompts[3]], 4)  # no padding
         assert all(torch.equal(logits, alone.next_logits[0]) for logits in unpadded.next_logits)
 
 

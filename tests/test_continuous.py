@@ -1,6 +1,6 @@
-"""Continuous batching: rows join a running session and leave it between steps (`Session.join`,
-`Session.leave`); every registered decoder's outputs equal its outputs alone, and the cache equals a fresh
-prefill of each running row's tokens after any sequence of joins and leaves."""
+"""Continuous batching: rows join a running session and leave it between steps (`Session.join`, prefilled
+by the caller, and `Session.leave`); every registered decoder's outputs equal its outputs alone, and the
+cache equals a fresh prefill of each running row's tokens after any sequence of joins and leaves."""
 
 import pytest
 import torch
@@ -10,7 +10,9 @@ from fastforward.decoding.decoders import ARDecoder, JacobiDecoder, Prompt, regi
 from fastforward.decoding.decoders.lookup import PromptLookupDecoder
 from fastforward.decoding.decoders.sbd_verified import VerifiedSBDDecoder
 from fastforward.decoding.policies import EntropyBounded
+from fastforward.decoding.rows import Status
 from fastforward.decoding.sampling import Sampler
+from fastforward.decoding.steps import row_tokens
 from fastforward.model import Layout
 from fastforward.model.cache import KVCache
 
@@ -89,7 +91,7 @@ def run_staggered(model, decoder, prompts, arrivals, check=None, fused=False, sa
             pending = [(i, a) for i, a in pending if a[0] > step]
             done = [] if session is None else [index for index, row in enumerate(session.rows) if row.finished]
             for index in done:
-                outputs[session.rows[index].owner] = session.result(index).token_ids
+                outputs[session.rows[index].owner] = session.rows[index].output
             if arrived:
                 rows = [
                     Prompt(prompts[index], seed=request, sampler=samplers[request] if samplers else None)
@@ -99,9 +101,9 @@ def run_staggered(model, decoder, prompts, arrivals, check=None, fused=False, sa
                 if session is None:
                     session, new = decoder.open_session(model, rows, budgets), list(range(len(rows)))
                 elif fused:
-                    new, done = session.join(rows, budgets, drop=done), []
+                    new, done = session.join(*decoder.prefilled(model, rows, budgets), drop=done), []
                 else:
-                    new = session.join(rows, budgets)
+                    new = session.join(*decoder.prefilled(model, rows, budgets))
                 decoder.begin(session, new)
                 for index, (request, _) in zip(new, arrived, strict=True):
                     session.rows[index].owner = request  # the row's request: joins and leaves keep it
@@ -113,7 +115,7 @@ def run_staggered(model, decoder, prompts, arrivals, check=None, fused=False, sa
                     check(session)
             elif session is not None and not pending:
                 for index, row in enumerate(session.rows):
-                    outputs[row.owner] = session.result(index).token_ids
+                    outputs[row.owner] = session.rows[index].output
                 break
             step += 1
     return [outputs[i] for i in range(len(arrivals))]
@@ -170,13 +172,13 @@ def test_rows_joining_in_dropped_rows_places_write_only_their_own_entries(tiny, 
     with torch.inference_mode():
         session = decoder.open_session(tiny, [prompts[0], prompts[2], prompts[1]], [4, 30, 30])  # the longest stays
         decoder.begin(session, range(3))
-        session.cancel(2)
+        session.rows[2].finish(Status.CANCELLED)
         while not session.rows[0].finished:
             decoder.step(session)
-        done = session.result(0).token_ids
+        done = session.rows[0].output
         buffers = [layer.key_buffer.data_ptr() for layer in session.cache.layers]
         joined = [prompts[3], prompts[3][:1]][:joining]
-        new = session.join(joined, 20, drop=[0, 2])
+        new = session.join(*decoder.prefilled(tiny, joined, 20), drop=[0, 2])
         assert new == ([0] if joining == 1 else [0, 2]) and session.batch == 3 - (2 - joining)
         if joining == 2:  # in place: nothing stacked, nothing left
             assert [layer.key_buffer.data_ptr() for layer in session.cache.layers] == buffers
@@ -186,10 +188,10 @@ def test_rows_joining_in_dropped_rows_places_write_only_their_own_entries(tiny, 
             decoder.step(session)
             _check_cache(tiny, session)
     assert done == decoder.generate(tiny, [prompts[0]], 4)[0].token_ids
-    assert session.result(1).token_ids == decoder.generate(tiny, [prompts[2]], 30)[0].token_ids
+    assert session.rows[1].output == decoder.generate(tiny, [prompts[2]], 30)[0].token_ids
     for row, prompt in zip(new, joined, strict=True):
-        assert session.finish_reason(row) != "cancelled"
-        assert session.result(row).token_ids == decoder.generate(tiny, [prompt], 20)[0].token_ids
+        assert session.rows[row].finish_reason != "cancelled"
+        assert session.rows[row].output == decoder.generate(tiny, [prompt], 20)[0].token_ids
 
 
 def test_leave_drops_padding_no_row_needs(tiny, prompts):
@@ -197,14 +199,14 @@ def test_leave_drops_padding_no_row_needs(tiny, prompts):
     with torch.inference_mode():
         session = decoder.open_session(tiny, [prompts[2]], 4)  # the longest prompt
         decoder.begin(session, range(1))
-        decoder.begin(session, session.join([prompts[3]], 20))  # the shortest: left-padded
+        decoder.begin(session, session.join(*decoder.prefilled(tiny, [prompts[3]], 20)))  # the shortest: left-padded
         assert session.cache.key_valid is not None and not session.cache.key_valid[1, 0]
         while not session.rows[0].finished:
             decoder.step(session)
         session.leave([0])
         # its padding went with the other row; alone, it needs no mask (its steps are a lone prompt's)
         assert session.batch == 1 and session.cache.key_valid is None
-        assert session.cache.get_seq_length() == len(prompts[3]) + len(session.outputs[0]) - 1
+        assert session.cache.get_seq_length() == len(prompts[3]) + len(session.rows[0].output) - 1
 
 
 def test_leading_entries_no_staying_row_sees_are_dropped(tiny, prompts):
@@ -214,7 +216,7 @@ def test_leading_entries_no_staying_row_sees_are_dropped(tiny, prompts):
     with torch.inference_mode():
         session = decoder.open_session(tiny, [prompts[2]], 4)  # the longest prompt
         decoder.begin(session, range(1))
-        decoder.begin(session, session.join([prompts[3], prompts[1]], 20))
+        decoder.begin(session, session.join(*decoder.prefilled(tiny, [prompts[3], prompts[1]], 20)))
         while not session.rows[0].finished:
             decoder.step(session)
         width = session.cache.get_seq_length()
@@ -225,7 +227,7 @@ def test_leading_entries_no_staying_row_sees_are_dropped(tiny, prompts):
         while not session.finished:
             decoder.step(session)
     alone = [decoder.generate(tiny, [prompts[i]], 20)[0].token_ids for i in (3, 1)]
-    assert [session.result(row).token_ids for row in range(2)] == alone
+    assert [row.output for row in session.rows] == alone
 
 
 def test_a_row_left_alone_keeps_only_its_valid_entries_and_no_mask(tiny, prompts):
@@ -241,7 +243,7 @@ def test_a_row_left_alone_keeps_only_its_valid_entries_and_no_mask(tiny, prompts
         _check_cache(tiny, session)
         while not session.finished:
             decoder.step(session)
-        assert session.result(0).token_ids == decoder.generate(tiny, [prompts[1]], 20)[0].token_ids
+        assert session.rows[0].output == decoder.generate(tiny, [prompts[1]], 20)[0].token_ids
 
 
 @pytest.mark.parametrize(
@@ -255,11 +257,11 @@ def test_a_bound_on_a_forwards_tokens_keeps_the_outputs(tiny, prompts, decoder):
     with torch.inference_mode():
         session = decoder.open_session(tiny, prompts, 20)
         session.step_tokens = 9  # four rows: two tokens each, one of them a draft
-        assert session.row_tokens() == 2
+        assert row_tokens(session) == 2
         decoder.begin(session, range(len(prompts)))
         while not session.finished:
             decoder.step(session)
-    got = [session.result(row) for row in range(len(prompts))]
+    got = session.results()
     alone = [decoder.generate(tiny, [p], 20)[0] for p in prompts]
     assert [g.token_ids for g in got] == [a.token_ids for a in alone]
     unbounded = decoder.generate(tiny, prompts, 20)

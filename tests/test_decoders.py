@@ -14,6 +14,7 @@ from fastforward.decoding.decoders import (
 from fastforward.decoding.decoders.mbd import MultiBlockDiffusionDecoder
 from fastforward.decoding.decoders.multiblock_jacobi import MultiBlockJacobiDecoder
 from fastforward.decoding.policies import EntropyBounded
+from fastforward.decoding.runtime import start
 from fastforward.decoding.sampling import Sampler
 
 INF = float("inf")
@@ -68,9 +69,9 @@ def test_cache_after_sbd_equals_fresh_prefill(tiny, prompts, cache_is_prefill):
     prompt = prompts[0]
     decoder = SBDDecoder(5, EntropyBounded(2.0))
     with torch.inference_mode():
-        session = Session(tiny, [prompt], max_new_tokens=23)
+        session = start(tiny, [prompt], 23)
         decoder.decode(session)
-    generated = session.outputs[0]
+    generated = session.rows[0].output
     committed = len(generated) - 3  # 23 = 5·4 + 3: the last block is read, not yet committed
     assert session.cache.get_seq_length() == len(prompt) + committed
     cache_is_prefill(session.cache, prompt + generated[:committed])
@@ -184,9 +185,9 @@ def test_verified_sbd_commits_accepted_drafts_and_keeps_an_exact_cache(tiny, pro
     prompt = prompts[1]
     truth = ARDecoder().generate(tiny, [prompt], max_new_tokens=40)[0].token_ids
     session = decode_and_check_cache(_OracleDrafts(truth, block), prompt, 40)
-    assert session.outputs[0] == truth
+    assert session.rows[0].output == truth
     # one forward drafts the first block; then each forward verifies a whole block and drafts the next
-    assert session.nfe.item() == 1 + -(-(len(truth) - 1) // block)
+    assert session.rows[0].forwards == 1 + -(-(len(truth) - 1) // block)
 
 
 @pytest.mark.parametrize("init", ["repeat", "random"])
@@ -290,5 +291,5 @@ def test_recycled_candidates_are_committed_losslessly(tiny, prompts, decode_and_
     assert len(set(truth)) > 1
     # entries were moved from the candidates' slots
     session = decode_and_check_cache(_OracleRecycling(truth, block_size=4, max_blocks=1, verify=3, ngram=6), prompt, 40)
-    assert session.outputs[0] == truth
-    assert session.nfe.item() < len(truth) / 3  # candidates of 6 confirmed tokens win
+    assert session.rows[0].output == truth
+    assert session.rows[0].forwards < len(truth) / 3  # candidates of 6 confirmed tokens win

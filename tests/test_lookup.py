@@ -56,8 +56,8 @@ def test_good_drafts_are_committed_losslessly_and_bad_ones_cost_a_forward(
     run = tiny.run
     monkeypatch.setattr(tiny, "run", lambda layout, cache: ran.append(layout.tokens.shape[1]) or run(layout, cache))
     session = decode_and_check_cache(PromptLookupDecoder(lookup_tokens=8), prompt, 40)
-    assert session.outputs[0] == truth
-    assert session.nfe.item() < len(truth) / 2
+    assert session.rows[0].output == truth
+    assert session.rows[0].forwards < len(truth) / 2
     # every draft token was a query of some forward, the rejected ones included
     decoding = ran[1:-1]  # not the prefill, nor the fresh prefill the cache is checked against
     assert session.rows[0].queries == sum(decoding) and sum(decoding) > len(truth)

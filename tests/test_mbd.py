@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from fastforward.api import build_decoder
-from fastforward.decoding.decoders import SBDDecoder, Session
+from fastforward.decoding.decoders import SBDDecoder
 from fastforward.decoding.decoders.mbd import MultiBlockDiffusionDecoder, _Block
 from fastforward.decoding.policies import Threshold
+from fastforward.decoding.runtime import start
 from fastforward.errors import FastForwardError
 from fastforward.model import visibility
 
@@ -83,9 +84,9 @@ class _BackFirst(MultiBlockDiffusionDecoder):
 def test_cache_after_mbd_equals_fresh_prefill(tiny, prompts, decoder, cache_is_prefill):
     prompt = prompts[0]
     with torch.inference_mode():
-        session = Session(tiny, [prompt], max_new_tokens=23)
+        session = start(tiny, [prompt], 23)
         decoder.decode(session)
-    generated = session.outputs[0]
+    generated = session.rows[0].output
     cached = session.cache.get_seq_length() - len(prompt)
     # the last blocks are read, never written: at most a buffer of them is missing from the cache
     assert len(generated) - decoder.buffer_size * decoder.block_size <= cached < len(generated)

@@ -7,7 +7,10 @@ from fastforward.api import build_decoder
 from fastforward.decoding import prefill
 from fastforward.decoding.decoders import ARDecoder
 from fastforward.decoding.prefill import prefill_chunks
-from fastforward.decoding.runtime import Prompt, Session
+from fastforward.decoding.rows import Status, make_rows
+from fastforward.decoding.runtime import Prompt, Session, start
+from fastforward.decoding.sampling import Sampler
+from fastforward.decoding.steps import append, commit_writes, span
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, visibility
 
@@ -20,11 +23,15 @@ def _inference():
 
 
 def _session(tiny, prompts, max_new_tokens=8) -> Session:
-    return Session(tiny, prompts, max_new_tokens)
+    return start(tiny, prompts, max_new_tokens)
 
 
 def _commit(session: Session, tokens: list[int], at: list[int]) -> None:
-    session.commit(torch.tensor([tokens]), torch.tensor([at]))
+    commit_writes(session, [list(zip(at, tokens, strict=True))])
+
+
+def _outputs(session: Session) -> list[list[int]]:
+    return [row.output for row in session.rows]
 
 
 def _free_tokens(tiny) -> list[int]:
@@ -38,11 +45,11 @@ def test_out_of_order_commits_fill_the_canvas_by_position(tiny, prompts):
     session = _session(tiny, [prompts[0]])
     a, b, c, d = _free_tokens(tiny)
     _commit(session, [d, b], [3, 1])
-    assert session.outputs == [[]] and session.frontier.tolist() == [0]  # position 0 is still open
+    assert _outputs(session) == [[]] and session.rows[0].frontier == 0  # position 0 is still open
     _commit(session, [a], [0])
-    assert session.outputs == [[a, b]] and session.next_pos.tolist() == [len(prompts[0]) + 2]
+    assert _outputs(session) == [[a, b]] and span(session, 0, 1).tolist() == [[len(prompts[0]) + 2]]
     _commit(session, [c], [2])
-    assert session.outputs == [[a, b, c, d]] and not session.finished
+    assert _outputs(session) == [[a, b, c, d]] and not session.finished
 
 
 def test_a_stop_token_ends_a_row_only_once_everything_before_it_is_committed(tiny, prompts):
@@ -54,25 +61,25 @@ def test_a_stop_token_ends_a_row_only_once_everything_before_it_is_committed(tin
     _commit(session, [a], [0])
     assert not session.finished
     _commit(session, [b], [1])
-    assert session.finished and session.outputs == [[a, b, stop]]  # cut at the stop token
+    assert session.finished and _outputs(session) == [[a, b, stop]]  # cut at the stop token
     _commit(session, [c], [3])  # a finished row takes no more tokens
-    assert session.outputs == [[a, b, stop]] and session.rows[0].canvas[3] is None
+    assert _outputs(session) == [[a, b, stop]] and session.rows[0].canvas[3] is None
 
 
 def test_the_budget_ends_a_row_and_nothing_is_written_past_it(tiny, prompts):
     session = _session(tiny, [prompts[1]], max_new_tokens=3)
     tokens = _free_tokens(tiny)
-    session.append(torch.tensor([tokens]))  # four tokens, room for three
-    assert session.finished and session.outputs == [tokens[:3]]
+    append(session, [tokens])  # four tokens, room for three
+    assert session.finished and _outputs(session) == [tokens[:3]]
 
 
 def test_batched_rows_finish_independently(tiny, prompts):
     session = _session(tiny, prompts[:2], max_new_tokens=4)
     a, b, c, d = _free_tokens(tiny)
-    session.append(torch.tensor([[a, b, c, d], [a, b, c, d]]), count=torch.tensor([4, 2]))
-    assert session.done.tolist() == [True, False]
-    session.append(torch.tensor([[a, a], [c, d]]))
-    assert session.outputs == [[a, b, c, d], [a, b, c, d]] and session.finished
+    append(session, [[a, b, c, d], [a, b, c, d]], [4, 2])
+    assert [row.finished for row in session.rows] == [True, False]
+    append(session, [[a, a], [c, d]])
+    assert _outputs(session) == [[a, b, c, d], [a, b, c, d]] and session.finished
 
 
 # ---- prefill of segments ------------------------------------------------------------------------
@@ -91,7 +98,7 @@ def test_infilling_prefill_equals_a_causal_prefill_of_prefix_and_suffix(tiny, pr
     prefix, suffix, gap = prompts[0], prompts[1], 5
     rows = [Prompt(prefix, suffix, gap), Prompt(prompts[3], prompts[2][:3], 2)]  # different lengths: padded
     session = _session(tiny, rows)
-    assert session.max_new_tokens == gap and [row.limit for row in session.rows] == [gap, 2]
+    assert [row.limit for row in session.rows] == [gap, 2]
     for r, row in enumerate(rows):
         tokens = [*row.prefix, *row.suffix]
         p = len(row.prefix)
@@ -154,7 +161,7 @@ def test_an_infilling_prompt_needs_a_gap():
 
 # ---- what to keep -------------------------------------------------------------------------------
 def _step(session: Session, tokens: torch.Tensor, keep) -> torch.Tensor:
-    positions = session.next_pos[:, None] + torch.arange(tokens.shape[1])
+    positions = span(session, 0, tokens.shape[1])
     logits = session.forward(tokens, positions, read=range(tokens.shape[1]))
     session.advance(keep)
     return logits
@@ -201,9 +208,9 @@ def test_a_step_must_be_closed_before_the_next_forward(tiny, prompts):
     session = _session(tiny, [prompts[0]])
     token = torch.tensor([[5]])
     with torch.inference_mode():
-        session.forward(token, session.next_pos[:, None], read=range(1))
+        session.forward(token, span(session, 0, 1), read=range(1))
         with pytest.raises(RuntimeError, match="advance"):
-            session.forward(token, session.next_pos[:, None], read=range(1))
+            session.forward(token, span(session, 0, 1), read=range(1))
         session.advance(1)
         with pytest.raises(RuntimeError, match="no step is open"):
             session.advance(1)
@@ -212,15 +219,31 @@ def test_a_step_must_be_closed_before_the_next_forward(tiny, prompts):
 def test_stats_count_forwards_per_row_and_tokens_per_step(tiny, prompts):
     session = _session(tiny, prompts[:2], max_new_tokens=6)
     a, b, c, _ = _free_tokens(tiny)
-    session.cancel(1)  # a finished row takes no part in a forward
+    session.rows[1].finish(Status.CANCELLED)  # a finished row takes no part in a forward
     with torch.inference_mode():
-        positions = session.next_pos[:, None] + torch.arange(2)
-        session.forward(torch.tensor([[a, b], [a, b]]), positions, read=range(2))
-        session.append(torch.tensor([[a, b, c], [a, b, c]]), count=torch.tensor([3, 1]))
+        session.forward(torch.tensor([[a, b], [a, b]]), span(session, 0, 2), read=range(2))
+        append(session, [[a, b, c], [a, b, c]], [3, 1])
         session.advance(0)
-    assert session.nfe.tolist() == [1, 0]
-    assert session.histograms() == [{3: 1}, {}]  # the second row took no part in that forward
+    assert [row.forwards for row in session.rows] == [1, 0]
+    assert [row.steps for row in session.rows] == [{3: 1}, {}]  # the second row took no part in that forward
     assert [row.queries for row in session.rows] == [2, 0]  # the two tokens of the forward it took part in
+
+
+def test_a_rows_status_is_one_field_from_waiting_to_why_it_ended(tiny, prompts):
+    """Made, a row waits; prefilled, it runs; its own commits finish it with its reason, and `finish`
+    ends it from outside between steps (a cancelled row commits nothing more)."""
+    assert [row.status for row in make_rows(tiny, prompts[:3], 3, Sampler())] == [Status.WAITING] * 3
+    session = _session(tiny, prompts[:3], max_new_tokens=3)
+    assert [row.status for row in session.rows] == [Status.RUNNING] * 3
+    a, b, c, _ = _free_tokens(tiny)
+    stop = tiny.stop_token_ids[0]
+    session.rows[2].finish(Status.CANCELLED)
+    append(session, [[a, b, c], [a, stop], [a, b, c]])
+    assert [row.status for row in session.rows] == [Status.LENGTH, Status.STOP, Status.CANCELLED]
+    assert [row.finish_reason for row in session.rows] == ["length", "stop", "cancelled"]
+    assert session.rows[2].output == [] and session.finished
+    session.rows[0].finish(Status.CANCELLED)  # a finished row keeps its reason
+    assert session.rows[0].status is Status.LENGTH
 
 
 def test_ar_runs_one_query_per_forward(tiny, prompts):

@@ -11,7 +11,7 @@ from fastforward.api import build_decoder
 from fastforward.decoding.decoders import ARDecoder, JacobiDecoder, SBDDecoder, VerifiedSBDDecoder
 from fastforward.decoding.policies import EntropyBounded
 from fastforward.decoding.runtime import Prompt, Session
-from fastforward.decoding.sampling import Sampler, greedy, uniforms
+from fastforward.decoding.sampling import BatchSampler, Sampler, greedy, uniforms
 from fastforward.model import Layout, visibility
 
 SAMPLER = Sampler(temperature=1.0, top_p=0.75)
@@ -101,25 +101,35 @@ class _GreedyDrafts(VerifiedSBDDecoder):
                     draft[j] = self.truth[min(start + j, len(self.truth) - 1)]
 
 
-class _GreedyAcceptance(Session):
+class _GreedyAcceptance(BatchSampler):
     """The broken rule: a draft equal to the greedy prediction is kept whatever the draw says; only
     where a draft is not kept is the token sampled."""
+
+    def __init__(self, session: Session):
+        super().__init__(session.rows, session.device)
+        self.session = session
+
+    def sample(self, logits, positions):
+        tokens = super().sample(logits, positions)
+        if logits.dim() == 3 and logits.shape[1] > 1:  # a Jacobi forward: [last ; drafts] → predictions
+            drafts = self.session.fed[:, 1:]
+            tokens[:, :-1] = torch.where(drafts == greedy(logits[:, :-1]), drafts, tokens[:, :-1])
+        return tokens
+
+
+class _Fed(Session):
+    """A session that remembers the tokens of its last forward, and samples with the broken rule."""
 
     def forward(self, tokens, *args, **kwargs):
         self.fed = tokens
         return super().forward(tokens, *args, **kwargs)
 
-    def sample(self, logits, positions):
-        tokens = super().sample(logits, positions)
-        if logits.dim() == 3 and logits.shape[1] > 1:  # a Jacobi forward: [last ; drafts] → predictions
-            drafts = self.fed[:, 1:]
-            tokens[:, :-1] = torch.where(drafts == greedy(logits[:, :-1]), drafts, tokens[:, :-1])
-        return tokens
-
 
 class _BrokenJacobi(JacobiDecoder):
     def open_session(self, model, prompts, max_new_tokens):
-        return _GreedyAcceptance(model, prompts, max_new_tokens, sampler=self.sampler)
+        session = _Fed(model, *self.prefilled(model, prompts, max_new_tokens))
+        session.sampler = _GreedyAcceptance(session)
+        return session
 
 
 def _verifier(name: str, tiny, prompt: list[int]):

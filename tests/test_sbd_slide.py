@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from fastforward.api import build_decoder
-from fastforward.decoding.decoders import ARDecoder, Prompt, Session
+from fastforward.decoding.decoders import ARDecoder, Prompt
 from fastforward.decoding.decoders.sbd_slide import SlidingSBDDecoder
+from fastforward.decoding.runtime import start
 from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
 
@@ -36,11 +37,11 @@ def test_gamma_inf_accepts_whole_blocks_and_a_batch_equals_one_at_a_time(tiny, p
 def test_the_cache_holds_a_causal_prefill_of_the_text(tiny, prompts, cache_is_prefill, gamma):
     for prompt in prompts:
         with torch.inference_mode():
-            session = Session(tiny, [prompt], max_new_tokens=11)
+            session = start(tiny, [prompt], 11)
             SlidingSBDDecoder(5, gamma).decode(session)
         cached = session.cache.get_seq_length()
         assert cached > len(prompt)
-        cache_is_prefill(session.cache, (prompt + session.outputs[0])[:cached])
+        cache_is_prefill(session.cache, (prompt + session.rows[0].output)[:cached])
 
 
 def test_sampled_at_gamma_zero_is_sampled_ar(tiny, prompts):

@@ -95,3 +95,20 @@ def test_admission_changes_nothing_it_is_given():
 def test_settings_take_turns_one_step_each():
     assert [next_batch(["ar", "jacobi", "mbd"], turn) for turn in range(5)] == ["ar", "jacobi", "mbd", "ar", "jacobi"]
     assert [next_batch(["jacobi"], turn) for turn in range(3)] == ["jacobi"] * 3
+
+
+def test_a_setting_is_the_decoders_options_as_a_value_sampling_aside():
+    """Jobs share a batch when their decoders' options are equal (`Decoder.batch_key`, a hashable value):
+    each row samples with its own temperature, top-p and seed, so those do not part them."""
+    from fastforward.api import build_decoder
+
+    jacobi = build_decoder("jacobi", block_size=3)
+    sampled = build_decoder("jacobi", block_size=3, temperature=0.7, top_p=0.9, seed=5)
+    wider = build_decoder("jacobi", block_size=4)
+    assert jacobi.batch_key() == sampled.batch_key() and hash(jacobi.batch_key()) == hash(sampled.batch_key())
+    assert len({jacobi.batch_key(), wider.batch_key(), build_decoder("jacobi-mr", block_size=3).batch_key()}) == 3
+    assert jacobi.batch_key() != build_decoder("jacobi", block_size=3, draft_init="random").batch_key()
+    sbd = build_decoder("sbd", gamma=0.2).batch_key()  # a reveal policy is a value too
+    assert sbd == build_decoder("sbd", gamma=0.2).batch_key() != build_decoder("sbd", gamma=0.3).batch_key()
+    waiting = [Waiting(name, setting=d.batch_key()) for name, d in zip("abc", [jacobi, wider, sampled], strict=True)]
+    assert names(admit(waiting, [], Limits(8, None, 100))) == {jacobi.batch_key(): ["a", "c"], wider.batch_key(): ["b"]}

@@ -203,6 +203,37 @@ def test_staggered_requests_with_mixed_budgets_join_running_batches(tiny, served
     assert multi_row_steps(served[0]) > before  # some steps ran several rows
 
 
+def test_text_is_streamed_and_rows_ended_only_between_steps(tiny, serve_at_once, monkeypatch):
+    """The worker's loop is schedule → step → postprocess: no text goes out and no row is ended from
+    outside while a decoder's step runs (nothing hooks into it), and the outputs are as alone."""
+    from fastforward.decoding.decoders import JacobiDecoder
+    from fastforward.decoding.rows import Row
+    from fastforward.serving.app import CompletionRequest
+    from fastforward.serving.text_stream import TextStream
+
+    stepping, seen = [False], []
+    step, push, finish = JacobiDecoder.step, TextStream.push, Row.finish
+
+    def spied_step(self, session):
+        stepping[0] = True
+        try:
+            step(self, session)
+        finally:
+            stepping[0] = False
+
+    def spy(real):
+        return lambda *args, **kwargs: seen.append(stepping[0]) or real(*args, **kwargs)
+
+    monkeypatch.setattr(JacobiDecoder, "step", spied_step)
+    monkeypatch.setattr(TextStream, "push", spy(push))
+    monkeypatch.setattr(Row, "finish", spy(finish))
+    server = Server(tiny, "tiny", "jacobi", {"block_size": 3}, max_batch_size=8)
+    bodies = [CompletionRequest(model="tiny", prompt=prompt, stop=[" "]) for prompt in PROMPTS[:3]]
+    texts = serve_at_once(server, bodies, 16)
+    assert seen and not any(seen)
+    assert texts == [alone(tiny, p, "jacobi", n=16, block_size=3).split(" ")[0] for p in PROMPTS[:3]]
+
+
 def test_admission_bounds_and_a_full_queue(tiny, serve_at_once):
     """--max-batch-tokens keeps rows out until tokens in flight allow them (outputs unchanged); a full
     queue refuses with QueueFull, which the HTTP layer answers 503 with Retry-After."""
@@ -231,9 +262,9 @@ def test_a_burst_joins_over_several_turns_within_the_prefill_budget(tiny, serve_
     from fastforward.serving.engine import Engine
 
     seen = []
-    join = Engine._join
+    admit = Engine._admit
     monkeypatch.setattr(
-        Engine, "_join", lambda self, setting, jobs: seen.append(len(jobs)) or join(self, setting, jobs)
+        Engine, "_admit", lambda self, setting, jobs: seen.append(len(jobs)) or admit(self, setting, jobs)
     )
     prompts = PROMPTS[:4]
     assert [len(tiny.encode_prompt(p, chat_template=False)) for p in prompts] == [9, 6, 20, 1]
@@ -277,7 +308,8 @@ def test_a_long_request_of_one_decoder_holds_up_no_other(tiny, job_texts):
             jobs.append(server.job(CompletionRequest(model="tiny", prompt=prompt), tiny.encode_prompt(prompt), 10))
             engine.submit(jobs[-1])
         texts = await job_texts(jobs)
-        still_decoding = not long.done
+        heard = [long.events.get_nowait() for _ in range(long.events.qsize())]
+        still_decoding = all(event.finish_reason is None for event in heard)
         engine.cancel(long)
         await asyncio.to_thread(engine.stop)
         return texts, still_decoding

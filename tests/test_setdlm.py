@@ -14,7 +14,7 @@ from fastforward.api import build_decoder, infill
 from fastforward.cli import main
 from fastforward.decoding.decoders import ARDecoder, Prompt
 from fastforward.decoding.decoders.setdlm import SetDiffusionDecoder
-from fastforward.decoding.runtime import Session
+from fastforward.decoding.runtime import start
 from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, visibility
@@ -187,11 +187,11 @@ def test_first_token_from_ntp_at_threshold_inf_is_greedy_ar(tiny, prompts, cache
     assert all(g.stats.tokens_per_step == {1: len(g.token_ids)} for g in gens)
     for prompt in prompts:
         with torch.inference_mode():
-            session = Session(tiny, [prompt], max_new_tokens=11)
+            session = start(tiny, [prompt], 11)
             SetDiffusionDecoder(window, 0.0, first_token_from_ntp=True).decode(session)
         cached = session.cache.get_seq_length()
         assert cached > len(prompt)
-        cache_is_prefill(session.cache, (prompt + session.outputs[0])[:cached])
+        cache_is_prefill(session.cache, (prompt + session.rows[0].output)[:cached])
 
 
 def test_first_token_from_ntp_accepts_a_run_and_samples_as_ar(tiny, prompts):

@@ -11,7 +11,7 @@ import torch
 from fastforward.api import build_decoder
 from fastforward.decoding.decoders import lookup as lookup_module
 from fastforward.decoding.decoders import registry
-from fastforward.decoding.runtime import Session
+from fastforward.decoding.runtime import start
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, load_model, step_graphs, visibility
 from fastforward.model.tiny import tiny_model
@@ -104,7 +104,7 @@ def test_caches_taking_turns_keep_their_own_entries(pair, prompts):
     decoder = build_decoder("ar")
     expected = [decoder.generate(eager, [p], max_new_tokens=12)[0].token_ids for p in prompts[:2]]
     with torch.inference_mode():
-        sessions = [Session(fixed, [p], max_new_tokens=12) for p in prompts[:2]]
+        sessions = [start(fixed, [p], 12) for p in prompts[:2]]
         for session in sessions:
             decoder.begin(session, range(1))
         while not all(s.finished for s in sessions):

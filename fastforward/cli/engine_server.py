@@ -36,7 +36,7 @@ from fastforward.cli.generate_io import NO_PROMPTS
 from fastforward.decoding.decoders import registry
 from fastforward.errors import FastForwardError
 from fastforward.model import Model, load_model
-from fastforward.serving.engine import Engine, Job, QueueFull, batch_setting
+from fastforward.serving.engine import Engine, Job, QueueFull
 from fastforward.serving.engines import EngineFolder, describe, serves
 from fastforward.serving.warm_up import warm_up
 
@@ -127,12 +127,11 @@ class LocalServer:
             return
         await _write(writer, {"started": len(prompts), "json": args.json})
         left = asyncio.ensure_future(reader.read())  # the client sends nothing more: this ends when it leaves
-        loop, setting = asyncio.get_running_loop(), batch_setting(name, knobs)
+        loop = asyncio.get_running_loop()
         try:
             for start in range(0, len(encoded), args.batch_size):
                 jobs = [
-                    Job(ids, decoder, setting, args.max_new_tokens, [], loop)
-                    for ids in encoded[start : start + args.batch_size]
+                    Job(ids, decoder, args.max_new_tokens, [], loop) for ids in encoded[start : start + args.batch_size]
                 ]
                 relays = [
                     self.relay(start + i, prompts[start + i], job, writer, name, args) for i, job in enumerate(jobs)

@@ -1,18 +1,20 @@
-"""Prefill of a session's rows: left-padded causal forwards of their segments into one `KVCache`.
+"""Prefill of new rows: left-padded causal forwards of their segments into one `KVCache`, called by
+whoever starts a batch or adds rows to one (`runtime.prefilled`, before `Session` or `Session.join`).
 
 A row's segments carry their own positions: a prompt, or for infilling a prefix and a suffix with
 a gap between them. The cache afterwards equals a causal prefill of the same tokens in the same
-order.
+order, and the rows are running.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 
 from fastforward.cpu import padded_prefill
-from fastforward.decoding.rows import Row
+from fastforward.decoding.rows import Row, Status
 from fastforward.model import Layout, Model, visibility
 from fastforward.model.cache import KVCache
 
@@ -38,7 +40,7 @@ def prefill_chunks(lengths: Sequence[int], budget: int) -> list[list[int]]:
 
 def prefill(model: Model, rows: list[Row], suffix_upfront: bool) -> tuple[KVCache, torch.Tensor]:
     """The cache of the rows' prefixes (and suffixes, `suffix_upfront`) and the logits after each
-    prefix [B, V].
+    prefix [B, V]; the rows are then running, their prefill timed.
 
     Prompts of very different lengths, or more prompt tokens than `PREFILL_TOKENS`, prefill in
     several forwards (`prefill_chunks`), whose caches are then stacked: padding a 6-token prompt to a
@@ -46,15 +48,22 @@ def prefill(model: Model, rows: list[Row], suffix_upfront: bool) -> tuple[KVCach
     forward (`benchmarks/prefill_chunks.py`). Under `--exact` a row's entries and logits do not depend
     on the rows it shares a forward with, so chunks change only the time; without it they may round
     differently, as in any batch."""
+    start = time.perf_counter()
     tokens = [[*row.prefix, *(row.suffix if suffix_upfront else ())] for row in rows]
     chunks = prefill_chunks([len(t) for t in tokens], PREFILL_TOKENS)
     if len(chunks) == 1:
-        return _forward(model, rows, tokens)
-    parts = [_forward(model, [rows[i] for i in c], [tokens[i] for i in c]) for c in chunks]
-    cache = KVCache.stack(model.hf.config, [(part, len(c), None) for (part, _), c in zip(parts, chunks, strict=True)])
-    order = torch.tensor([i for c in chunks for i in c], device=model.device).argsort()  # back to row order
-    cache.select(order)
-    return cache, torch.cat([logits for _, logits in parts])[order]
+        cache, logits = _forward(model, rows, tokens)
+    else:
+        parts = [_forward(model, [rows[i] for i in c], [tokens[i] for i in c]) for c in chunks]
+        stacked = [(part, len(c), None) for (part, _), c in zip(parts, chunks, strict=True)]
+        cache = KVCache.stack(model.hf.config, stacked)
+        order = torch.tensor([i for c in chunks for i in c], device=model.device).argsort()  # back to row order
+        cache.select(order)
+        logits = torch.cat([logits for _, logits in parts])[order]
+    seconds = time.perf_counter() - start
+    for row in rows:
+        row.status, row.started, row.prefill_seconds = Status.RUNNING, start, seconds
+    return cache, logits
 
 
 def _forward(model: Model, rows: list[Row], tokens: list[list[int]]) -> tuple[KVCache, torch.Tensor]:

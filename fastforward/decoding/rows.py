@@ -2,21 +2,27 @@
 back (`Generation`, with its `Stats`).
 
 A `Row` is one object per request, as nano-vLLM's `Sequence`: its prompt, its budget, its output
-canvas and frontier, its stop state, its counters, its sampler and seed, its timings, and `state`,
-which its decoder owns (a small dataclass of the decoder's own). Rows joining and leaving a batch are
-list operations on `Session.rows`; nothing is kept in parallel lists that would have to follow them.
+canvas and frontier, its stop state, its `status` (one field: waiting, running, or finished with its
+reason), its counters, its sampler and seed, its timings, and `state`, which its decoder owns (a small
+dataclass of the decoder's own). Rows joining and leaving a batch are list operations on
+`Session.rows`; nothing is kept in parallel lists that would have to follow them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastforward.decoding import metrics
 from fastforward.decoding.sampling import Sampler, row_key
 from fastforward.errors import FastForwardError
+
+if TYPE_CHECKING:
+    from fastforward.model import Model
 
 
 @dataclass
@@ -58,9 +64,9 @@ class Stats(metrics.Rates):
 @dataclass
 class Generation:
     """One prompt's output: generated ids (prompt excluded, stop token included), text, stats, and
-    why it ended: "stop" (a stop token), "length" (max_new_tokens, or an infilling gap filled),
-    "context" (the model's context had no room for max_new_tokens after this prompt) or "cancelled"
-    (`Session.cancel`)."""
+    why it ended (its row's `Status`): "stop" (a stop token, or a stop string the server cut it at),
+    "length" (max_new_tokens, or an infilling gap filled), "context" (the model's context had no room
+    for max_new_tokens after this prompt) or "cancelled" (`Row.finish`)."""
 
     token_ids: list[int]
     text: str
@@ -104,6 +110,17 @@ class Prompt:
             raise FastForwardError(f"an infilling prompt needs a gap of at least 1 position, got {self.gap}")
 
 
+class Status(Enum):
+    """Where a row is: waiting for its prefill, running, or finished, as its reason (`Generation`)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    STOP = "stop"
+    LENGTH = "length"
+    CONTEXT = "context"
+    CANCELLED = "cancelled"
+
+
 @dataclass(eq=False)  # a row is itself: callers may key on it
 class Row:
     """One row of a session. The canvas holds its output keyed by position (index 0 is the first
@@ -111,8 +128,10 @@ class Row:
     its leading committed positions and `first_stop` is the position of its first committed stop token
     (`limit` if none). `limit` is its budget of canvas positions: the gap when infilling, else
     max_new_tokens or less where the model's context has no room (`context_bound`). `suffix` is an
-    infilling row's suffix, which follows canvas position `limit - 1`. `state` is its decoder's and
-    `owner` its caller's (the server's job)."""
+    infilling row's suffix, which follows canvas position `limit - 1`. `status` is where it is: made
+    `WAITING`, `RUNNING` once prefilled, then finished with its reason, which its own commits set
+    (a stop token, its budget) or `finish` (between steps). `state` is its decoder's and `owner` its
+    caller's (the server's job)."""
 
     prefix: list[int]
     suffix: list[int]
@@ -124,10 +143,10 @@ class Row:
     started: float = 0.0  # when its request began (perf_counter)
     prefill_seconds: float = 0.0
     frontier: int = 0
-    finished: bool = False
-    cancelled: bool = False
+    status: Status = Status.WAITING
     forwards: int = 0  # decoding forwards it took part in
     queries: int = 0  # tokens those forwards ran
+    committed: int = 0  # tokens committed since the step's forward (`Session.advance` logs them in `steps`)
     steps: dict[int, int] = field(default_factory=dict)  # steps it took part in that committed k tokens, by k
     state: Any = None
     owner: Any = None
@@ -149,6 +168,10 @@ class Row:
         return row_key(self.sampler.seed if self.seed is None else self.seed, self.prefix, self.suffix)
 
     @property
+    def finished(self) -> bool:
+        return self.status is not Status.RUNNING and self.status is not Status.WAITING
+
+    @property
     def length(self) -> int:
         """Its output length so far: its leading committed positions, up to its stop token."""
         return min(self.frontier, self.first_stop + 1)
@@ -160,7 +183,7 @@ class Row:
 
     def write(self, writes: Sequence[tuple[int, int]]) -> int:
         """Put (position, token) pairs on the canvas (none once finished, none past the budget); then its
-        frontier, first stop and finished. Returns how many were written."""
+        frontier, first stop and status. Returns how many were written."""
         if self.finished:
             return 0
         canvas, limit, stops = self.canvas, self.limit, self.stops
@@ -175,45 +198,43 @@ class Row:
         while frontier < limit and canvas[frontier] is not None:
             frontier += 1
         self.frontier = frontier
+        self.committed += written
         if frontier >= min(limit, self.first_stop + 1):
-            self.finished = True
+            cut = Status.CONTEXT if self.context_bound else Status.LENGTH
+            self.status = Status.STOP if self.first_stop < frontier else cut
         return written
 
-    def cancel(self) -> None:
-        """Stop it: it takes part in no further forward and commits nothing more."""
+    def finish(self, reason: Status) -> None:
+        """End it between steps (`CANCELLED`: its client left; `STOP`: a stop string ended its text): it
+        takes part in no further forward and commits nothing more."""
         if not self.finished:
-            self.finished = self.cancelled = True
+            self.status = reason
 
     @property
     def finish_reason(self) -> str:
         """Why it ended (see `Generation`); "interrupted" while it has not."""
-        if not self.finished:
-            return "interrupted"
-        if self.cancelled:
-            return "cancelled"
-        if self.first_stop < self.frontier:
-            return "stop"
-        return "context" if self.context_bound else "length"
+        return self.status.value if self.finished else "interrupted"
 
-    def stats(self, seconds: float) -> Stats:
-        return Stats(self.forwards, self.length, seconds, self.prefill_seconds, dict(self.steps), self.queries)
+    def result(self, decode: Callable[[list[int]], str]) -> Generation:
+        """Its output so far, as text too (`decode`), with its figures and why it ended."""
+        ids = self.output
+        seconds = time.perf_counter() - self.started
+        stats = Stats(self.forwards, len(ids), seconds, self.prefill_seconds, dict(self.steps), self.queries)
+        return Generation(ids, decode(ids), stats, self.finish_reason)
 
 
 def make_rows(
-    prompts: Sequence[Sequence[int] | Prompt],
-    max_new_tokens: int | Sequence[int],
-    sampler: Sampler,
-    stops: frozenset[int],
-    context: int | None,
+    model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int | Sequence[int], sampler: Sampler
 ) -> list[Row]:
     """The rows of `prompts` with their budgets (one, or one per prompt), checked against the model's
-    `context`; a row without a sampler of its own samples with `sampler`."""
+    context, stopping at its stop tokens; a row without a sampler of its own samples with `sampler`."""
     if not prompts:
         raise FastForwardError("no prompts given")
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(budgets) != len(prompts) or min(budgets) <= 0:
         raise FastForwardError(f"max_new_tokens must be > 0 (one, or one per prompt), got {max_new_tokens}")
     given = [p if isinstance(p, Prompt) else Prompt(list(p)) for p in prompts]
+    context, stops = model.max_context, frozenset(model.stop_token_ids)
     longest = max(len(p.prefix) + p.gap + len(p.suffix) for p in given)
     if context is not None and longest >= context:
         raise FastForwardError(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -78,7 +78,7 @@ def random_tokens(key: int, positions: Iterable[int], vocab: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Sampler:
-    """How a session chooses tokens (`Session.sample`): temperature 0 is greedy (argmax); otherwise
+    """How a row chooses tokens (`BatchSampler`): temperature 0 is greedy (argmax); otherwise
     softmax(logits / T) within the top-p mass is sampled with each row's draw for each position."""
 
     temperature: float = option(0.0, "sampling temperature (0 = greedy)", NON_NEGATIVE)
@@ -100,3 +100,41 @@ class Sampler:
         cdf = probs.cumsum(dim=-1, dtype=torch.float64)
         # the first token whose CDF passes the draw, scaled to the kept mass (so no renormalising)
         return torch.searchsorted(cdf, (draws * cdf[..., -1])[..., None], right=True)[..., 0]
+
+
+class _Sampled(Protocol):
+    """What a batch's sampler reads of a row (`rows.Row`)."""
+
+    sampler: Sampler
+    key: int
+
+
+class BatchSampler:
+    """How the rows of a batch choose tokens (`Session.sampler`, built again when rows join or leave):
+    each row greedy, or sampled by its own sampler with its draw for each position (a token's
+    position keys its draw; greedy ignores it). Rows of different samplers are sampled group by group,
+    each row as it would be alone."""
+
+    def __init__(self, rows: Sequence[_Sampled], device: torch.device):
+        rows_of: dict[tuple[float, float], list[int]] = {}
+        for index, row in enumerate(rows):
+            if row.sampler.temperature > 0:
+                rows_of.setdefault((row.sampler.temperature, row.sampler.top_p), []).append(index)
+        # each row's key (`rows.Row.key`), and the samplers at temperature > 0 with their rows (None: all)
+        self.keys = torch.tensor([row.key for row in rows], device=device) if rows_of else None
+        self.groups: list[tuple[Sampler, torch.Tensor | None]] = [
+            (rows[indices[0]].sampler, None if len(indices) == len(rows) else torch.tensor(indices, device=device))
+            for indices in rows_of.values()
+        ]
+
+    def sample(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Tokens [B, ...] for logits [B, ..., V], the tokens to sit at RoPE `positions` [B, ...]."""
+        if self.keys is None:
+            return greedy(logits)
+        draws = uniforms(self.keys, positions)
+        if len(self.groups) == 1 and self.groups[0][1] is None:  # every row alike
+            return self.groups[0][0].inverse_cdf(logits, draws)
+        tokens = greedy(logits)
+        for sampler, rows in self.groups:
+            tokens[rows] = sampler.inverse_cdf(logits[rows], draws[rows])
+        return tokens

@@ -1,11 +1,14 @@
-"""Step code that several decoders share, written against the runtime (`Session`) alone.
+"""Step code that decoders share, written against the runtime (`Session`) alone.
 
+* Canvas writes: `append` (tokens at each row's frontier), `commit_writes` (per-row (position,
+  token) writes), `first_tokens` (the prefill's prediction, sampled and committed); on the host, in
+  the rows, so a step reads its tokens back once. `span`: RoPE positions from each row's frontier;
+  `row_tokens`: a row's share of the server's bound on a forward's tokens (`Session.step_tokens`).
 * `next_block`: a block's canvas positions from a row's frontier; `masked_before_stop`: which of a
   block's slots are still worth a forward (sbd, sbd-slide, sbd-verified).
 * `carried_and_masks`: the layout `[carried tokens (kept, causal) ; masks (read)]` of the mask
   decoders (sbd, sbd-slide, sbd-verified, setdlm), padded per row, and `next_token_logits` at the
   last carried token.
-* `commit_writes`: per-row (position, token) writes onto the canvas in one commit.
 * `chain_step`: one causal forward of `[last token ; drafts]` per row, accepting each row's confirmed
   prefix (jacobi, and lookup in a batch).
 * `verify`: one forward of `[last token ; draft chain ; candidate n-grams]` per row, committing the
@@ -22,6 +25,45 @@ import torch
 from fastforward.decoding.policies import greedy_prefix
 from fastforward.decoding.runtime import Row, Session
 from fastforward.model import visibility
+
+
+def append(session: Session, tokens: Sequence[Sequence[int]], count: Sequence[int] | None = None) -> None:
+    """Commit each row's first `count[r]` (default: all) of `tokens[r]` at its frontier."""
+    for index, (row, line) in enumerate(zip(session.rows, tokens, strict=True)):
+        n = len(line) if count is None else count[index]
+        row.write(list(enumerate(line[:n], row.frontier)))
+
+
+def commit_writes(session: Session, writes: Sequence[Sequence[tuple[int, int]]]) -> None:
+    """Each row's (position, token) writes onto its canvas (none once finished, none past its budget)."""
+    for row, row_writes in zip(session.rows, writes, strict=True):
+        if row_writes:
+            row.write(row_writes)
+
+
+def first_tokens(session: Session, rows: Sequence[int]) -> list[int]:
+    """Sample the rows `rows` (just prefilled or joined) their first token from the prefill's next-token
+    logits and commit it; returns every row's sample (a pure function of the row, so the other rows'
+    are the same as theirs were)."""
+    positions = torch.tensor([row.origin + row.frontier for row in session.rows], device=session.device)
+    first = session.sampler.sample(session.next_logits, positions).tolist()
+    starting = set(rows)
+    append(session, [[t] for t in first], [int(row in starting) for row in range(session.batch)])
+    return first
+
+
+def span(session: Session, start: int, length: int) -> torch.Tensor:
+    """RoPE positions [B, length] from `start` positions past each row's frontier (start -1: the last
+    committed token), built on the host in one transfer."""
+    firsts = [row.origin + row.frontier + start for row in session.rows]
+    return torch.tensor([list(range(p, p + length)) for p in firsts], device=session.device)
+
+
+def row_tokens(session: Session) -> int | None:
+    """The tokens each running row may put in a forward under `session.step_tokens` (None: no bound)."""
+    if session.step_tokens is None:
+        return None
+    return session.step_tokens // max(1, sum(not row.finished for row in session.rows))
 
 
 def next_block(row: Row, size: int) -> list[int]:
@@ -89,16 +131,6 @@ def next_token_logits(session: Session, logits: torch.Tensor, carried: list[list
     return torch.where((last >= 0)[:, None], at_last, session.next_logits)
 
 
-def commit_writes(session: Session, writes: list[list[tuple[int, int]]]) -> None:
-    """Each row's (position, token) writes onto the session's canvas."""
-    high = max(len(w) for w in writes)
-    if not high:
-        return
-    tokens = [[t for _, t in w] + [0] * (high - len(w)) for w in writes]
-    at = [[p for p, _ in w] + [-1] * (high - len(w)) for w in writes]
-    session.commit(torch.tensor(tokens), torch.tensor(at))
-
-
 def chain_step(session: Session, lasts: list[int], drafts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
     """One causal forward of each row's `[last committed token ; drafts]` (drafts of one length); commits
     the drafts its predictions confirm and the prediction after them, and keeps their entries. Returns
@@ -106,11 +138,11 @@ def chain_step(session: Session, lasts: list[int], drafts: list[list[int]]) -> t
     confirmed. Decided on the host after one read-back of the predictions."""
     n = len(drafts[0])
     tokens = torch.tensor([[t, *d] for t, d in zip(lasts, drafts, strict=True)], device=session.device)
-    positions = session.span(-1, n + 1)  # the last committed token, one position before the frontier
+    positions = span(session, -1, n + 1)  # the last committed token, one position before the frontier
     logits = session.forward(tokens, positions, read=range(n + 1))
-    guesses = session.sample(logits, positions + 1).tolist()
+    guesses = session.sampler.sample(logits, positions + 1).tolist()
     accepted = [greedy_prefix(d, g) for d, g in zip(drafts, guesses, strict=True)]
-    session.append([g[: a + 1] for g, a in zip(guesses, accepted, strict=True)])  # confirmed + next
+    append(session, [g[: a + 1] for g, a in zip(guesses, accepted, strict=True)])  # confirmed + next
     session.advance(keep=[a + 1 for a in accepted])  # the last token and its confirmed drafts
     return guesses, accepted
 
@@ -134,7 +166,7 @@ def verify(
     rows of different lengths padded with slots that see only themselves); per row, commit the
     contender (the chain or a candidate) with the longest confirmed prefix, and the prediction after
     it; keep exactly those entries in the cache. Decided on the host after one read-back of the
-    forward's predictions (`session.sample`'s: a position's draw is the same in every contender).
+    forward's predictions (`session.sampler`'s: a position's draw is the same in every contender).
     `tail`: how many of the last drafts count as the last block when measuring how stationary it is
     (0: not measured)."""
     chains = [1 + len(d) for d in drafts]
@@ -156,12 +188,12 @@ def verify(
     rule = None if causal else _candidate_rules(rules, session.device)
     layout = torch.tensor([ids, positions], device=session.device)  # tokens, positions
     logits = session.forward(layout[0], layout[1], rule, read=range(width))
-    guesses = session.sample(logits, layout[1] + 1).tolist()  # each slot's prediction of the next token
+    guesses = session.sampler.sample(logits, layout[1] + 1).tolist()  # each slot's prediction of the next token
     verdicts = [
         _decide(row_ids[:total], guess, chain, sizes, tail)
         for row_ids, guess, chain, sizes, total in zip(ids, guesses, chains, lengths, totals, strict=True)
     ]
-    session.append([v.committed for v in verdicts])
+    append(session, [v.committed for v in verdicts])
     session.advance(keep=[v.kept for v in verdicts])
     return [v.verdict for v in verdicts]
 

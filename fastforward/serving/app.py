@@ -40,7 +40,7 @@ from fastforward.decoding.sampling import row_key
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.serving import limits, replies
-from fastforward.serving.engine import Engine, Event, Job, QueueFull, batch_setting
+from fastforward.serving.engine import Engine, Event, Job, QueueFull
 from fastforward.serving.guard import ApiKey, read_json
 from fastforward.serving.limits import MAX_REQUEST_BYTES
 from fastforward.serving.logprobs import Scores, chat_logprobs, completion_logprobs, kept_tokens, score
@@ -112,9 +112,9 @@ class Server:
             message = f"the model {model!r} does not exist; this server serves {self.name!r}"
             raise ApiError(404, message, "not_found_error", param="model", code="model_not_found")
 
-    def decoder_for(self, body: OpenAIRequest) -> tuple[Decoder, str]:
-        """The request's decoder (the server's, with the request's knobs over its own) and its setting:
-        requests of equal settings share a batch (temperature, top-p and seed are each row's own)."""
+    def decoder_for(self, body: OpenAIRequest) -> Decoder:
+        """The request's decoder: the server's, with the request's knobs over its own (requests whose
+        decoders have equal options share a batch; temperature, top-p and seed are each row's own)."""
         name = body.decoder or self.decoder
         knobs = dict(self.knobs) if name == self.decoder else {}
         knobs.update(decoder_options(body))
@@ -125,17 +125,17 @@ class Server:
                 self.model.require_mask_token(name)  # a 400 now, not a failure in the middle of decoding
         except FastForwardError as exc:
             raise ApiError(400, str(exc), param="decoder") from exc
-        return decoder, batch_setting(name, knobs)
+        return decoder
 
     def jobs(self, body: OpenAIRequest, prompts: list[list[int]], budgets: list[int]) -> list[Job]:
         """`body.n` jobs per prompt (prompt-major, as OpenAI numbers choices), each choice with its seed."""
-        decoder, setting = self.decoder_for(body)
+        decoder = self.decoder_for(body)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         seed = body.seed if body.seed is not None else self.draws.randrange(2**63)
         seeds = [seed if i == 0 else row_key(seed, [i]) for i in range(body.n)]
         loop = asyncio.get_running_loop()
         return [
-            Job(prompt, decoder, setting, budget, stop, loop, seed=s, ignore_eos=body.ignore_eos)
+            Job(prompt, decoder, budget, stop, loop, seed=s, ignore_eos=body.ignore_eos)
             for prompt, budget in zip(prompts, budgets, strict=True)
             for s in seeds
         ]

@@ -1,54 +1,54 @@
 """The serving engine: one worker thread schedules requests continuously, step by step.
 
 A request becomes a `Job` (token ids, a built decoder, its budget, stop strings, its sampling seed).
-Jobs whose decoders have equal settings (temperature, top-p and seed aside) form a **group**: one
-`Session` whose rows are its jobs. Between two steps of a group, waiting jobs of its setting join it
-(`Session.join`, prefilled on their own) and finished or cancelled rows leave it (`Session.leave`),
-so rows with different budgets, prompt lengths and sampling knobs share forwards and nobody waits for
-a batch to drain. Which jobs join and which group steps next is `scheduler`'s (rows, tokens in flight
-and prompt tokens per turn bounded; groups taking turns, one step each); a queue of more than
-`max_queue` waiting jobs refuses new ones (`QueueFull`: HTTP 503 with Retry-After).
+Jobs whose decoders have equal options (`Decoder.batch_key`: temperature, top-p and seed aside) form
+a **group**: one `Session` whose rows are its jobs' (a row's `owner` is its job). The worker's loop
+has nano-vLLM's shape, each part a function of its own:
 
-Each row samples with its own request's temperature, top-p and seed (`Job.row`), so a request gets
-the tokens it would get alone whatever shares its batch. After every step the session's rows turn
-their newly committed tokens into text deltas (`TextStream`), cut the text before a stop string (and
-cancel that row), cancel the rows whose clients left, and hand the deltas to the jobs' event queues,
+* `_schedule`: work handed to `call` runs (other model work, such as scoring log-probabilities);
+  waiting jobs join their groups as far as `scheduler` admits them (rows, tokens in flight and
+  prompt tokens per turn bounded), prefilled on their own and begun (`_admit`); the group whose
+  turn it is steps next (groups take turns, one step each);
+* `decoder.step(session)`: one step of that group's rows, and nothing else runs inside it;
+* `_postprocess`: each row's newly committed tokens become text deltas (`TextStream`), cut before a
+  stop string (which ends the row); rows whose clients left are cancelled; rows that finished end
+  their jobs; finished rows leave the session at the next join (one cache copy for both) or once
+  they are a quarter of it (`_retire`).
+
+A row's status (`rows.Status`: running, or finished with its reason) is its request's one state;
+the engine keeps nothing beside the rows. Rows with different budgets, prompt lengths and sampling
+knobs share forwards, and nobody waits for a batch to drain. A queue of more than `max_queue`
+waiting jobs refuses new ones (`QueueFull`: HTTP 503 with Retry-After).
+
+Each row samples with its own request's temperature, top-p and seed (`Job.as_prompt`), so a request
+gets the tokens it would get alone whatever shares its batch. Events go to the jobs' event queues,
 which the HTTP layer reads (`fastforward.serving.app`); a job's last event carries its token ids. A
-failure inside decoding fails only the jobs of that group. Other model work (scoring
-log-probabilities) runs on the same worker between two steps (`Engine.call`).
+failure inside decoding fails only the jobs of that group.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from fastforward.decoding.decoders import Decoder, registry
-from fastforward.decoding.runtime import PREFILL_TOKENS, Generation, Prompt, Session
+from fastforward.decoding.decoders import Decoder
+from fastforward.decoding.runtime import PREFILL_TOKENS, Generation, Prompt, Row, Session, Status
 from fastforward.model import Model
 from fastforward.serving import scheduler
 from fastforward.serving.metrics import Metrics
 from fastforward.serving.text_stream import TextStream
 
 _ids = itertools.count()
-SAMPLING_KNOBS = {knob.name for knob in registry.SAMPLING}  # per row: not part of a batch's setting
-
-
-def batch_setting(decoder: str, knobs: dict[str, Any]) -> str:
-    """A job's `setting`: the decoder and its knobs but the sampling ones (each row's own), so that jobs
-    of equal settings share a batch."""
-    shared = {k: v for k, v in knobs.items() if k not in SAMPLING_KNOBS}
-    return json.dumps({"decoder": decoder, **shared}, sort_keys=True, default=str)
 
 
 @dataclass
@@ -70,7 +70,6 @@ class Event:
 class Job:
     prompt: list[int]
     decoder: Decoder
-    setting: str  # decoders with equal settings (sampling knobs aside: each row has its own) share a batch
     max_tokens: int
     stop: list[str]
     loop: asyncio.AbstractEventLoop
@@ -78,11 +77,16 @@ class Job:
     ignore_eos: bool = False  # decode through stop tokens up to max_tokens (vLLM's field)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: int = field(default_factory=lambda: next(_ids))
-    cancelled: bool = False
+    cancelled: bool = False  # its client left: set by the HTTP side, applied to its row between steps
     created: float = field(default_factory=time.perf_counter)
-    done: bool = False
+    stream: TextStream | None = None  # its text, once it runs
 
-    def row(self) -> Prompt:
+    @property
+    def setting(self) -> Hashable:
+        """Jobs of equal settings share a batch: their decoders' options (`Decoder.batch_key`)."""
+        return self.decoder.batch_key()
+
+    def as_prompt(self) -> Prompt:
         """The job as a session row: its prompt, its seed, its stop tokens, and its decoder's temperature
         and top-p (a group's rows share a decoder setting but not these)."""
         return Prompt(self.prompt, seed=self.seed, sampler=self.decoder.sampler, ignore_eos=self.ignore_eos)
@@ -103,31 +107,18 @@ class QueueFull(RuntimeError):
 
 
 @dataclass
-class _Row:
-    """A job decoding in a session row: its text stream and the tokens already handed to it."""
-
-    job: Job
-    stream: TextStream
-    sent: int = 0
-
-
-@dataclass
 class _Group:
-    """The running jobs of one decoder setting: a session whose row r is rows[r]."""
+    """The rows of one decoder setting, in one session."""
 
     decoder: Decoder
     session: Session
-    retired: list[int] = field(default_factory=list)  # finished rows, their jobs ended, still in the session
 
-    @property
-    def rows(self) -> list[_Row]:
-        """Row r's job: each session row owns its own, so that joins and leaves keep them together."""
-        return [row.owner for row in self.session.rows]
+    def running(self) -> list[Row]:
+        return [row for row in self.session.rows if not row.finished]
 
-    def start(self, rows: list[int], jobs: list[Job], decode: Callable[[list[int]], str]) -> None:
-        """The jobs now in session rows `rows` (just joined or opened)."""
-        for index, job in zip(rows, jobs, strict=True):
-            self.session.rows[index].owner = _Row(job, TextStream(decode, job.stop))
+    def finished(self) -> list[int]:
+        """Its finished rows (their jobs ended), until they leave the session."""
+        return [index for index, row in enumerate(self.session.rows) if row.finished]
 
 
 class Engine:
@@ -151,7 +142,7 @@ class Engine:
         self._waiting: deque[Job] = deque()
         self._calls: list[tuple[Callable[[], Any], Future]] = []  # work to run between two steps (`call`)
         self._outbox: list[tuple[Job, Event]] = []  # events of this step, delivered by `_flush`
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[Hashable, _Group] = {}  # by setting
         self._turn = 0  # round robin over the groups
         self._lock = threading.Condition()
         self._stopping = False
@@ -182,7 +173,7 @@ class Engine:
         return future
 
     def cancel(self, job: Job) -> None:
-        """The client left: drop the job if it waits, else its row is cancelled at the next step."""
+        """The client left: drop the job if it waits, else its row is cancelled after its group's next step."""
         job.cancelled = True
         self.metrics.cancelled.inc()
         with self._lock:
@@ -220,44 +211,48 @@ class Engine:
             loop.call_soon_threadsafe(_deliver, items)
 
     def _run(self) -> None:
+        """The worker: schedule → step → postprocess, until `stop` and nothing is left."""
         try:
-            self._schedule()
+            while self._wait():
+                setting = self._schedule()
+                if setting is not None:
+                    group = self._groups[setting]
+                    rows = group.running()
+                    self.metrics.step_rows.observe(len(rows))
+                    with self._failing(setting, [row.owner for row in rows]):
+                        group.decoder.step(group.session)
+                        self._postprocess(setting, group, rows)
+                self.metrics.batch_size.set(sum(len(g.running()) for g in self._groups.values()))
+                self._flush()
         finally:
             self._flush()
 
-    def _schedule(self) -> None:
-        while True:
-            self._flush()
-            if not self._admit():
-                return
-            if self._groups:
-                name = scheduler.next_batch(list(self._groups), self._turn)
-                self._turn += 1
-                group = self._groups[name]
-                self._guarded([r.job for r in group.rows], lambda: self._step(name, group))  # noqa: B023
-            self.metrics.batch_size.set(sum(len(g.rows) - len(g.retired) for g in self._groups.values()))
-
-    def _admit(self) -> bool:
-        """Move waiting jobs into their groups (opening groups as needed), as far as the limits allow.
-        Work handed to `call` runs first. Returns False when there is nothing left to do: stop."""
+    def _wait(self) -> bool:
+        """Wait for work: False once the engine stops with nothing left to do."""
         with self._lock:
             while not (self._waiting or self._groups or self._calls or self._stopping):
                 self._lock.wait()
+            return bool(self._waiting or self._groups or self._calls)
+
+    def _schedule(self) -> Hashable | None:
+        """Between two steps: the work handed to `call`, then waiting jobs into their groups as far as the
+        limits allow; returns the setting whose group steps next (None: no group runs)."""
+        with self._lock:
             calls, self._calls = self._calls, []
         self._run_calls(calls)
         with self._lock:
-            if not self._waiting and not self._groups:
-                return bool(calls)
-            # Rows still decoding: retired ones leave in the join that admits their successors.
-            live = [r.job for g in self._groups.values() for i, r in enumerate(g.rows) if i not in g.retired]
+            live = [row.owner for group in self._groups.values() for row in group.running()]
             admitted = scheduler.admit(self._waiting, live, self.limits)
             for jobs in admitted.values():
                 for job in jobs:
                     self._waiting.remove(job)
             self.metrics.queue_depth.set(len(self._waiting))
         for setting, jobs in admitted.items():
-            self._guarded(jobs, lambda: self._join(setting, jobs))  # noqa: B023
-        return True
+            self._admit(setting, jobs)
+        if not self._groups:
+            return None
+        self._turn += 1
+        return scheduler.next_batch(list(self._groups), self._turn - 1)
 
     @staticmethod
     def _run_calls(calls: list[tuple[Callable[[], Any], Future]]) -> None:
@@ -270,106 +265,95 @@ class Engine:
                 except Exception as exc:  # the caller's to answer
                     future.set_exception(exc)
 
-    def _guarded(self, jobs: list[Job], work: Callable[[], None]) -> None:
-        """Run `work`; if it fails, fail `jobs` (and the group they belong to) and go on."""
+    @contextmanager
+    def _failing(self, setting: Hashable | None, jobs: list[Job]) -> Iterator[None]:
+        """Run the block (under inference mode); if it fails, the group of `setting` closes and `jobs`
+        end with the error, and the server goes on."""
         try:
             with torch.inference_mode():
-                work()
+                yield
         except Exception as exc:  # one group fails; the server goes on
-            for name, group in list(self._groups.items()):
-                if any(r.job in jobs for r in group.rows):
-                    del self._groups[name]
+            self._groups.pop(setting, None)
             for job in jobs:
-                if not job.done:
-                    job.done = True
-                    self._post(job, Event(finish_reason="error", error=f"decoding failed: {type(exc).__name__}: {exc}"))
+                self._post(job, Event(finish_reason="error", error=f"decoding failed: {type(exc).__name__}: {exc}"))
             self.metrics.failures.inc(len(jobs))
 
-    def _join(self, setting: str, jobs: list[Job]) -> None:
-        """Start jobs in their setting's group: a new session, or rows joining the running one (in one
-        join, each with its own budget; the rows retired since the last join leave in the same copy)."""
-        group = self._groups.get(setting)
-        prompts = [job.row() for job in jobs]
-        budgets = [job.max_tokens for job in jobs]
-        if group is None:
-            decoder = jobs[0].decoder
-            group = _Group(decoder, decoder.open_session(self.model, prompts, budgets))
-            group.session.step_tokens = self.max_step_tokens
-            group.session.on_step = lambda s, g=group: self._stream(g)
-            self._groups[setting] = group
-            rows = list(range(len(prompts)))
-        else:
-            rows = group.session.join(prompts, budgets, drop=group.retired)
-            group.retired = []
-        group.start(rows, jobs, self.model.decode)
-        group.decoder.begin(group.session, rows)
-        self._stream(group)
-        self._retire(setting, group)
-
-    def _step(self, setting: str, group: _Group) -> None:
-        self.metrics.step_rows.observe(group.session.batch - len(group.retired))
-        group.decoder.step(group.session)  # streams through the session's on_step
-        self._retire(setting, group)
-
-    def _stream(self, group: _Group) -> None:
-        """After a step: each row's new text to its job, and the rows whose clients left cancelled."""
-        session = group.session
-        lengths = session.lengths
-        for index, row in enumerate(group.rows):
-            if row.job.done:
-                continue
-            if row.job.cancelled:
-                session.cancel(index)
-                row.job.done = True
-                continue
-            if lengths[index] > row.sent:
-                ids = session.rows[index].canvas[row.sent : lengths[index]]
-                row.sent = lengths[index]
-                self._emit(session, index, row.job, row.stream.push(ids))
-        self._flush()  # once a step
-
-    def _retire(self, setting: str, group: _Group) -> None:
-        """Finished rows end their jobs at once, and leave the session at the next join (one cache copy
-        for both), or now once they are a quarter of it; a group whose rows have all finished closes."""
-        session = group.session
-        for index in range(session.batch):
-            if session.rows[index].finished and index not in group.retired:
-                group.retired.append(index)
-                self._finish(group.rows[index], session.result(index))
-        if len(group.retired) == session.batch:
-            del self._groups[setting]
-        elif group.retired and 4 * len(group.retired) >= session.batch:
-            session.leave(group.retired)
-            group.retired = []
-
-    def _finish(self, row: _Row, generation: Generation) -> None:
-        job = row.job
-        self.metrics.observe(
-            generation.stats.nfe, len(generation.token_ids), time.perf_counter() - job.created, generation.stats.queries
-        )
-        if job.done:
+    def _admit(self, setting: Hashable, jobs: list[Job]) -> None:
+        """Start jobs in their setting's group: their rows prefilled (a failure there fails them alone),
+        then a new session, or rows joining the running one (in one join, each with its own budget; the
+        finished rows leave in the same copy); begun, and postprocessed as after a step."""
+        decoder, prefilled = jobs[0].decoder, None
+        with self._failing(None, jobs):
+            prefilled = decoder.prefilled(self.model, [job.as_prompt() for job in jobs], [j.max_tokens for j in jobs])
+            for row, job in zip(prefilled[0], jobs, strict=True):
+                row.owner, job.stream = job, TextStream(self.model.decode, job.stop)
+        if prefilled is None:
             return
-        delta, stopped = row.stream.push(generation.token_ids[row.sent :], final=True)
-        if delta:
-            self._post(job, Event(delta=delta))
-        job.done = True
-        reason = "stop" if stopped or generation.finish_reason == "stop" else "length"
-        usage = self._usage(job, len(generation.token_ids), generation.stats.nfe, generation.stats.queries)
-        self._post(
-            job, Event(finish_reason=reason, usage=usage, token_ids=list(generation.token_ids), generation=generation)
-        )
+        group = self._groups.get(setting)
+        running = [] if group is None else group.running()
+        with self._failing(setting, [row.owner for row in running] + jobs):
+            if group is None:
+                group = self._groups[setting] = _Group(decoder, Session(self.model, *prefilled))
+                group.session.step_tokens = self.max_step_tokens
+                new = list(range(len(jobs)))
+            else:
+                new = group.session.join(*prefilled, drop=group.finished())
+            running = group.running()
+            decoder.begin(group.session, new)
+            self._postprocess(setting, group, running)
 
-    def _emit(self, session: Session, row: int, job: Job, pushed: tuple[str, bool]) -> None:
-        """Send a row's new text (`TextStream.push`); after a stop string, end the job and cancel the row."""
-        delta, stopped = pushed
-        if delta:
-            self._post(job, Event(delta=delta))
-        if stopped:
-            session.cancel(row)
-            job.done = True
-            ended = session.rows[row]
-            usage = self._usage(job, ended.length, ended.forwards, ended.queries)
-            self._post(job, Event(finish_reason="stop", usage=usage, token_ids=ended.output))
+    def _postprocess(self, setting: Hashable, group: _Group, rows: list[Row]) -> None:
+        """After a group's step (or its rows' start), each of `rows` (running before it): a client that
+        left cancels its row; new text goes to the row's job, cut before a stop string (which ends the
+        row); a row that finished ends its job. Then finished rows may leave (`_retire`). The events go
+        out once all this has held (so no job hears of its end twice if it fails), together."""
+        events: list[tuple[Job, Event]] = []
+        for row in rows:
+            job: Job = row.owner
+            assert job.stream is not None
+            cut = False  # a stop string ended the text
+            if job.cancelled:
+                row.finish(Status.CANCELLED)  # nothing more to tell: its client left
+            elif new := row.canvas[len(job.stream.ids) : row.length]:
+                delta, cut = job.stream.push(new)  # type: ignore[arg-type]
+                if delta:
+                    events.append((job, Event(delta=delta)))
+                if cut:
+                    row.finish(Status.STOP)
+            if row.finished:
+                events += self._end(row, cut)
+        self._retire(setting, group)
+        self._outbox += events
+        self._flush()
+
+    def _end(self, row: Row, cut: bool) -> list[tuple[Job, Event]]:
+        """A finished row's figures into the metrics, and unless its client left, its job's last text (the
+        text held back, unless a stop string `cut` it) and its end."""
+        job: Job = row.owner
+        generation = row.result(self.model.decode)
+        stats = generation.stats
+        self.metrics.observe(stats.nfe, stats.tokens, time.perf_counter() - job.created, stats.queries)
+        if job.cancelled:
+            return []
+        events = []
+        if not cut:
+            assert job.stream is not None
+            delta, cut = job.stream.push([], final=True)
+            if delta:
+                events.append((job, Event(delta=delta)))
+        reason = "stop" if cut or generation.finish_reason == "stop" else "length"
+        usage = self._usage(job, stats.tokens, stats.nfe, stats.queries)
+        end = Event(finish_reason=reason, usage=usage, token_ids=list(generation.token_ids), generation=generation)
+        return [*events, (job, end)]
+
+    def _retire(self, setting: Hashable, group: _Group) -> None:
+        """Finished rows leave the session at the next join (one cache copy for both), or now once they are
+        a quarter of it; a group whose rows have all finished closes."""
+        finished = group.finished()
+        if len(finished) == group.session.batch:
+            del self._groups[setting]
+        elif finished and 4 * len(finished) >= group.session.batch:
+            group.session.leave(finished)
 
     @staticmethod
     def _usage(job: Job, tokens: int, nfe: int, queries: int) -> dict[str, Any]:

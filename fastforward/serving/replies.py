@@ -16,7 +16,8 @@ from fastforward.serving.schema import error_body
 
 
 async def events(engine: Engine, job: Job, request: Request) -> AsyncIterator[Event]:
-    """The job's events until its end; a client that leaves cancels the job."""
+    """The job's events until its end; a client that leaves before it cancels the job."""
+    ended = False
     try:
         while True:
             try:
@@ -28,11 +29,12 @@ async def events(engine: Engine, job: Job, request: Request) -> AsyncIterator[Ev
             while event.finish_reason is None and not job.events.empty():  # behind: one chunk for all
                 later = job.events.get_nowait()
                 event = Event(event.delta + later.delta, later.finish_reason, later.error, later.usage, later.token_ids)
+            ended = event.finish_reason is not None
             yield event
-            if event.finish_reason is not None:
+            if ended:
                 return
     finally:
-        if not job.done:
+        if not ended:
             engine.cancel(job)
 
 
@@ -57,9 +59,12 @@ async def sse(
     `head` (id, object, created, model); usage in the last chunk of a single choice, else in a final
     chunk of its own without choices (as OpenAI's `include_usage`)."""
     queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
+    ended: set[int] = set()  # the choices whose end came
 
     async def pump(index: int, job: Job) -> None:
         async for event in events(engine, job, request):
+            if event.finish_reason is not None:
+                ended.add(index)
             await queue.put((index, event))
         await queue.put((index, None))
 
@@ -94,8 +99,8 @@ async def sse(
     finally:  # the client left, or all is sent: no job decodes on for nobody
         for task in tasks:
             task.cancel()
-        for job in jobs:
-            if not job.done:
+        for index, job in enumerate(jobs):
+            if index not in ended:
                 engine.cancel(job)
 
 

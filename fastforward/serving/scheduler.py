@@ -6,13 +6,14 @@ budget of every running row). Between two steps at most `max_prefill_tokens` pro
 job at least), so that a burst of long prompts prefills over several turns: the running rows keep
 streaming, and the first jobs of the burst get their first tokens before the last ones are prefilled.
 Jobs join in arrival order, and the first that does not fit stops admission for this turn: a long
-prompt is not overtaken forever by short ones behind it. Admitted jobs are grouped by decoder setting,
-as jobs of one setting share a batch; batches of different settings take turns, one step each.
+prompt is not overtaken forever by short ones behind it. Admitted jobs are grouped by decoder setting
+(a value: `Decoder.batch_key`), as jobs of one setting share a batch; batches of different settings
+take turns, one step each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -22,7 +23,10 @@ class Waiting(Protocol):
 
     prompt: list[int]
     max_tokens: int
-    setting: str  # jobs of equal settings share a batch
+
+    @property
+    def setting(self) -> Hashable: ...  # jobs of equal settings share a batch
+
     cancelled: bool
 
 
@@ -38,7 +42,7 @@ class Limits:
     max_prefill_tokens: int  # prompt tokens joining between two steps (one job at least)
 
 
-def admit(waiting: Iterable[J], running: Sequence[J], limits: Limits) -> dict[str, list[J]]:
+def admit(waiting: Iterable[J], running: Sequence[J], limits: Limits) -> dict[Hashable, list[J]]:
     """The waiting jobs that join now, by setting (settings in the order their first job waited, each
     one's jobs in arrival order). `running`: the jobs still decoding. A job alone always fits the token
     bounds, so an oversized one runs by itself rather than never; a cancelled job is passed over (its
@@ -46,7 +50,7 @@ def admit(waiting: Iterable[J], running: Sequence[J], limits: Limits) -> dict[st
     rows = len(running)
     tokens = sum(len(job.prompt) + job.max_tokens for job in running)
     prefill = 0  # prompt tokens admitted in this turn
-    admitted: dict[str, list[J]] = {}
+    admitted: dict[Hashable, list[J]] = {}
     for job in waiting:
         if job.cancelled:
             continue
@@ -63,7 +67,7 @@ def admit(waiting: Iterable[J], running: Sequence[J], limits: Limits) -> dict[st
     return admitted
 
 
-def next_batch(settings: Sequence[str], turn: int) -> str:
+def next_batch(settings: Sequence[Hashable], turn: int) -> Hashable:
     """The setting whose batch steps at the `turn`-th step: round robin, so a long request of one setting
     holds up no other."""
     return settings[turn % len(settings)]

@@ -35,7 +35,7 @@ def warm_up(model: Model, decoder: Decoder) -> float:
         engine = Engine(model, max_batch_size=2)
 
         def submit(each: Decoder, ids: list[int]) -> Job:
-            job = Job(ids, each, f"warm-up {each.name}", 24, [], loop)
+            job = Job(ids, each, 24, [], loop)
             engine.submit(job)
             return job
 

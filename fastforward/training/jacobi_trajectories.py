@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from fastforward.decoding.policies import greedy_prefix
-from fastforward.decoding.runtime import Session
+from fastforward.decoding.runtime import start
 from fastforward.decoding.sampling import greedy
+from fastforward.decoding.steps import append, span
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.training.data import derive_seed
@@ -171,7 +172,7 @@ def jacobi_trajectories(
     n = block_size
     wanted = block_count(model, prompts, n, max_new_tokens)
     keys = list(range(len(prompts))) if keys is None else list(keys)
-    session = Session(model, [list(p) for p in prompts], wanted * n)
+    session = start(model, [list(p) for p in prompts], wanted * n)
     device = session.device
     batch = session.batch
     following = greedy(session.next_logits)  # greedy token after each row's committed context
@@ -191,14 +192,15 @@ def jacobi_trajectories(
     )
     steps = torch.arange(n, device=device)
     while not session.finished:
-        running = ~session.done
-        logits = session.forward(state, session.next_pos[:, None] + steps, read=steps)
+        active = [not row.finished for row in session.rows]
+        running = torch.tensor(active, device=device)
+        logits = session.forward(state, span(session, 0, n), read=steps)
         guess = greedy(logits)
         update = torch.cat([following[:, None], guess[:, :-1]], dim=1)
         converged = (greedy_prefix(state, update) == n) & running
-        session.append(state, converged.long() * n)  # a fixed point is greedy AR's output
-        session.advance(keep=converged.long() * n)
-        rows, states, active = converged.tolist(), state.tolist(), running.tolist()
+        rows, states = converged.tolist(), state.tolist()
+        append(session, states, [n * c for c in rows])  # a fixed point is greedy AR's output
+        session.advance(keep=[n * c for c in rows])
         for r in range(batch):
             if not active[r]:
                 continue

@@ -11,6 +11,7 @@ from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import register, sampling
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
+from fastforward.decoding.steps import append, first_tokens, span
 
 
 @dataclass
@@ -26,16 +27,16 @@ class ARDecoder(Decoder):
     sampler: Sampler = sampling()
 
     def begin(self, session: Session, rows: Sequence[int]) -> None:
-        first = session.commit_next_tokens(rows)
+        first = first_tokens(session, rows)
         for index in rows:
             session.rows[index].state = ARState(first[index])
 
     def step(self, session: Session) -> None:
         token = torch.tensor([row.state.last for row in session.rows], device=session.device)[:, None]
-        positions = session.span(-1, 1)  # the last committed token's
+        positions = span(session, -1, 1)  # the last committed token's
         logits = session.forward(token, positions, read=range(1))[:, 0]
-        sampled = session.sample(logits, positions[:, 0] + 1).tolist()
+        sampled = session.sampler.sample(logits, positions[:, 0] + 1).tolist()
         for row, last in zip(session.rows, sampled, strict=True):
             row.state.last = last
-        session.append([[t] for t in sampled])
+        append(session, [[t] for t in sampled])
         session.advance(keep=1)

@@ -1,20 +1,24 @@
 """The decoder protocol: `begin` rows of a prefilled `Session` (`fastforward.decoding.runtime`), then
 `step` until every row stops. Rows may join and leave between steps (the server's continuous
 batching), so a decoder keeps each row's state in `Row.state`, which follows the row. A decoder is a
-dataclass whose fields are its options (`decoders.registry`), checked when it is made."""
+dataclass whose fields are its options (`decoders.registry`), checked when it is made; rows of
+decoders with equal options (`batch_key`) can share a batch."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from dataclasses import fields
 
 import torch
 
+from fastforward.decoding import runtime
 from fastforward.decoding.options import check_options
-from fastforward.decoding.runtime import Generation, GenerationInterrupted, Prompt, Session
+from fastforward.decoding.runtime import Generation, GenerationInterrupted, Prompt, Row, Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
+from fastforward.model.cache import KVCache
 
 
 class Decoder(ABC):
@@ -25,12 +29,18 @@ class Decoder(ABC):
     # Its rows' caches always equal a causal prefill of their prompts and first committed tokens (not
     # so where tokens are cached in the order they were revealed).
     causal_cache: bool = True
-    sampler: Sampler = Sampler()  # how the sessions it opens choose tokens (`Session.sample`)
+    suffix_upfront: bool = True  # the prefill caches an infilling row's suffix (else the decoder brings it in)
+    sampler: Sampler = Sampler()  # how the rows it starts choose tokens, unless a prompt has its own
 
     def __post_init__(self) -> None:
         """Refuse option values outside their bounds, however the decoder is made (the CLI, the server
         and Python alike); a decoder with rules between its options checks them after these."""
         check_options(self)
+
+    def batch_key(self) -> tuple[Hashable, ...]:
+        """What rows must share to share a batch: the decoder's class and its option values, the sampler
+        aside (each row samples with its own). Decoders with equal keys step rows alike."""
+        return (type(self), *((f.name, getattr(self, f.name)) for f in fields(self) if f.name != "sampler"))
 
     @abstractmethod
     def begin(self, session: Session, rows: Sequence[int]) -> None:
@@ -47,11 +57,18 @@ class Decoder(ABC):
         while not session.finished:
             self.step(session)
 
+    def prefilled(
+        self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int | Sequence[int]
+    ) -> tuple[list[Row], KVCache, torch.Tensor]:
+        """New rows of `prompts` for this decoder, prefilled (`runtime.prefilled`): a new session's, or
+        rows to join one."""
+        return runtime.prefilled(model, prompts, max_new_tokens, self.sampler, self.suffix_upfront)
+
     def open_session(
         self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int | Sequence[int]
     ) -> Session:
-        """The session this decoder decodes (a decoder may choose how it is prefilled)."""
-        return Session(model, prompts, max_new_tokens, sampler=self.sampler)
+        """A batch of `prompts` for this decoder, prefilled, to `decode`."""
+        return Session(model, *self.prefilled(model, prompts, max_new_tokens))
 
     def generate(
         self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int = 256

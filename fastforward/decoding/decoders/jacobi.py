@@ -19,7 +19,7 @@ from fastforward.decoding.decoders.registry import BLOCK_SIZE, register, samplin
 from fastforward.decoding.options import option
 from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler, random_tokens
-from fastforward.decoding.steps import chain_step
+from fastforward.decoding.steps import chain_step, first_tokens, row_tokens
 
 DRAFT_INITS = ("repeat", "random")
 
@@ -59,11 +59,11 @@ class JacobiDecoder(Decoder):
     def _drafts(self, session: Session) -> int:
         """Drafts per row this step: the block size, or fewer when `session.step_tokens` bounds the
         tokens of a forward over its running rows (the output is the same; only the forwards change)."""
-        row_tokens = session.row_tokens()
-        return self.block_size if row_tokens is None else max(1, min(self.block_size, row_tokens - 1))
+        bound = row_tokens(session)
+        return self.block_size if bound is None else max(1, min(self.block_size, bound - 1))
 
     def begin(self, session: Session, rows: Sequence[int]) -> None:
-        first = session.commit_next_tokens(rows)
+        first = first_tokens(session, rows)
         for index in rows:
             row = session.rows[index]
             row.state = JacobiState(first[index], self._fill(session, row, [], first[index], self.block_size))

@@ -23,7 +23,7 @@ from fastforward.decoding.decoders.registry import register, sampling
 from fastforward.decoding.options import AT_LEAST_ONE, NON_NEGATIVE, option
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
-from fastforward.decoding.steps import chain_step, verify
+from fastforward.decoding.steps import chain_step, first_tokens, row_tokens, verify
 from fastforward.errors import FastForwardError
 
 
@@ -121,7 +121,7 @@ class PromptLookupDecoder(Decoder):
             raise FastForwardError(f"min match ({self.min_match}) must be <= max match ({self.max_match})")
 
     def begin(self, session: Session, rows: Sequence[int]) -> None:
-        first = session.commit_next_tokens(rows)
+        first = first_tokens(session, rows)
         for index in rows:
             row = session.rows[index]
             ngrams = NgramIndex(self.max_match, self.min_match)
@@ -151,8 +151,8 @@ class PromptLookupDecoder(Decoder):
         a guess like any other: accepted only where it is the prediction)."""
         states: list[LookupState] = [row.state for row in session.rows]
         running = [not row.finished for row in session.rows]
-        row_tokens = session.row_tokens()  # under the server's bound, shorter drafts (0: an AR step)
-        longest = self.lookup_tokens if row_tokens is None else max(0, row_tokens - 1)
+        bound = row_tokens(session)  # under the server's bound, shorter drafts (0: an AR step)
+        longest = self.lookup_tokens if bound is None else max(0, bound - 1)
         drafts = []
         for state, runs in zip(states, running, strict=True):
             want = min(state.length.next(), longest) if runs else 0

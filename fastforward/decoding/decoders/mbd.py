@@ -128,7 +128,7 @@ class MultiBlockDiffusionDecoder(Decoder):
         rule = rules[0] if len(rules) == 1 else torch.stack(rules)
         logits = session.forward(layout[0], layout[1], rule, read=range(low, high))
         _, confidence = entropy_and_confidence(logits)
-        tokens = session.sample(logits, layout[1, :, low:high])
+        tokens = session.sampler.sample(logits, layout[1, :, low:high])
         tokens, confidence = torch.stack([tokens.double(), confidence.double()]).tolist()
         writes = []
         for row, (start, end), chosen, sure in zip(rows, reads, tokens, confidence, strict=True):

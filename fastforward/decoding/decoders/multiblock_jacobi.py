@@ -27,7 +27,7 @@ from fastforward.decoding.decoders.registry import BLOCK_SIZE, register, samplin
 from fastforward.decoding.options import AT_LEAST_ONE, NON_NEGATIVE, SHARE, option
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
-from fastforward.decoding.steps import verify
+from fastforward.decoding.steps import first_tokens, verify
 
 
 class NgramPool:
@@ -89,7 +89,7 @@ class MultiBlockJacobiDecoder(Decoder):
         return NgramPool(per_key=max(self.verify, 1))
 
     def begin(self, session: Session, rows: Sequence[int]) -> None:
-        first = session.commit_next_tokens(rows)
+        first = first_tokens(session, rows)
         n = self.block_size
         for index in rows:
             session.rows[index].state = MultiBlockState(self.new_pool(), first[index], [first[index]] * n, n)

@@ -27,6 +27,7 @@ from fastforward.decoding.sampling import Sampler
 from fastforward.decoding.steps import (
     carried_and_masks,
     commit_writes,
+    first_tokens,
     masked_before_stop,
     next_block,
     next_token_logits,
@@ -60,7 +61,7 @@ class SBDDecoder(Decoder):
             row = session.rows[index]
             row.state = SBDState(next_block(row, self.block_size))
         if self.first_token_from_ntp:
-            session.commit_next_tokens(rows)
+            first_tokens(session, rows)
 
     def step(self, session: Session) -> None:
         """One forward of every running row's `[finished block (kept, causal) ; its block (read)]`, then
@@ -88,9 +89,9 @@ class SBDDecoder(Decoder):
             fresh = masked[:, 0] & torch.tensor([bool(c) for c in carried], device=device)
             masked[:, 0] &= ~fresh
         reveal = self.policy(logits, masked)
-        chosen = session.sample(logits, at)
+        chosen = session.sampler.sample(logits, at)
         if ntp:
-            chosen[:, 0] = torch.where(fresh, session.sample(first, at[:, 0]), chosen[:, 0])
+            chosen[:, 0] = torch.where(fresh, session.sampler.sample(first, at[:, 0]), chosen[:, 0])
             reveal[:, 0] |= fresh
         writes, shown = chosen.tolist(), reveal.tolist()
         commit_writes(

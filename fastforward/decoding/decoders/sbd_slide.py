@@ -75,7 +75,8 @@ class SlidingSBDDecoder(Decoder):
         sure = (entropy(masks).cumsum(-1) <= self.gamma).cumprod(-1).sum(-1)
         masks[..., mask_id] = -math.inf
         at = positions[:, width:]  # the first position's, then the masks'
-        choice = torch.cat([session.sample(first[:, None], at[:, :1]), session.sample(masks, at[:, 1:])], 1)
+        sample = session.sampler.sample
+        choice = torch.cat([sample(first[:, None], at[:, :1]), sample(masks, at[:, 1:])], 1)
         stops = [row.stops for row in session.rows]
         runs = zip(blocks, choice.tolist(), sure.tolist(), stops, strict=True)
         accepted = [self._accept(block, choices, run, stop) for block, choices, run, stop in runs]

@@ -38,7 +38,7 @@ from fastforward.decoding.decoders.registry import BLOCK_SIZE, register, reveal_
 from fastforward.decoding.policies import Policy, greedy_prefix
 from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
-from fastforward.decoding.steps import carried_and_masks, commit_writes, masked_before_stop
+from fastforward.decoding.steps import carried_and_masks, commit_writes, first_tokens, masked_before_stop, row_tokens
 
 
 @dataclass
@@ -72,7 +72,7 @@ class VerifiedSBDDecoder(Decoder):
 
     def begin(self, session: Session, rows: Sequence[int]) -> None:
         """New rows commit the prefill's next token (exact) and open their first block at it."""
-        first = session.commit_next_tokens(rows)
+        first = first_tokens(session, rows)
         for index in rows:
             row = session.rows[index]
             row.state = VerifiedState([first[index]] + [None] * (self._size(session, row, 0) - 1), row.frontier - 1)
@@ -104,10 +104,10 @@ class VerifiedSBDDecoder(Decoder):
                 known.append(draft if not row.finished else [])
         tokens, positions, rule, width = carried_and_masks(session, carried, region, mask_id, True, known)
         logits = session.forward(tokens, positions, rule, range(tokens.shape[1]))
-        own = session.sample(logits[:, width:], positions[:, width:]).tolist()  # each block slot's token
+        own = session.sampler.sample(logits[:, width:], positions[:, width:]).tolist()  # each block slot's token
         guesses = [[] for _ in rows]  # guesses[r][i]: the token after draft slot i (exact up to a mismatch)
         if width:
-            guesses = session.sample(logits[:, :width], positions[:, :width] + 1).tolist()
+            guesses = session.sampler.sample(logits[:, :width], positions[:, :width] + 1).tolist()
         writes, keep = [[] for _ in rows], [0] * session.batch
         fallback: list[list[int]] = list(own)  # what a row out of credit drafts
         size = tokens.shape[1] - width
@@ -154,8 +154,8 @@ class VerifiedSBDDecoder(Decoder):
     def _size(self, session: Session, row: Row, drafted: int) -> int:
         """Size of a row's next block: whole, unless the row has fewer tokens left (`drafted` of them
         in a draft being verified), and at least its exact first token. Under the server's bound on
-        a forward's tokens (`Session.row_tokens`) blocks shrink while many rows share a forward: a
+        a forward's tokens (`steps.row_tokens`) blocks shrink while many rows share a forward: a
         verifying row runs its draft and the next block, two blocks' worth (the output is the same)."""
-        row_tokens = session.row_tokens()
-        block = self.block_size if row_tokens is None else max(1, min(self.block_size, row_tokens // 2))
+        bound = row_tokens(session)
+        block = self.block_size if bound is None else max(1, min(self.block_size, bound // 2))
         return min(block, max(1, row.limit - row.frontier - drafted + 1))

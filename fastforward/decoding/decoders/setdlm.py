@@ -46,11 +46,10 @@ from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import FIRST_TOKEN_FROM_NTP, register, sampling
 from fastforward.decoding.options import AT_LEAST_ONE, NON_NEGATIVE, option
 from fastforward.decoding.policies import most_confident
-from fastforward.decoding.runtime import Prompt, Row, Session
+from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.decoding.steps import carried_and_masks, commit_writes, next_token_logits
 from fastforward.errors import FastForwardError
-from fastforward.model import Model
 
 SUFFIX_CACHE = ("promote", "upfront")
 
@@ -89,11 +88,9 @@ class SetDiffusionDecoder(Decoder):
         """Tokens enter the cache in reveal order, unless every step starts from the NTP prediction."""
         return self.first_token_from_ntp
 
-    def open_session(
-        self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int | Sequence[int]
-    ) -> Session:
-        upfront = self.suffix_cache == "upfront"
-        return Session(model, prompts, max_new_tokens, suffix_upfront=upfront, sampler=self.sampler)
+    @property
+    def suffix_upfront(self) -> bool:
+        return self.suffix_cache == "upfront"
 
     def begin(self, session: Session, rows: Sequence[int]) -> None:
         """New rows carry nothing yet; an infilling row's suffix waits to be promoted (or is cached)."""
@@ -103,7 +100,7 @@ class SetDiffusionDecoder(Decoder):
             )
         for index in rows:
             row = session.rows[index]
-            row.state = SetDLMState(0 if row.suffix and not session.suffix_upfront else -1)
+            row.state = SetDLMState(0 if row.suffix and not self.suffix_upfront else -1)
 
     def step(self, session: Session) -> None:
         mask_id = session.model.require_mask_token(self.name)
@@ -122,9 +119,9 @@ class SetDiffusionDecoder(Decoder):
             logits = logits[:, width:]
         logits[..., mask_id] = -math.inf
         confidence = torch.softmax(logits, dim=-1).amax(dim=-1)
-        choice = session.sample(logits, positions[:, width:])
+        choice = session.sampler.sample(logits, positions[:, width:])
         if ntp:
-            choice[:, 0] = session.sample(first, positions[:, width])
+            choice[:, 0] = session.sampler.sample(first, positions[:, width])
             confidence[:, 0] = math.inf
         choices, confidences = torch.stack([choice.double(), confidence.double()]).tolist()
         accept = self._accept_run if ntp else self._accept
