@@ -209,7 +209,9 @@ def test_a_killed_engines_socket_is_cleaned_and_generate_runs_in_process(tmp_pat
 
 
 def test_ctrl_c_in_the_client_cancels_its_request_in_the_engine(engine, home, model_dir):
-    argv = ["generate", "--model", model_dir, *PRECISION, "--decoder", "ar", "--max-new-tokens", "480", "0"]
+    # "hello": the tiny model's answer runs to all 480 tokens (its answer to "0" stops after 222, which
+    # on a busy machine the engine could finish before the client had its Ctrl-C).
+    argv = ["generate", "--model", model_dir, *PRECISION, "--decoder", "ar", "--max-new-tokens", "480", "hello"]
     command = [sys.executable, "-m", "fastforward", *argv]
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment(home)) as proc:
         try:
