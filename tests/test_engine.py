@@ -209,7 +209,9 @@ def test_a_killed_engines_socket_is_cleaned_and_generate_runs_in_process(tmp_pat
 
 
 def test_ctrl_c_in_the_client_cancels_its_request_in_the_engine(engine, home, model_dir):
-    argv = ["generate", "--model", model_dir, *PRECISION, "--decoder", "ar", "--max-new-tokens", "480", "0"]
+    # Many prompts, one at a time: however fast the engine runs beside a slow client, prompts are left to
+    # cancel when the client's Ctrl-C comes.
+    argv = ["generate", "--model", model_dir, *PRECISION, "--decoder", "ar", "--max-new-tokens", "480", *["0"] * 64]
     command = [sys.executable, "-m", "fastforward", *argv]
     # SIGINT as a terminal delivers it: a suite started in the background (`cmd &`) ignores SIGINT, and the
     # client would inherit that, run to its end and exit 0.

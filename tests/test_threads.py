@@ -2,6 +2,7 @@
 when the command's own start-up already gave a long enough sample."""
 
 import os
+import threading
 import time
 
 import pytest
@@ -31,3 +32,17 @@ def test_a_short_sample_waits_for_the_rest(monkeypatch):
     monkeypatch.setattr(time, "sleep", waited.append)
     threads.busy_cores(since=threads.Sample.now())
     assert len(waited) == 1 and 0 < waited[0] <= threads.MIN_SAMPLE
+
+
+def test_on_passing_thread_runs_work_elsewhere_and_leaves_no_thread():
+    """The work runs off the calling thread, on one that has ended when its result comes back (its
+    OpenMP pool goes with it), and the calling thread gets the work's exception as raised."""
+    seen = []
+    assert threads.on_passing_thread(lambda: seen.append(threading.current_thread()) or 7) == 7
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+
+    def fails() -> None:
+        raise KeyError("missing")
+
+    with pytest.raises(KeyError, match="missing"):
+        threads.on_passing_thread(fails)

@@ -21,6 +21,7 @@ from fastforward.cli import (
     precision,
 )
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
+from fastforward.cpu.threads import on_passing_thread
 from fastforward.decoding.runtime import PREFILL_TOKENS
 from fastforward.errors import FastForwardError
 from fastforward.model import Model, check_device, load_model
@@ -164,9 +165,7 @@ def run(args: argparse.Namespace) -> int:
         print("fastforward serve: shut down", flush=True)
         return 0
     listening = listen(args.host, args.port)  # before the minutes of loading and warm-up: a taken port fails now
-    model = load_model(args.model, device=args.device, precision=precision(args))
-    if args.compile:
-        _warm_up(model, args)
+    model = on_passing_thread(lambda: _loaded(args))
     server = Server(model, **options)
     print(f"fastforward serve: {name} with {args.decoder} on http://{args.host}:{args.port}/v1", flush=True)
     config = uvicorn.Config(
@@ -195,6 +194,15 @@ def listen(host: str, port: int) -> socket.socket:
         why = "it is in use; choose another --port" if exc.errno == errno.EADDRINUSE else exc.strerror
         raise FastForwardError(f"cannot listen on {host}:{port}: {why}") from exc
     return sock
+
+
+def _loaded(args: argparse.Namespace) -> Model:
+    """The model, its compiled steps warmed up (`--compile`). Called through `on_passing_thread`: the
+    engine's thread is then the only one with OpenMP workers, which decodes at full speed."""
+    model = load_model(args.model, device=args.device, precision=precision(args))
+    if args.compile:
+        _warm_up(model, args)
+    return model
 
 
 def _warm_up(model: Model, args: argparse.Namespace) -> None:

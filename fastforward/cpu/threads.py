@@ -1,15 +1,23 @@
-"""How many torch threads to use: the cores other work leaves free.
+"""How many torch threads to use (the cores other work leaves free), and which thread does torch's work.
 
 On a shared machine extra threads make small-matrix work many times slower (they wait on each other
 for cores that are busy; docs/notes/2026-11-threads-on-a-busy-machine.md). Every command therefore
 picks its thread count from the free cores unless `--threads` says otherwise.
+
+A server decodes on a thread of its own (`fastforward.serving.engine`), and must then be the only
+thread with OpenMP workers: see `on_passing_thread`.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 MIN_SAMPLE = 0.1  # seconds of CPU times a reading needs; a shorter one waits for the rest
 
@@ -92,3 +100,29 @@ def use_threads(threads: int | None = None, since: Sample | None = None) -> int:
     count = threads or auto_threads(since)
     torch.set_num_threads(count)
     return count
+
+
+def on_passing_thread(work: Callable[[], T]) -> T:
+    """`work()` on a thread that ends when it returns; its result, or its exception.
+
+    Why: libgomp (PyTorch's OpenMP) keeps a pool of worker threads for each thread that ran parallel
+    work, and once its threads outnumber the cores it stops spin-waiting between parallel regions. A
+    server that loaded its model on the main thread and decodes on another keeps two pools, so each of
+    the hundreds of parallel regions of a decoding step waits for a sleeping worker to wake: decoding
+    ran at half speed or less (`benchmarks/worker_thread.py`). Loading on a thread that ends takes its
+    pool with it. The main thread waits in `join`, so a signal handler that raises (Ctrl-C, SIGTERM)
+    still interrupts it; the daemon thread then dies with the process."""
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as exc:  # handed to the caller
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="fastforward-load", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["value"]  # type: ignore[return-value]

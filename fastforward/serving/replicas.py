@@ -33,14 +33,19 @@ def app_builder(load: dict[str, Any], server: dict[str, Any], compile_warm_up: b
 
     def build() -> Any:
         from fastforward.api import build_decoder
+        from fastforward.cpu.threads import on_passing_thread
         from fastforward.model import load_model
         from fastforward.serving.app import Server
         from fastforward.serving.warm_up import warm_up
 
-        model = load_model(**load)
-        if compile_warm_up:
-            warm_up(model, build_decoder(server["decoder"], **server["knobs"]))
-        return Server(model, **server).app()
+        def loaded() -> Any:
+            model = load_model(**load)
+            if compile_warm_up:
+                warm_up(model, build_decoder(server["decoder"], **server["knobs"]))
+            return model
+
+        # On a thread that ends: the engine's thread is then the only one with OpenMP workers.
+        return Server(on_passing_thread(loaded), **server).app()
 
     return build
 
