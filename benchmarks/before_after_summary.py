@@ -1,7 +1,7 @@
 """Summarise `benchmarks/before_after.sh`'s records: per round and side, the mean tokens/s of `ar` and
 `lookup` at int4, the engine's tokens/s in process, and the demo's wall ratios (their geometric mean
-over the non-AR rows; the rows whose accuracy or TPF differ, which a pure refactor leaves none of). Writes
-summary.json beside the records.
+over the non-AR rows that both sides have: a demo row added or removed between the commits is left out; the rows
+whose accuracy or TPF differ, which a pure refactor leaves none of). Writes summary.json beside the records.
 
     python benchmarks/before_after_summary.py runs/before-after
 """
@@ -26,7 +26,6 @@ def side_figures(out: Path, side: str, round_: int) -> dict:
         "load_average": cpu["load_average_before"][0],
         "cpu_tok_s": {k: round(v, 1) for k, v in rates.items()},
         "serve_in_process_tok_s": serve["scenarios"]["continuous, in process"]["tokens_per_s"],
-        "demo_wall_ratio_geomean": round(statistics.geometric_mean(r["speedup"] for r in decoded), 3),
         "demo_rows": {f"{r['model']} {r['decoder']}": [r["accuracy"], r["tpf"], r["speedup"]] for r in decoded},
     }
 
@@ -35,6 +34,13 @@ def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/before-after")
     rounds = sorted({int(p.stem.rsplit("_", 1)[1]) for p in out.glob("demo_after_*.json")})
     table = {f"{side} {r}": side_figures(out, side, r) for r in rounds for side in ("before", "after")}
+    for r in rounds:
+        both = table[f"before {r}"]["demo_rows"].keys() & table[f"after {r}"]["demo_rows"].keys()
+        for side in ("before", "after"):
+            rows = table[f"{side} {r}"]["demo_rows"]
+            table[f"{side} {r}"]["demo_wall_ratio_geomean"] = round(
+                statistics.geometric_mean(rows[row][2] for row in sorted(both)), 3
+            )
     print("side       load  ar int4  lookup int4  serve in process  demo wall ratio (geomean)")
     for name, f in table.items():
         print(
@@ -47,11 +53,21 @@ def main() -> None:
             row
             for r in rounds
             for row, (accuracy, tpf, _) in table[f"after {r}"]["demo_rows"].items()
-            if table[f"before {r}"]["demo_rows"].get(row, [None, None])[:2] != [accuracy, tpf]
+            if row in table[f"before {r}"]["demo_rows"]
+            and table[f"before {r}"]["demo_rows"][row][:2] != [accuracy, tpf]
         }
     )
     print("demo rows whose accuracy or TPF differ between the sides:", ", ".join(differ) or "none")
-    (out / "summary.json").write_text(json.dumps({"rounds": table, "rows_that_differ": differ}, indent=1))
+    one_side = sorted(
+        {
+            row
+            for r in rounds
+            for row in table[f"after {r}"]["demo_rows"].keys() ^ table[f"before {r}"]["demo_rows"].keys()
+        }
+    )
+    print("demo rows on one side only (left out of the ratio):", ", ".join(one_side) or "none")
+    summary = {"rounds": table, "rows_that_differ": differ, "rows_on_one_side": one_side}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":
