@@ -42,6 +42,7 @@ import psutil
 from common import CHAT, RESULTS, load_average, log, machine_info
 
 from fastforward.api import build_decoder
+from fastforward.cpu.threads import on_passing_thread
 from fastforward.model import load_model
 from fastforward.tasks import get_task
 
@@ -78,7 +79,11 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=RESULTS / "serve_load.json")
     args = p.parse_args()
 
-    model = load_model(args.model, quantize=args.quantize, exact=args.exact, compile=args.compile)
+    # As the server loads: on a thread that ends, so that the in-process engine's thread is the only one
+    # with OpenMP workers (`on_passing_thread`).
+    model = on_passing_thread(
+        lambda: load_model(args.model, quantize=args.quantize, exact=args.exact, compile=args.compile)
+    )
     knobs = {"block_size": args.block_size} if args.block_size else {}
     requests = workload(model, args)
     load_before = load_average()
