@@ -1,5 +1,7 @@
 """Summarise `benchmarks/before_after.sh`'s records: per round and side, the mean tokens/s of `ar` and
-`lookup` at int4, the engine's tokens/s in process, and the demo's wall ratios (their geometric mean
+`lookup` at int4, each also as a multiple of plain transformers `generate` (`hf fp32`) in the same run (code
+that neither side changes: when the machine slows down during a side, the multiple stays where the
+tokens/s do not), the engine's tokens/s in process, and the demo's wall ratios (their geometric mean
 over the non-AR rows that both sides have: a demo row added or removed between the commits is left out; the rows
 whose accuracy or TPF differ, which a pure refactor leaves none of). Writes summary.json beside the records.
 
@@ -19,12 +21,13 @@ def side_figures(out: Path, side: str, round_: int) -> dict:
     serve = json.loads((out / f"serve_{side}_{round_}.json").read_text())
     demo = json.loads((out / f"demo_{side}_{round_}.json").read_text())
     rates = {}
-    for label in ("ar int4", "lookup int4"):
+    for label in ("hf fp32", "ar int4", "lookup int4"):
         rates[label] = statistics.mean(r["tok_s"] for r in cpu["rows"] if r["contender"] == label)
     decoded = [r for r in demo["rows"] if r["decoder"] != "AR"]
     return {
         "load_average": cpu["load_average_before"][0],
         "cpu_tok_s": {k: round(v, 1) for k, v in rates.items()},
+        "cpu_vs_hf_fp32": {k: round(rates[k] / rates["hf fp32"], 2) for k in ("ar int4", "lookup int4")},
         "serve_in_process_tok_s": serve["scenarios"]["continuous, in process"]["tokens_per_s"],
         "demo_rows": {f"{r['model']} {r['decoder']}": [r["accuracy"], r["tpf"], r["speedup"]] for r in decoded},
     }
@@ -41,12 +44,14 @@ def main() -> None:
             table[f"{side} {r}"]["demo_wall_ratio_geomean"] = round(
                 statistics.geometric_mean(rows[row][2] for row in sorted(both)), 3
             )
-    print("side       load  ar int4  lookup int4  serve in process  demo wall ratio (geomean)")
+    print("side       load  hf fp32  ar int4 (x hf)  lookup int4 (x hf)  serve in process  demo wall ratio (geomean)")
     for name, f in table.items():
+        rate, multiple = f["cpu_tok_s"], f["cpu_vs_hf_fp32"]
         print(
-            f"{name:9} {f['load_average']:5.2f}  {f['cpu_tok_s']['ar int4']:7.1f}"
-            f"  {f['cpu_tok_s']['lookup int4']:11.1f}  {f['serve_in_process_tok_s']:16.1f}"
-            f"  {f['demo_wall_ratio_geomean']:.3f}"
+            f"{name:9} {f['load_average']:5.2f}  {rate['hf fp32']:7.1f}"
+            f"  {rate['ar int4']:7.1f} ({multiple['ar int4']:.2f})"
+            f"  {rate['lookup int4']:11.1f} ({multiple['lookup int4']:.2f})"
+            f"  {f['serve_in_process_tok_s']:16.1f}  {f['demo_wall_ratio_geomean']:.3f}"
         )
     differ = sorted(
         {
