@@ -371,7 +371,9 @@ def test_serve_warm_up_only_prepares_the_servers_steps_and_exits(tmp_path, monke
     monkeypatch.setattr(compiled_module, "unavailable", lambda device_type: None)  # compiled by default
     monkeypatch.setattr("fastforward.model.Model.compile_steps", lambda model, store=None: None)
     warmed = []
-    monkeypatch.setattr("fastforward.cli.serve.warm_up", lambda model, decoder: warmed.append(decoder.name) or 1.0)
+    monkeypatch.setattr(
+        "fastforward.serving.warm_up.warm_up", lambda model, decoder: warmed.append(decoder.name) or 1.0
+    )
     command = ["serve", "--model", str(tmp_path / "model"), "--decoder", "jacobi", "--warm-up-only"]
     assert main([*command, "--no-compile"]) == 2
     assert "--warm-up-only prepares compiled steps: leave out --no-compile" in capsys.readouterr().err

@@ -363,10 +363,10 @@ def test_a_port_in_use_fails_before_loading(capsys, monkeypatch):
     import socket
 
     from fastforward.cli import main
-    from fastforward.cli import serve as serve_command
+    from fastforward.serving import warm_up
 
     loads = []
-    monkeypatch.setattr(serve_command, "load_model", lambda *args, **kwargs: loads.append(args))
+    monkeypatch.setattr(warm_up, "load_model", lambda *args, **kwargs: loads.append(args))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

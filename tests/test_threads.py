@@ -46,3 +46,29 @@ def test_on_passing_thread_runs_work_elsewhere_and_leaves_no_thread():
 
     with pytest.raises(KeyError, match="missing"):
         threads.on_passing_thread(fails)
+
+
+def test_load_ready_loads_and_warms_up_on_a_thread_that_ends(tmp_path, monkeypatch, capsys):
+    """The servers' "load, then warm up" (`serve`, `engine run`, Ray replicas): both on a passing thread,
+    the warm-up with the decoder given (None: none), said in two lines when a program is named."""
+    from fastforward.api import build_decoder
+    from fastforward.model import Model
+    from fastforward.model.tiny import tiny_model
+    from fastforward.serving import warm_up
+
+    tiny_model(seed=0).save(tmp_path / "model")
+    load = {"name_or_path": str(tmp_path / "model")}
+    seen = []
+    monkeypatch.setattr(
+        warm_up, "warm_up", lambda model, decoder: seen.append((threading.current_thread(), decoder)) or 2
+    )
+    jacobi = build_decoder("jacobi")
+    assert isinstance(warm_up.load_ready(load, jacobi, "fastforward test"), Model)
+    [(thread, decoder)] = seen
+    assert decoder is jacobi and thread is not threading.current_thread() and not thread.is_alive()
+    assert capsys.readouterr().out.splitlines() == [
+        "fastforward test: warming up",
+        "fastforward test: warmed up in 2 s",
+    ]
+    assert isinstance(warm_up.load_ready(load, None, "fastforward test"), Model) and len(seen) == 1
+    assert warm_up.load_ready(load, jacobi) is not None and len(seen) == 2 and capsys.readouterr().out == ""

@@ -33,13 +33,12 @@ from fastforward.cli import build_parser, precision, resolve_precision
 from fastforward.cli.decoding import decoder_knobs
 from fastforward.cli.generate import default_decoder, record, summary, warning
 from fastforward.cli.generate_io import NO_PROMPTS
-from fastforward.cpu.threads import on_passing_thread
 from fastforward.decoding.decoders import registry
 from fastforward.errors import FastForwardError
-from fastforward.model import Model, load_model
+from fastforward.model import Model
 from fastforward.serving.engine import Engine, Job, QueueFull
 from fastforward.serving.engines import EngineFolder, describe, serves
-from fastforward.serving.warm_up import warm_up
+from fastforward.serving.warm_up import load_ready
 
 WARM_UP_DECODER = "lookup"  # generate's default; the warm-up adds the kinds of step of ar and jacobi
 
@@ -205,17 +204,6 @@ def _stop_loading(signum: int, frame: Any) -> None:
     raise _Stopped
 
 
-def _loaded(args: argparse.Namespace) -> Model:
-    """The model, loaded and warmed up: the first forwards of a process are slow (eager steps too), and
-    "ready" promises a quick answer."""
-    model = load_model(args.model, device=args.device, precision=precision(args))
-    compiling = " (compiling the decoding steps: minutes the first time)" if args.compile else ""
-    print(f"fastforward engine: warming up{compiling}", flush=True)
-    seconds = warm_up(model, build_decoder(WARM_UP_DECODER))
-    print(f"fastforward engine: warmed up in {seconds:.0f} s", flush=True)
-    return model
-
-
 def run(args: argparse.Namespace) -> int:
     """The engine in this process, until SIGTERM or SIGINT; its folder holds its lock, state and socket."""
     serving = serves(args, os.getcwd())
@@ -228,9 +216,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         folder.write_state({**state, "state": "loading"})
         print(f"fastforward engine: loading {describe(serving)} (pid {os.getpid()})", flush=True)
-        # Loaded and warmed on a thread that ends: the engine's thread is then the only one with OpenMP
-        # workers, which decodes at full speed (`on_passing_thread`).
-        model = on_passing_thread(lambda: _loaded(args))
+        # Warmed up too: the first forwards of a process are slow (eager steps too), and "ready" promises
+        # a quick answer.
+        load = {"name_or_path": args.model, "device": args.device, "precision": precision(args)}
+        model = load_ready(load, build_decoder(WARM_UP_DECODER), "fastforward engine")
         asyncio.run(LocalServer(model, serving, args.compile).serve(folder, state))
     except _Stopped:
         print("fastforward engine: stopped before it was ready", flush=True)

@@ -21,12 +21,11 @@ from fastforward.cli import (
     precision,
 )
 from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
-from fastforward.cpu.threads import on_passing_thread
 from fastforward.decoding.runtime import PREFILL_TOKENS
 from fastforward.errors import FastForwardError
-from fastforward.model import Model, check_device, load_model
+from fastforward.model import check_device
 from fastforward.serving.limits import MAX_REQUEST_BYTES
-from fastforward.serving.warm_up import warm_up
+from fastforward.serving.warm_up import load_ready
 
 API_KEY_ENV = "FASTFORWARD_API_KEY"
 
@@ -149,23 +148,23 @@ def run(args: argparse.Namespace) -> int:
         "api_key": args.api_key or None,
         "max_request_bytes": args.max_request_bytes,
     }
+    load = {"name_or_path": args.model, "device": args.device, "precision": precision(args)}
     if args.warm_up_only:  # here, for this machine's store: replicas on it read the same
         if not args.compile:
             raise FastForwardError("--warm-up-only prepares compiled steps: leave out --no-compile")
-        _warm_up(load_model(args.model, device=args.device, precision=precision(args)), args)
+        load_ready(load, build_decoder(args.decoder, **knobs), "fastforward serve")
         return 0
     if args.replicas:
         from fastforward.serving import replicas
 
         replicas.require_ray()  # before anything loads
         build_decoder(args.decoder, **knobs)  # bad settings fail here, not in every replica
-        load = {"name_or_path": args.model, "device": args.device, "precision": precision(args)}
         build = replicas.app_builder(load, options, compile_warm_up=args.compile)
         replicas.serve_replicas(build, args.replicas, args.host, args.port, args.cpus_per_replica)
         print("fastforward serve: shut down", flush=True)
         return 0
     listening = listen(args.host, args.port)  # before the minutes of loading and warm-up: a taken port fails now
-    model = on_passing_thread(lambda: _loaded(args))
+    model = load_ready(load, build_decoder(args.decoder, **knobs) if args.compile else None, "fastforward serve")
     server = Server(model, **options)
     print(f"fastforward serve: {name} with {args.decoder} on http://{args.host}:{args.port}/v1", flush=True)
     config = uvicorn.Config(
@@ -194,22 +193,3 @@ def listen(host: str, port: int) -> socket.socket:
         why = "it is in use; choose another --port" if exc.errno == errno.EADDRINUSE else exc.strerror
         raise FastForwardError(f"cannot listen on {host}:{port}: {why}") from exc
     return sock
-
-
-def _loaded(args: argparse.Namespace) -> Model:
-    """The model, its compiled steps warmed up (`--compile`). Called through `on_passing_thread`: the
-    engine's thread is then the only one with OpenMP workers, which decodes at full speed."""
-    model = load_model(args.model, device=args.device, precision=precision(args))
-    if args.compile:
-        _warm_up(model, args)
-    return model
-
-
-def _warm_up(model: Model, args: argparse.Namespace) -> None:
-    print(
-        "fastforward serve: preparing the compiled decoding steps (a model's first start compiles them, "
-        "minutes on a small CPU; later starts read them back; --no-compile: eager steps)...",
-        flush=True,
-    )
-    seconds = warm_up(model, build_decoder(args.decoder, **serve_knobs(args)))
-    print(f"fastforward serve: compiled steps ready in {seconds:.0f} s", flush=True)  # made or read back

@@ -33,19 +33,11 @@ def app_builder(load: dict[str, Any], server: dict[str, Any], compile_warm_up: b
 
     def build() -> Any:
         from fastforward.api import build_decoder
-        from fastforward.cpu.threads import on_passing_thread
-        from fastforward.model import load_model
         from fastforward.serving.app import Server
-        from fastforward.serving.warm_up import warm_up
+        from fastforward.serving.warm_up import load_ready
 
-        def loaded() -> Any:
-            model = load_model(**load)
-            if compile_warm_up:
-                warm_up(model, build_decoder(server["decoder"], **server["knobs"]))
-            return model
-
-        # On a thread that ends: the engine's thread is then the only one with OpenMP workers.
-        return Server(on_passing_thread(loaded), **server).app()
+        decoder = build_decoder(server["decoder"], **server["knobs"]) if compile_warm_up else None
+        return Server(load_ready(load, decoder), **server).app()
 
     return build
 

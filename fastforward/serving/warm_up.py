@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+from fastforward.cpu.threads import on_passing_thread
 from fastforward.decoding.decoders import Decoder, registry
 from fastforward.errors import FastForwardError
-from fastforward.model import Model
+from fastforward.model import Model, load_model
 from fastforward.serving.engine import Engine, Job
 
 WARM_UP_TEXT = "one two three, one two three, one two three, one two three"  # repeats: drafting decoders draft
@@ -62,3 +64,24 @@ def warm_up(model: Model, decoder: Decoder) -> float:
     if model.compiled_forward is not None:  # from now on, what it did not prepare runs eagerly
         model.compiled_forward.compile_new_kinds = False
     return time.perf_counter() - started
+
+
+def load_ready(load: dict[str, Any], decoder: Decoder | None, who: str | None = None) -> Model:
+    """`load_model(**load)`, warmed up with `decoder` (None: not warmed), both on a thread that ends
+    (`on_passing_thread`): the engine's thread that decodes next is then the only one with OpenMP
+    workers, and runs at full speed. `who` names the program in the two lines said about the warm-up
+    (None: nothing said, as a Ray Serve replica)."""
+
+    def loaded() -> Model:
+        model = load_model(**load)
+        if decoder is None:
+            return model
+        if who is not None:
+            compiling = " (compiling its steps: minutes at a model's first start, read back later)"
+            print(f"{who}: warming up{compiling if model.compiled_forward is not None else ''}", flush=True)
+        seconds = warm_up(model, decoder)
+        if who is not None:
+            print(f"{who}: warmed up in {seconds:.0f} s", flush=True)
+        return model
+
+    return on_passing_thread(loaded)
