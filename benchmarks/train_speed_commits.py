@@ -1,0 +1,87 @@
+"""A Jacobi Forcing LoRA step's tokens/s: this checkout's trainer against an earlier commit's, interleaved.
+
+Each contender is one `benchmarks/train_speed.py` process (SmolLM2-135M, `jacobi_forcing`, `bf16+lora`,
+one round) importing fastforward from its side's checkout; the earlier commit is checked out into a
+temporary git worktree. Contenders: the earlier trainer at 1 thread (how it was measured before) and at
+2, this checkout's at 2 (the whole machine). Their order rotates round by round, so a load that changes
+during a round favours none. Both row shapes of `train_speed.py --jf-lengths`: `fixed` (every row of
+one length) and `varied` (rows of unequal length, as real responses give, which padding wastes).
+
+    python benchmarks/train_speed_commits.py 6e583de             # before the bins and `logits_at`
+    python benchmarks/train_speed_commits.py 6e583de --rounds 1 --lengths varied
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import RESULTS, load_average, log, machine_info, write_json
+
+HERE = Path(__file__).resolve().parent
+CONTENDERS = (("before", 1), ("before", 2), ("after", 2))  # (side, torch threads)
+
+
+def run_one(side_root: Path, threads: int, lengths: str, steps: int, out: Path) -> float:
+    """One `train_speed.py` process on `side_root`'s fastforward; its median tokens/s."""
+    command = [
+        sys.executable, str(HERE / "train_speed.py"), "--objectives", "jacobi_forcing", "--contenders", "bf16+lora",
+        "--rounds", "1", "--steps", str(steps), "--threads", str(threads), "--jf-lengths", lengths, "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(side_root)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"train_speed.py failed on {side_root}:\n{done.stderr[-2000:]}")
+    return json.loads(out.read_text())["rows"][0]["median"]["bf16+lora"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("before", help="the earlier commit")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per run (after one untimed)")
+    p.add_argument("--lengths", nargs="+", choices=("fixed", "varied"), default=["fixed", "varied"])
+    p.add_argument("--out", type=Path, default=RESULTS / "train_speed_commits.json")
+    args = p.parse_args()
+    here = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True, cwd=HERE).strip())
+    load_before = load_average()
+    rates: dict[str, dict[str, list[float]]] = {length: {} for length in args.lengths}
+    with tempfile.TemporaryDirectory() as tmp:
+        before = Path(tmp) / "before"
+        subprocess.run(["git", "-C", str(here), "worktree", "add", "--detach", str(before), args.before], check=True)
+        try:
+            roots = {"before": before, "after": here}
+            for r in range(args.rounds):
+                for length in args.lengths:
+                    shift = r % len(CONTENDERS)
+                    for side, threads in CONTENDERS[shift:] + CONTENDERS[:shift]:
+                        name = f"{side}, {threads} thread{'s' if threads > 1 else ''}"
+                        rate = run_one(roots[side], threads, length, args.steps, Path(tmp) / "one.json")
+                        rates[length].setdefault(name, []).append(rate)
+                        log(f"round {r + 1}, {length} rows: {name}: {rate:.0f} tokens/s (load {load_average()})")
+        finally:
+            subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force", str(before)], check=True)
+    names = [f"{side}, {threads} thread{'s' if threads > 1 else ''}" for side, threads in CONTENDERS]
+    log(f"\n| rows | {' | '.join(names)} | after ÷ before, 1 thread | after ÷ before, 2 threads |")
+    log(f"|---|{'---|' * (len(names) + 2)}")
+    rows = []
+    for length, by in rates.items():
+        medians = {name: statistics.median(by[name]) for name in names}
+        after, one, two = medians[names[2]], medians[names[0]], medians[names[1]]
+        log(f"| {length} | {' | '.join(f'{medians[n]:.0f}' for n in names)} | {after / one:.2f} | {after / two:.2f} |")
+        rows.append({"lengths": length, "tokens_per_s": by, "median": medians})
+    after = subprocess.check_output(["git", "-C", str(here), "rev-parse", "HEAD"], text=True).strip()
+    write_json(args.out, {"machine": machine_info(), "load_average_before": load_before,
+               "load_average_after": load_average(), "before": args.before, "after": after,
+               "rounds": args.rounds, "steps": args.steps, "rows": rows})  # fmt: skip
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
