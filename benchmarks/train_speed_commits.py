@@ -3,7 +3,9 @@
 Each contender is one `benchmarks/train_speed.py` process (SmolLM2-135M, `jacobi_forcing`, `bf16+lora`,
 one round) importing fastforward from its side's checkout; the earlier commit is checked out into a
 temporary git worktree. Contenders: the earlier trainer at 1 thread (how it was measured before) and at
-2, this checkout's at 2 (the whole machine). Their order rotates round by round, so a load that changes
+2, this checkout's at 2 (the whole machine), and two of this checkout's processes at 1 thread each at
+once, their tokens/s added (what data parallelism over processes could reach, less its gradient
+exchange, which for a LoRA adapter is a few MB a step). Their order rotates round by round, so a load that changes
 during a round favours none. Both row shapes of `train_speed.py --jf-lengths`: `fixed` (every row of
 one length) and `varied` (rows of unequal length, as real responses give, which padding wastes).
 
@@ -25,20 +27,29 @@ from pathlib import Path
 from common import RESULTS, load_average, log, machine_info, write_json
 
 HERE = Path(__file__).resolve().parent
-CONTENDERS = (("before", 1), ("before", 2), ("after", 2))  # (side, torch threads)
+CONTENDERS = (("before", 1, 1), ("before", 2, 1), ("after", 2, 1), ("after", 1, 2))  # (side, threads, processes)
 
 
-def run_one(side_root: Path, threads: int, lengths: str, steps: int, out: Path) -> float:
-    """One `train_speed.py` process on `side_root`'s fastforward; its median tokens/s."""
+def run_one(side_root: Path, threads: int, processes: int, lengths: str, steps: int, out: Path) -> float:
+    """`processes` `train_speed.py` processes at once on `side_root`'s fastforward; their median tokens/s, added."""
     command = [
         sys.executable, str(HERE / "train_speed.py"), "--objectives", "jacobi_forcing", "--contenders", "bf16+lora",
-        "--rounds", "1", "--steps", str(steps), "--threads", str(threads), "--jf-lengths", lengths, "--out", str(out),
+        "--rounds", "1", "--steps", str(steps), "--threads", str(threads), "--jf-lengths", lengths,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(side_root)}
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"train_speed.py failed on {side_root}:\n{done.stderr[-2000:]}")
-    return json.loads(out.read_text())["rows"][0]["median"]["bf16+lora"]
+    outs = [out.with_name(f"{out.stem}-{i}.json") for i in range(processes)]
+    running = [subprocess.Popen([*command, "--out", str(o)], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True) for o in outs]  # fmt: skip
+    for process in running:
+        _, stderr = process.communicate()
+        if process.returncode != 0:
+            raise SystemExit(f"train_speed.py failed on {side_root}:\n{stderr[-2000:]}")
+    return sum(json.loads(o.read_text())["rows"][0]["median"]["bf16+lora"] for o in outs)
+
+
+def label(threads: int, processes: int) -> str:
+    each = f"{threads} thread{'s' if threads > 1 else ''}"
+    return each if processes == 1 else f"{processes} processes x {each}"
 
 
 def main() -> None:
@@ -60,21 +71,25 @@ def main() -> None:
             for r in range(args.rounds):
                 for length in args.lengths:
                     shift = r % len(CONTENDERS)
-                    for side, threads in CONTENDERS[shift:] + CONTENDERS[:shift]:
-                        name = f"{side}, {threads} thread{'s' if threads > 1 else ''}"
-                        rate = run_one(roots[side], threads, length, args.steps, Path(tmp) / "one.json")
+                    for side, threads, processes in CONTENDERS[shift:] + CONTENDERS[:shift]:
+                        name = f"{side}, {label(threads, processes)}"
+                        rate = run_one(roots[side], threads, processes, length, args.steps, Path(tmp) / "one.json")
                         rates[length].setdefault(name, []).append(rate)
                         log(f"round {r + 1}, {length} rows: {name}: {rate:.0f} tokens/s (load {load_average()})")
         finally:
             subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force", str(before)], check=True)
-    names = [f"{side}, {threads} thread{'s' if threads > 1 else ''}" for side, threads in CONTENDERS]
-    log(f"\n| rows | {' | '.join(names)} | after ÷ before, 1 thread | after ÷ before, 2 threads |")
-    log(f"|---|{'---|' * (len(names) + 2)}")
+    names = [f"{side}, {label(threads, processes)}" for side, threads, processes in CONTENDERS]
+    log(f"\n| rows | {' | '.join(names)} | after (2 threads) ÷ before, 1 thread | ÷ before, 2 threads | "
+        "2 processes ÷ before, 1 thread |")  # fmt: skip
+    log(f"|---|{'---|' * (len(names) + 3)}")
     rows = []
     for length, by in rates.items():
         medians = {name: statistics.median(by[name]) for name in names}
-        after, one, two = medians[names[2]], medians[names[0]], medians[names[1]]
-        log(f"| {length} | {' | '.join(f'{medians[n]:.0f}' for n in names)} | {after / one:.2f} | {after / two:.2f} |")
+        one, two, after, processes = (medians[n] for n in names)
+        log(
+            f"| {length} | {' | '.join(f'{medians[n]:.0f}' for n in names)} | {after / one:.2f} | {after / two:.2f} | "
+            f"{processes / one:.2f} |"
+        )
         rows.append({"lengths": length, "tokens_per_s": by, "median": medians})
     after = subprocess.check_output(["git", "-C", str(here), "rev-parse", "HEAD"], text=True).strip()
     write_json(args.out, {"machine": machine_info(), "load_average_before": load_before,
