@@ -77,7 +77,7 @@ def load_ready(load: dict[str, Any], decoder: Decoder | None, who: str | None = 
         if decoder is None:
             return model
         if who is not None:
-            compiling = " (compiling its steps: minutes at a model's first start, read back later)"
+            compiling = " (compiling its steps: minutes at a model's first start, read back later; --no-compile: none)"
             print(f"{who}: warming up{compiling if model.compiled_forward is not None else ''}", flush=True)
         seconds = warm_up(model, decoder)
         if who is not None:
