@@ -19,13 +19,12 @@ from decimal import Decimal
 from pathlib import Path
 
 from common import RESULTS, load_average, log, set_threads, write_report
+from smollm2_jf_arithmetic import BASE, SERVED, interleaved
 
-from fastforward.api import build_decoder
 from fastforward.model import load_model
 from fastforward.tasks.arithmetic import parse_answer
 
-PRESET, BASE = "smollm2-135m-jf-arithmetic", "smollm2-135m"
-SERVED = {"quantize": "int4", "exact": True}  # `fastforward generate`'s defaults for both presets
+PRESET = "smollm2-135m-jf-arithmetic"
 QUESTIONS = (  # (question, answer); worked out by hand
     ("A baker made 12 muffins in the morning and 8 more in the afternoon. He sold 14 of them. "
      "How many muffins are left?", 6),
@@ -59,25 +58,32 @@ def main() -> None:
     threads = set_threads(args.threads)
     load_before = load_average()
     adapted, base = load_model(PRESET, **SERVED), load_model(BASE, **SERVED)
-    contenders = {  # label: (model, decoder)
-        "adapter, ar": (adapted, build_decoder("ar")),
-        "adapter, jacobi 8": (adapted, build_decoder("jacobi", block_size=8)),
-        "base, ar": (base, build_decoder("ar")),
+    contenders = {  # label: (model, decoder, options)
+        "adapter, ar": (adapted, "ar", {}),
+        "adapter, jacobi 8": (adapted, "jacobi", {"block_size": 8}),
+        "base, ar": (base, "ar", {}),
     }
+    # As the task asks (a question, then a new line); the base shares the adapter's tokenizer.
+    prompts = [adapted.encode_prompt(question + "\n") for question, _ in QUESTIONS]
+    generations = interleaved(contenders, prompts, args)
     rows = []
-    for question, answer in QUESTIONS:
-        prompt = adapted.encode_prompt(question + "\n")  # as the task asks (the base shares its tokenizer)
+    for i, (question, answer) in enumerate(QUESTIONS):
         row = {"question": question, "answer": answer}
-        for label, (model, decoder) in contenders.items():
-            g = decoder.generate(model, [prompt], args.max_new_tokens)[0]
+        for label in contenders:
+            g = generations[label][i]
             got = parse_answer(g.text, strict=False)
-            row[label] = {"text": g.text, "read": None if got is None else f"{got.normalize():f}",
-                          "correct": got == Decimal(answer), "tokens": g.stats.tokens, "forwards": g.stats.nfe,
-                          "token_ids": g.token_ids}  # fmt: skip
+            row[label] = {
+                "text": g.text,
+                "read": None if got is None else f"{got.normalize():f}",
+                "correct": got == Decimal(answer),
+                "tokens": g.stats.tokens,
+                "forwards": g.stats.nfe,
+            }
             if args.show:
                 log(f"--- {label}: {question}\n{g.text}")
-        row["jacobi equals ar"] = row["adapter, jacobi 8"].pop("token_ids") == row["adapter, ar"]["token_ids"]
-        row["adapter, ar"].pop("token_ids"), row["base, ar"].pop("token_ids")
+        row["jacobi equals ar"] = (
+            generations["adapter, jacobi 8"][i].token_ids == generations["adapter, ar"][i].token_ids
+        )
         rows.append(row)
         ar, jacobi, plain = row["adapter, ar"], row["adapter, jacobi 8"], row["base, ar"]
         log(

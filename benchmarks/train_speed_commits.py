@@ -47,9 +47,9 @@ def run_one(side_root: Path, threads: int, processes: int, lengths: str, steps: 
     return sum(json.loads(o.read_text())["rows"][0]["median"]["bf16+lora"] for o in outs)
 
 
-def label(threads: int, processes: int) -> str:
+def name(side: str, threads: int, processes: int) -> str:
     each = f"{threads} thread{'s' if threads > 1 else ''}"
-    return each if processes == 1 else f"{processes} processes x {each}"
+    return f"{side}, {each if processes == 1 else f'{processes} processes x {each}'}"
 
 
 def main() -> None:
@@ -72,13 +72,13 @@ def main() -> None:
                 for length in args.lengths:
                     shift = r % len(CONTENDERS)
                     for side, threads, processes in CONTENDERS[shift:] + CONTENDERS[:shift]:
-                        name = f"{side}, {label(threads, processes)}"
                         rate = run_one(roots[side], threads, processes, length, args.steps, Path(tmp) / "one.json")
-                        rates[length].setdefault(name, []).append(rate)
-                        log(f"round {r + 1}, {length} rows: {name}: {rate:.0f} tokens/s (load {load_average()})")
+                        rates[length].setdefault(name(side, threads, processes), []).append(rate)
+                        log(f"round {r + 1}, {length} rows: {name(side, threads, processes)}: {rate:.0f} tokens/s "
+                            f"(load {load_average()})")  # fmt: skip
         finally:
             subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force", str(before)], check=True)
-    names = [f"{side}, {label(threads, processes)}" for side, threads, processes in CONTENDERS]
+    names = [name(*contender) for contender in CONTENDERS]
     log(f"\n| rows | {' | '.join(names)} | after (2 threads) ÷ before, 1 thread | ÷ before, 2 threads | "
         "2 processes ÷ before, 1 thread |")  # fmt: skip
     log(f"|---|{'---|' * (len(names) + 3)}")
