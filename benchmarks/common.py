@@ -340,26 +340,3 @@ def load_smollm2(int4_kernel: str = "native", **options) -> Model:
     with mock.patch.dict(os.environ, {"FASTFORWARD_INT4_KERNEL": int4_kernel}):
         return load_model("smollm2-135m", **options)
 
-
-# ---- LoRA training runs -------------------------------------------------------------------------------------
-def save_snapshot(model: Model, directory: Path, provenance: dict) -> None:
-    """The adapter as it is now (a PEFT directory), written to a temporary name and renamed."""
-    from fastforward.model.adapters import ADAPTER_CONFIG, PROVENANCE
-
-    if (directory / ADAPTER_CONFIG).exists():
-        return
-    tmp = directory.with_name(f".{directory.name}.tmp")
-    model.hf.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
-    (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
-    os.replace(tmp, directory)
-
-
-def tokens_at(run: Path) -> dict[int, float]:
-    """Training tokens seen by the end of each step of a run directory (from its metrics)."""
-    seen, total = {0: 0.0}, 0.0
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record.get("split") == "train":
-            total += record["tokens"]
-            seen[record["step"]] = total
-    return seen

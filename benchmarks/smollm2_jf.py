@@ -35,14 +35,14 @@ import time
 from pathlib import Path
 
 import torch
-from common import load_average, log, machine_info, save_snapshot, set_threads, tokens_at
+from common import load_average, log, machine_info, set_threads
 
 from fastforward.api import build_decoder
 from fastforward.model import Model, load_model
 from fastforward.tasks import get_task
 from fastforward.tasks.instructions import instruction_prompts
 from fastforward.training.objectives import JacobiForcing
-from fastforward.training.run_dir import finished_run
+from fastforward.training.run_dir import finished_run, save_adapter_snapshot, tokens_seen
 from fastforward.training.trainer import TrainConfig, train
 from fastforward.training.trajectories import TrajectoryData, collect
 
@@ -99,7 +99,7 @@ def train_adapter(args, work: Path, trajectories: Path) -> list[int]:
 
     def snapshot(step: int, record: dict) -> None:
         if step in points and step < args.steps:
-            save_snapshot(model, work / "curve" / f"step-{step:05d}", {**provenance, "step": step})
+            save_adapter_snapshot(model, work / "curve" / f"step-{step:05d}", {**provenance, "step": step})
 
     (work / "curve").mkdir(parents=True, exist_ok=True)
     log(f"training on {len(data)} trajectories: {args.steps} steps of {args.batch_size} rows, LoRA {args.lora_rank}")
@@ -190,7 +190,7 @@ def main() -> None:
     base = load_model(BASE, **precision)
     scorer = load_model(BASE)
     held = prompt_ids(base, args.n, args.n, "test")
-    seen = tokens_at(work / "train")
+    seen = tokens_seen(work / "train")
     curve = []
     for step in [0, *points]:
         adapter = adapter_at(work, step, args.steps)

@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import load_average, log, machine_info, save_snapshot, set_threads, tokens_at
+from common import load_average, log, machine_info, set_threads
 
 from fastforward.api import build_decoder
 from fastforward.model import Model, load_model
@@ -50,6 +50,8 @@ from fastforward.tasks import get_task
 from fastforward.training.data import PackedData, load_examples
 from fastforward.training.objectives import JacobiForcing, make_objective
 from fastforward.training.run_dir import finished_run, model_identity
+from fastforward.training.run_dir import save_adapter_snapshot as save_snapshot
+from fastforward.training.run_dir import tokens_seen as tokens_at
 from fastforward.training.trainer import TrainConfig, train
 from fastforward.training.trajectories import TrajectoryData, from_examples
 

@@ -33,6 +33,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "jacobi_forcing",
         "progressive Jacobi Forcing: rounds of trajectory collection and training (resumable)",
     ),
+    "recipe": (
+        "recipe",
+        "a whole recipe on your own data: SFT, Jacobi Forcing, a dev-split evaluation, a preset (resumable)",
+    ),
     "lm-eval-tasks": ("lm_eval_tasks", "write lm-eval task YAMLs over local files (use with --include_path)"),
     "decoders": ("decoding", "list the decoders and their options (a markdown table)"),
 }

@@ -114,23 +114,32 @@ class JsonlTask(Task):
         return self.records[:n]
 
     def grade(self, example: Example, output: str) -> Grade:
-        text, answer = output.strip(), example.reference.strip()
-        if self._extractor is not None:
-            found = self._extractor.findall(text)
-            if not found:
-                return Grade(False, 0.0, f"malformed: nothing matched extract={self.extract!r}")
-            last = found[-1]
-            text = (last[0] if isinstance(last, tuple) else last).strip()
-        if self.match == "exact":
-            got, want = as_number(text), as_number(answer)
-            correct = got == want if got is not None and want is not None else text == answer
-        elif self.match == "contains":
-            correct = answer in text
-        else:
-            correct = re.search(example.reference, text) is not None
-        if correct:
-            return Grade(True, 1.0, self.match)
-        if not text:
-            return Grade(False, 0.0, "malformed: empty output")
-        shown = text if len(text) <= 80 else text[:77] + "..."
-        return Grade(False, 0.0, f"{self.match} match failed: got {shown!r}, expected {answer!r}")
+        return grade_answer(output, example.reference, self.match, self.extract, self._extractor)
+
+
+def grade_answer(
+    output: str, answer: str, match: str = "exact", extract: str = "final", pattern: re.Pattern | None = None
+) -> Grade:
+    """An output graded against an answer as the module docstring says (`pattern`: `extract` compiled,
+    when the caller keeps it compiled)."""
+    text, raw, answer = output.strip(), answer, answer.strip()
+    pattern = pattern if pattern is not None else extractor(extract)
+    if pattern is not None:
+        found = pattern.findall(text)
+        if not found:
+            return Grade(False, 0.0, f"malformed: nothing matched extract={extract!r}")
+        last = found[-1]
+        text = (last[0] if isinstance(last, tuple) else last).strip()
+    if match == "exact":
+        got, want = as_number(text), as_number(answer)
+        correct = got == want if got is not None and want is not None else text == answer
+    elif match == "contains":
+        correct = answer in text
+    else:
+        correct = re.search(raw, text) is not None
+    if correct:
+        return Grade(True, 1.0, match)
+    if not text:
+        return Grade(False, 0.0, "malformed: empty output")
+    shown = text if len(text) <= 80 else text[:77] + "..."
+    return Grade(False, 0.0, f"{match} match failed: got {shown!r}, expected {answer!r}")

@@ -322,3 +322,26 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path) -> int:
     """Restore the accelerate state of `checkpoint`; returns the step it was written after."""
     accelerator.load_state(str(checkpoint))
     return json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+
+
+def save_adapter_snapshot(model: Model, directory: Path, provenance: dict) -> None:
+    """A LoRA run's adapter as it is now (a PEFT directory with its provenance), written to a temporary
+    name and renamed; kept if already there (a resumed run passes the same step again)."""
+    if (directory / adapters.ADAPTER_CONFIG).exists():
+        return
+    tmp = directory.with_name(f".{directory.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.hf.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
+    (tmp / adapters.PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+    os.replace(tmp, directory)
+
+
+def tokens_seen(out: Path) -> dict[int, float]:
+    """Training tokens seen by the end of each step of a run directory (from its metrics; 0 at step 0)."""
+    seen, total = {0: 0.0}, 0.0
+    for line in (out / METRICS).read_text().splitlines():
+        record = json.loads(line)
+        if record.get("split") == "train":
+            total += record["tokens"]
+            seen[record["step"]] = total
+    return seen

@@ -1,0 +1,88 @@
+"""Measure decoders of one model on held-out prompts, interleaved, and choose its decoding defaults.
+
+Every contender decodes each prompt in turn (batch 1, greedy), so a change of load falls on all of them
+alike; a lossless contender's tokens are compared with `ar`'s on every prompt. Tokens per second count
+generation seconds with the prefill, as docs/results.md defines them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from fastforward.api import build_decoder
+from fastforward.decoding.decoders import Generation, registry
+from fastforward.model import Model
+from fastforward.recipes.records import Record
+from fastforward.tasks.jsonl import grade_answer
+
+# A contender: the model and a decoder name with its options, by label.
+Contender = tuple[Model, str, dict[str, Any]]
+
+
+def decode_interleaved(
+    contenders: dict[str, Contender], prompts: Sequence[list[int]], max_new_tokens: int, desc: str = "dev"
+) -> dict[str, list[Generation]]:
+    """Every contender on each prompt in turn (batch 1); each one's generations in prompt order."""
+    decoders = {label: build_decoder(name, **options) for label, (_, name, options) in contenders.items()}
+    out: dict[str, list[Generation]] = {label: [] for label in contenders}
+    for prompt in tqdm(prompts, desc=desc, unit="prompt"):
+        for label, (model, _, _) in contenders.items():
+            out[label].append(decoders[label].generate(model, [prompt], max_new_tokens)[0])
+    return out
+
+
+def summarize(
+    generations: Sequence[Generation], records: Sequence[Record], reference: Sequence[Generation] | None = None
+) -> dict[str, Any]:
+    """TPF, tokens/s and tokens; accuracy when every record has an answer; against `reference` (the same
+    model's `ar`), how many outputs are its tokens exactly."""
+    tokens = sum(g.stats.tokens for g in generations)
+    row: dict[str, Any] = {
+        "n": len(generations),
+        "tokens": tokens,
+        "tpf": tokens / max(sum(g.stats.nfe for g in generations), 1),
+        "tps": tokens / max(sum(g.stats.seconds for g in generations), 1e-9),
+    }
+    if all(r.answer is not None for r in records):
+        graded = [grade_answer(g.text, r.answer or "").correct for g, r in zip(generations, records, strict=True)]
+        row["accuracy"] = sum(graded) / len(graded)
+    if reference is not None:
+        row["equal_ar"] = sum(g.token_ids == r.token_ids for g, r in zip(generations, reference, strict=True))
+    return row
+
+
+def table(
+    contenders: dict[str, Contender], records: Sequence[Record], prompts: Sequence[list[int]], max_new_tokens: int
+) -> dict[str, dict[str, Any]]:
+    """Each contender's summary on the prompts; every contender but `ar` is compared with `ar`'s tokens."""
+    out = decode_interleaved(contenders, prompts, max_new_tokens)
+    return {label: summarize(g, records, None if label == "ar" else out["ar"]) for label, g in out.items()}
+
+
+# How much faster than `ar` another decoder must be to become a model's default: more than interleaved runs
+# of one decoder differ by, so that noise never picks a decoder that does not pay.
+MARGIN = 1.05
+
+
+def choose_defaults(rows: dict[str, dict[str, Any]], contenders: dict[str, Contender]) -> dict[str, Any]:
+    """The fastest contender (tokens/s) among `ar` and the lossless ones that gave `ar`'s tokens on every
+    prompt and beat `ar` by `MARGIN`: the decoder a model runs when the user names none."""
+    floor = MARGIN * rows["ar"]["tps"]
+    exact = {
+        label: row
+        for label, row in rows.items()
+        if label == "ar"
+        or (registry.spec(contenders[label][1]).lossless and row.get("equal_ar") == row["n"] and row["tps"] >= floor)
+    }
+    label = max(exact, key=lambda name: exact[name]["tps"])
+    _, decoder, options = contenders[label]
+    row = rows[label]
+    measured = (
+        f"{label}: {row['tps'] / rows['ar']['tps']:.2f}x its own ar in tokens/s at TPF {row['tpf']:.2f} on "
+        f"{row['n']} dev prompts, interleaved (batch 1, greedy, {os.cpu_count()} cores)"
+    )
+    return {"decoder": decoder, "options": dict(options), "measured": measured}

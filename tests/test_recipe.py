@@ -1,0 +1,168 @@
+"""`fastforward recipe jacobi-forcing`: its data, its stages end to end on a tiny model, resuming, and its choice
+of decoding defaults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastforward.api import build_decoder
+from fastforward.cli import main
+from fastforward.errors import FastForwardError
+from fastforward.model import load_model
+from fastforward.model.tiny import tiny_model
+from fastforward.recipes import dev_eval
+from fastforward.recipes.records import Record, parse_budget, parse_record, read_records, split_dev
+from fastforward.recipes.targets import self_answers
+from fastforward.tasks.jsonl import grade_answer
+
+GSM8K_LINES = [
+    {"question": f"Tom has {a} apples and buys {b} more. How many?", "answer": f"{a}+{b} = <<{a}+{b}={a + b}>>{a + b}"}
+    for a, b in ((3, 4), (5, 2), (2, 6), (9, 4), (8, 8), (3, 3))
+]
+for line in GSM8K_LINES:
+    line["answer"] += "\n#### " + line["answer"].split(">>")[1]
+
+
+def write_lines(path, lines) -> str:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return str(path)
+
+
+# ---- data -------------------------------------------------------------------------------------------------
+def test_a_gsm8k_line_loses_its_calculator_marks_and_keeps_its_final_answer():
+    record = parse_record(GSM8K_LINES[0], "x:1")
+    assert record == Record("Tom has 3 apples and buys 4 more. How many?", "3+4 = 7\n#### 7", "7")
+    assert parse_record({"prompt": "p", "answer": 12}, "x:1") == Record("p", None, "12")
+    with pytest.raises(FastForwardError, match="x:1.*####"):
+        parse_record({"question": "q", "answer": "no final line"}, "x:1")
+    with pytest.raises(FastForwardError, match="x:2.*'prompt'"):
+        parse_record({"text": "t"}, "x:2")
+    with pytest.raises(FastForwardError, match="'completion' must be a non-empty string"):
+        parse_record({"prompt": "p", "completion": ""}, "x:3")
+
+
+def test_bad_data_files_say_what_is_wrong(tmp_path):
+    with pytest.raises(FastForwardError, match="does not exist"):
+        read_records(tmp_path / "missing.jsonl")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "p"}\n{not json\n')
+    with pytest.raises(FastForwardError, match="bad.jsonl:2"):
+        read_records(tmp_path / "bad.jsonl")
+
+
+def test_the_dev_split_is_seeded_disjoint_and_keeps_the_order():
+    records = [Record(f"p{i}") for i in range(20)]
+    train, dev = split_dev(records, 5, seed=0)
+    assert len(dev) == 5 and not set(train) & set(dev) and sorted(train + dev, key=records.index) == records
+    assert split_dev(records, 5, seed=0) == (train, dev) and split_dev(records, 5, seed=1)[1] != dev
+    for bad in (0, 20):
+        with pytest.raises(FastForwardError, match="--dev"):
+            split_dev(records, bad, seed=0)
+
+
+def test_a_budget_is_tokens_or_time():
+    assert parse_budget("3M") == 3_000_000 and parse_budget("500k") == 500_000 and parse_budget("1200") == 1200
+    assert parse_budget("90min") == parse_budget("1.5h") > 0
+    for bad in ("", "3 apples", "-1M", "0"):
+        with pytest.raises(FastForwardError, match="--budget"):
+            parse_budget(bad)
+
+
+def test_answers_are_graded_by_the_number_after_the_last_marker():
+    assert grade_answer("so 3+4 = 7\n#### 7", "7").correct
+    assert grade_answer("#### $1,000.", "1000").correct
+    assert not grade_answer("#### 8", "7").correct and not grade_answer("7", "7").correct
+
+
+# ---- targets ----------------------------------------------------------------------------------------------
+def test_own_answers_are_the_models_greedy_output_and_resume_after_a_torn_line(tmp_path, tiny, stop_on):
+    records = [Record(t) for t in ("Tom has 3 apples", "def add(a, b):", "0", "The quick brown fox")]
+    path = tmp_path / "answers.jsonl"
+    ar = build_decoder("ar").generate(tiny, [tiny.encode_prompt(r.prompt) for r in records], 8)
+    with stop_on(ar[0].token_ids[2]):
+        ar = build_decoder("ar").generate(tiny, [tiny.encode_prompt(r.prompt) for r in records], 8)
+        stopped = [g for g in ar if g.finish_reason == "stop"]
+        examples = self_answers(lambda: tiny, records, path, 8, batch_size=2)
+    assert stopped and len(examples) == len(stopped)
+    assert [e.ids[sum(not t for t in e.targets) :] for e in examples] == [g.token_ids for g in stopped]
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:3]) + lines[3][:10])  # killed while writing the fourth line
+
+    def must_not_load():
+        raise AssertionError("answers on file are not decoded again")
+
+    with stop_on(ar[0].token_ids[2]):
+        again = self_answers(lambda: tiny, records, path, 8, batch_size=2)
+        assert again == examples and len(path.read_text().splitlines()) == 4
+        assert self_answers(must_not_load, records, path, 8) == examples
+
+
+# ---- the command ------------------------------------------------------------------------------------------
+def recipe_args(tmp_path, data: str) -> list[str]:
+    return [
+        "recipe", "jacobi-forcing", "--model", str(tmp_path / "m"), "--data", data, "--work", str(tmp_path / "w"),
+        "--budget", "3k", "--dev", "2", "--seq-len", "64", "--batch-size", "2", "--block-size", "4", "--blocks", "2",
+        "4", "--curve", "2", "--curve-n", "1", "--max-new-tokens", "12", "--lora-rank", "2", "--targets", "reference",
+        "--threads", "1",
+    ]  # fmt: skip
+
+
+def test_the_recipe_makes_a_preset_that_carries_its_defaults_and_resumes(tmp_path, capsys):
+    tiny_model(init_std=0.5).save(tmp_path / "m")
+    data = write_lines(tmp_path / "gsm8k.jsonl", GSM8K_LINES)
+    args = recipe_args(tmp_path, data)
+    assert main([*args, "--ship-to", str(tmp_path / "preset")]) == 0
+    out = capsys.readouterr().out
+    assert "decoding defaults:" in out and "try it: fastforward generate --model" in out
+    work, preset = tmp_path / "w", tmp_path / "preset"
+    assert [len(read_records(work / f"{s}.jsonl")) for s in ("train", "dev")] == [4, 2]
+    plan = json.loads((work / "plan.json").read_text())
+    assert plan["sft_steps"] >= 1 and plan["jf_steps"] >= 1
+    dev = json.loads((work / "dev.json").read_text())
+    assert [p["step"] for p in dev["curve"]][0] == 0 and len(dev["curve"]) == 3
+    assert set(dev["final"]) == {"ar", "lookup", "jacobi-2", "jacobi-4"}
+    assert all(row["equal_ar"] == 2 for label, row in dev["final"].items() if label != "ar")  # lossless on dev
+    assert "accuracy" in dev["final"]["ar"] and "base" in dev
+    defaults = json.loads((preset / "decoding.json").read_text())
+    assert defaults == dev["defaults"]
+    provenance = json.loads((preset / "provenance.json").read_text())
+    assert provenance["command"].startswith("fastforward recipe jacobi-forcing --data ")
+    assert "--ar-weight 10.0" in provenance["command"] and provenance["data"]["file"] == "gsm8k.jsonl"
+    model = load_model(str(preset))  # the flattened adapter over the base
+    prompt = [model.encode_prompt("Tom has 3 apples")]
+    ar = build_decoder("ar").generate(model, prompt, 10)[0].token_ids
+    assert build_decoder("jacobi", block_size=4).generate(model, prompt, 10)[0].token_ids == ar
+
+    assert main(args) == 0  # a rerun: every stage done, nothing trained or measured again
+    out = capsys.readouterr().out
+    assert "ntp from" not in out and "jacobi_forcing from" not in out and "dev final" not in out
+    assert main([*args[:-2], "--lr", "0.5"]) == 2
+    assert "other settings (lr)" in capsys.readouterr().err
+
+
+def test_the_recipe_refuses_what_it_cannot_do(tmp_path, capsys):
+    tiny_model(init_std=0.5).save(tmp_path / "m")
+    prompts_only = write_lines(tmp_path / "p.jsonl", [{"prompt": f"p{i}"} for i in range(4)])
+    assert main(recipe_args(tmp_path, prompts_only)) == 2
+    assert "--targets reference needs a completion" in capsys.readouterr().err
+    args = recipe_args(tmp_path, write_lines(tmp_path / "g.jsonl", GSM8K_LINES))
+    for flag, value, message in (("--budget", "soon", "--budget"), ("--dev", "6", "--dev 6")):
+        i = args.index(flag)
+        assert main([*args[:i], flag, value, *args[i + 2 :], "--work", str(tmp_path / flag)]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_defaults_go_to_a_lossless_decoder_only_when_it_pays():
+    contenders = {
+        "ar": (None, "ar", {}),
+        "lookup": (None, "lookup", {}),
+        "jacobi-8": (None, "jacobi", {"block_size": 8}),
+    }
+    rows = {"ar": {"tps": 100.0, "tpf": 1.0, "n": 10}, "lookup": {"tps": 103.0, "tpf": 1.1, "n": 10, "equal_ar": 10}}
+    rows["jacobi-8"] = {"tps": 160.0, "tpf": 3.0, "n": 10, "equal_ar": 9}  # fast, but not ar's tokens once
+    assert dev_eval.choose_defaults(rows, contenders)["decoder"] == "ar"  # lookup within the noise margin
+    rows["jacobi-8"]["equal_ar"] = 10
+    chosen = dev_eval.choose_defaults(rows, contenders)
+    assert (chosen["decoder"], chosen["options"]) == ("jacobi", {"block_size": 8})
+    assert chosen["measured"].startswith("jacobi-8: 1.60x its own ar")
