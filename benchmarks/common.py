@@ -339,4 +339,3 @@ def load_smollm2(int4_kernel: str = "native", **options) -> Model:
     (fastforward.cpu.w4a8, where it builds) or "pytorch" (FASTFORWARD_INT4_KERNEL)."""
     with mock.patch.dict(os.environ, {"FASTFORWARD_INT4_KERNEL": int4_kernel}):
         return load_model("smollm2-135m", **options)
-

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from fastforward.cli import add_command, add_dtype_flag, add_threads_flag
 from fastforward.errors import FastForwardError
 from fastforward.model import flex, load_model
@@ -16,7 +14,7 @@ from fastforward.training.data import PackedData, load_examples, split_examples
 from fastforward.training.launch import reported_once, say, share_threads
 from fastforward.training.objectives import OBJECTIVES, make_objective
 from fastforward.training.objectives.registry import options
-from fastforward.training.trainer import TrainConfig, train
+from fastforward.training.trainer import TrainConfig, default_autocast, train
 from fastforward.training.trajectories import TrajectoryData, from_examples, trajectory_datasets
 
 
@@ -106,14 +104,6 @@ def add_optimizer_flags(p: argparse.ArgumentParser, seq_len: int) -> None:
     )
 
 
-def default_autocast() -> bool:
-    """bf16 autocast where the hardware does bfloat16 arithmetic: a CUDA GPU, or a CPU with AVX-512 BF16 or
-    AMX (a CPU without them emulates it, slower than float32)."""
-    from fastforward.cpu.quantize import native_bfloat16
-
-    return torch.cuda.is_available() or native_bfloat16()
-
-
 def train_config(args: argparse.Namespace, **overrides) -> TrainConfig:
     """A validated TrainConfig from `add_optimizer_flags` flags (plus per-command settings)."""
     config = TrainConfig(
@@ -126,7 +116,7 @@ def train_config(args: argparse.Namespace, **overrides) -> TrainConfig:
         weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm,
         seed=args.seed,
-        mixed_precision="bf16" if (default_autocast() if args.bf16 is None else args.bf16) else "no",
+        mixed_precision=default_autocast() if args.bf16 is None else ("bf16" if args.bf16 else "no"),
         save_every=args.save_every,
         keep_checkpoints=args.keep_checkpoints,
         lora_rank=args.lora_rank,

@@ -45,7 +45,7 @@ from fastforward.recipes.targets import TARGETS, reference_examples, self_answer
 from fastforward.training.data import Example, PackedData
 from fastforward.training.objectives import JacobiForcing, make_objective
 from fastforward.training.run_dir import finished_run, model_identity, save_adapter_snapshot, tokens_seen
-from fastforward.training.trainer import TrainConfig, train
+from fastforward.training.trainer import TrainConfig, default_autocast, train
 from fastforward.training.trajectories import TrajectoryData, from_examples
 
 SERVED = {"quantize": "int4", "exact": True}  # the precision `fastforward generate` runs a model at on a CPU
@@ -155,6 +155,7 @@ class Recipe:
             "records": {"train": len(train), "dev": len(dev)},
             "budget_tokens": budget,
             "sft_steps": max(1, sft_tokens // row) if sft else 0,
+            "mixed_precision": default_autocast(),
             "jf_tokens": budget - sft_tokens,
         }
         _write_json(path, plan)
@@ -173,7 +174,7 @@ class Recipe:
         o = self.options
         return TrainConfig(
             steps=steps, seq_len=o.seq_len, batch_size=o.batch_size, lr=o.lr, warmup=min(10, max(steps // 10, 1)),
-            mixed_precision="bf16", save_every=25, eval_every=0, keep_checkpoints=1,
+            mixed_precision=self.plan["mixed_precision"], save_every=25, eval_every=0, keep_checkpoints=1,
             lora_rank=o.lora_rank, seed=o.seed,
         )  # fmt: skip
 

@@ -106,6 +106,15 @@ class TrainConfig:
         return bool(self.save_every and step % self.save_every == 0) and step < self.steps
 
 
+def default_autocast() -> str:
+    """The `mixed_precision` that pays here: "bf16" where the hardware does bfloat16 arithmetic (a CUDA GPU, a
+    CPU with AVX-512 BF16 or AMX), else "no" (a CPU without them emulates it: on a 2-core AVX2 EPYC, a LoRA
+    step of SmolLM2-135M on 8 rows of 512 tokens took 96 s in float32 and had not ended after 8 min in bf16)."""
+    from fastforward.cpu.quantize import native_bfloat16
+
+    return "bf16" if torch.cuda.is_available() or native_bfloat16() else "no"
+
+
 class _ObjectiveModule(nn.Module):
     """Runs the objective inside forward(), so DDP/FSDP wrappers and autocast cover all of it."""
 
