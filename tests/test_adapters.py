@@ -290,11 +290,12 @@ def test_a_chain_of_adapters_flattens_into_one_that_gives_the_same_model(base, t
 
 
 def test_a_shipped_adapter_loads_by_name_and_is_listed_among_the_presets(base, tmp_path, monkeypatch):
+    from fastforward import shipped as catalogue
     from fastforward.model import presets
 
     shipped = tmp_path / "shipped"
     peft_adapter(base, shipped / "tiny-lora")
-    monkeypatch.setattr(presets, "SHIPPED_ADAPTERS", shipped)
+    monkeypatch.setattr(catalogue, "SHIPPED_ADAPTERS", shipped)
     by_name = load_model("tiny-lora")
     torch.testing.assert_close(logits(by_name), logits(load_model(str(shipped / "tiny-lora"))))
     assert "tiny-lora" in presets.preset_names()

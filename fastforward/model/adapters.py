@@ -29,16 +29,11 @@ from transformers import PreTrainedModel
 
 from fastforward.cpu.low_rank import LowRank, add_update
 from fastforward.errors import FastForwardError
+from fastforward.shipped import ADAPTER_CONFIG, is_adapter  # free of torch: `fastforward models` lists adapters
 
-ADAPTER_CONFIG = "adapter_config.json"
 PROVENANCE = "fastforward_adapter.json"
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 DEFAULT_TARGETS = "all-linear"  # PEFT's name for every linear layer but the output projection
-
-
-def is_adapter(path: Path) -> bool:
-    """Whether `path` is a PEFT adapter directory (not a full model)."""
-    return path.is_dir() and (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file()
 
 
 def _read(path: Path) -> dict:
