@@ -11,6 +11,7 @@ import pytest
 from fastforward.cli import build_parser, main
 from fastforward.cli.train import train_config
 from fastforward.decoding.metrics import aup
+from fastforward.decoding.model_defaults import DecodingDefaults
 from fastforward.demo import real_model, showcase, zoo
 from fastforward.demo.pipeline import PRESETS, run_demo
 from fastforward.errors import FastForwardError
@@ -189,13 +190,15 @@ def test_the_real_model_rows_compare_each_model_with_its_own_ar_and_jacobi_is_lo
 
     monkeypatch.setattr(real_model, "load_model", load)
     monkeypatch.setattr(real_model, "task_options", lambda: {"max_ops": 2, "max_number": 10})
-    rows, results = real_model.evaluate_real_model(real_model.RealSettings(n=3, block_size=4, max_new_tokens=12), False)
+    own = {real_model.JF_PRESET: DecodingDefaults("jacobi", {"block_size": 4})}  # the base has no decoding.json
+    monkeypatch.setattr(real_model, "model_decoding_defaults", own.get)
+    rows, results = real_model.evaluate_real_model(real_model.RealSettings(n=3, max_new_tokens=12), False)
     assert loaded == [(real_model.JF_PRESET, real_model.SERVED), (real_model.BASE, real_model.SERVED)]
     jf, base = real_model.LABELS[real_model.JF_PRESET], real_model.LABELS[real_model.BASE]
     assert [(r["model"], r["decoder"]) for r in rows] == [
-        (jf, "AR"), (jf, "jacobi (block 4)"), (jf, "lookup"), (base, "AR"), (base, "lookup")
+        (jf, "AR"), (jf, "jacobi --block-size 4"), (jf, "lookup"), (base, "AR"), (base, "lookup")
     ]  # fmt: skip
-    assert all(r["n"] == 3 for r in rows) and {r.label for r in results} == {"ar", "jacobi (block 4)", "lookup"}
+    assert all(r["n"] == 3 for r in rows) and {r.label for r in results} == {"ar", "jacobi --block-size 4", "lookup"}
     assert all(r["agree_exact"] == 100.0 for r in rows if r["decoder"] != "AR")  # lossless: AR's tokens
 
 
