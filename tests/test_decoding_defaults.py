@@ -81,6 +81,9 @@ def test_bad_defaults_are_never_written(tmp_path):
 
 def test_a_model_name_finds_its_own_defaults(tmp_path, monkeypatch):
     assert model_decoding_defaults("smollm2-135m") is None  # the GGUF preset has no directory: the default
+    shipped = model_decoding_defaults("smollm2-135m-jf-arithmetic")
+    assert (shipped.decoder, shipped.options) == ("jacobi", {"block_size": 8})
+    assert model_decoding_defaults("demo-jf").decoder == "jacobi" and model_decoding_defaults("demo-ntp") is None
     assert model_decoding_defaults("no-such-model") is None  # loading it says what is wrong
     (tmp_path / "model").mkdir()
     (tmp_path / "adapter").mkdir()
