@@ -56,6 +56,7 @@ from fastforward.training.trainer import TrainConfig, train
 from fastforward.training.trajectories import TrajectoryData, from_examples
 
 BASE = "smollm2-135m"
+DESCRIPTION = "SmolLM2-135M-Instruct + a Jacobi Forcing LoRA adapter for grade-school arithmetic word problems"
 TASK = {"min_ops": 2, "max_ops": 3, "max_number": 20, "max_factor": 5}
 
 
@@ -391,6 +392,7 @@ def ship_preset(args, work: Path, record: dict, last_step: int, dest: Path) -> N
     data = work / "train.jsonl"
     provenance = {
         "name": dest.name,
+        "description": DESCRIPTION,
         "base": BASE,
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "command": "python benchmarks/smollm2_jf_arithmetic.py " + " ".join(sys.argv[1:]),

@@ -120,6 +120,7 @@ def test_zoo_stages_provenance_packing_and_task_options(tmp_path, capsys):
         zoo.write_provenance(tmp_path / stage.name, stage, seconds, "test")
     record = json.loads((tmp_path / "sbd" / "provenance.json").read_text())
     assert record["stage"]["objective"] == "sbd" and "mask_loss" in record["final_losses"]
+    assert record["description"] == "the demo's small llama for arithmetic: sbd from its pretrain stage, 2 steps"
     # a stage's block options set the training blocks; the rest go to its objective
     post = zoo.Stage("multitf", "sbd", "multitf", 2, 1e-4, {"max_group": 2, "min_block": 4, "max_block": 4})
     zoo.train_stage(post, tmp_path, config, log=lambda _: None)

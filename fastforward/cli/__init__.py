@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "lm-eval-tasks": ("lm_eval_tasks", "write lm-eval task YAMLs over local files (use with --include_path)"),
     "decoders": ("decoding", "list the decoders and their options (a markdown table)"),
+    "models": ("models", "list the models that load by name, each with its default decoder"),
 }
 
 
