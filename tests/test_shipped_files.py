@@ -1,7 +1,12 @@
 """What ships inside the package beside the weights (the adapters in fastforward/presets, the demo's
-checkpoints): its decoding defaults hold against the decoder registry."""
+checkpoints): its decoding defaults hold against the decoder registry, and its JSON says nothing of the
+machine it was made on."""
 
+import json
+import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -9,6 +14,9 @@ from fastforward.decoding.model_defaults import FILE, read_decoding_defaults
 from fastforward.shipped import SHIPPED_ADAPTERS, SHIPPED_CHECKPOINTS
 
 ROOT = Path(__file__).resolve().parents[1]
+JSON = sorted(path for root in (SHIPPED_ADAPTERS, SHIPPED_CHECKPOINTS) for path in root.rglob("*.json"))
+ABSOLUTE = re.compile(r"(?<![\w.])/(?:[\w.-]+/)+")  # /work/main/..., /home/..., /tmp/...
+RUNS = re.compile(r"(?<![\w-])runs/")  # a training folder under the checkout's runs/
 DEFAULTS = sorted(path for root in (SHIPPED_ADAPTERS, SHIPPED_CHECKPOINTS) for path in root.glob(f"*/{FILE}"))
 
 
@@ -26,3 +34,26 @@ def test_the_models_that_measured_a_faster_lossless_decoder_carry_it():
         "jf": "jacobi --block-size 16",
         "sbd": "sbd-verified --block-size 16 --gamma inf",
     }
+
+
+def strings(value: Any, key: str = "") -> Iterator[tuple[str, str]]:
+    """Every (key, text) of a JSON value: its keys and string values, each with the key it is under."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield k, k
+            yield from strings(v, k)
+    elif isinstance(value, list):
+        for v in value:
+            yield from strings(v, key)
+    elif isinstance(value, str):
+        yield key, value
+
+
+@pytest.mark.parametrize("path", JSON, ids=[str(p.relative_to(ROOT)) for p in JSON])
+def test_shipped_json_names_no_path_of_the_machine_that_made_it(path):
+    """A model a shipped file was made from goes by its name (a preset) or its role (`sft (a training
+    folder)`), never by where it lay. A recorded command line may name its own output folders under runs/,
+    relative to where it is rerun (`--work runs/...`), but no absolute path."""
+    for key, text in strings(json.loads(path.read_text())):
+        assert not ABSOLUTE.search(text), f"{key}: {text}"
+        assert key == "command" or not RUNS.search(text), f"{key}: {text}"

@@ -59,6 +59,19 @@ def weights_file(adapter: Path) -> Path:
     raise FastForwardError(f"adapter {adapter} has no weights ({' or '.join(WEIGHTS)}); it is incomplete")
 
 
+def training_folder(path: str | Path) -> str:
+    """A local folder as a provenance record keeps it, e.g. `sft (a training folder)`: its own name says
+    what it was, and the path it had on the machine that made it says nothing anywhere else."""
+    return f"{Path(path).name} (a training folder)"
+
+
+def path_free(reference: str) -> str:
+    """A model an adapter was made from, as a shipped record keeps it: a local folder (absolute, as training
+    records one, or there) by `training_folder`; a name (a preset, a Hub id) as it is."""
+    path = Path(reference).expanduser()
+    return training_folder(path) if path.is_absolute() or path.exists() else reference
+
+
 def base_of(adapter: Path) -> str | None:
     """The base an adapter names: fastforward's provenance first, then PEFT's `base_model_name_or_path`."""
     provenance = adapter / PROVENANCE
