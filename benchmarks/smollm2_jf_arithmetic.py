@@ -21,7 +21,8 @@ run continues from its last checkpoint):
    The evaluation runs before the control trains, then again for the control's row alone: each part
    is kept in WORK/curve.json and a rerun computes only what it lacks.
 
-Writes WORK/curve.json and prints the tables.
+Writes WORK/curve.json and prints the tables; `--ship-to DIR` then writes the preset: the flattened adapter,
+its provenance.json and its decoding.json (the fastest row that gives ar's tokens on every problem).
 
     python benchmarks/smollm2_jf_arithmetic.py                       # the recipe (about 2 hours on 2 cores)
     python benchmarks/smollm2_jf_arithmetic.py --problems 64 --sft-steps 2 --steps 4 --curve 2 \\

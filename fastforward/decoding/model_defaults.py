@@ -73,20 +73,20 @@ def read_decoding_defaults(directory: Path, *, check: bool = True) -> DecodingDe
     if not isinstance(options, dict) or not isinstance(measured, str):
         raise _bad(path, '"options" must be an object of decoder options and "measured" a line of text')
     defaults = DecodingDefaults(decoder, options, measured)
-    return checked(defaults, path) if check else defaults
+    return _checked(defaults, path) if check else defaults
 
 
 def write_decoding_defaults(directory: Path, defaults: DecodingDefaults) -> Path:
     """Write `directory/decoding.json` (checked first; atomic: a reader never sees half a file)."""
     path = Path(directory) / FILE
-    checked(defaults, path)
+    _checked(defaults, path)
     tmp = path.with_name(f".{FILE}.tmp")
     tmp.write_text(json.dumps(defaults.as_json(), indent=2) + "\n")
     os.replace(tmp, path)
     return path
 
 
-def checked(defaults: DecodingDefaults, path: Path) -> DecodingDefaults:
+def _checked(defaults: DecodingDefaults, path: Path) -> DecodingDefaults:
     """`defaults` with its option values typed, once the registry takes its decoder and options (each one
     the decoder's own, each value within its bounds, the decoder constructible from them)."""
     from fastforward.decoding.decoders import registry  # every decoder, and torch
