@@ -21,7 +21,8 @@ run continues from its last checkpoint):
    The evaluation runs before the control trains, then again for the control's row alone: each part
    is kept in WORK/curve.json and a rerun computes only what it lacks.
 
-Writes WORK/curve.json and prints the tables.
+Writes WORK/curve.json and prints the tables; `--ship-to DIR` then writes the preset: the flattened adapter,
+its provenance.json and its decoding.json (the fastest row that gives ar's tokens on every problem).
 
     python benchmarks/smollm2_jf_arithmetic.py                       # the recipe (about 2 hours on 2 cores)
     python benchmarks/smollm2_jf_arithmetic.py --problems 64 --sft-steps 2 --steps 4 --curve 2 \\
@@ -38,11 +39,13 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from common import load_average, log, machine_info, set_threads
 
 from fastforward.api import build_decoder
+from fastforward.decoding.model_defaults import DecodingDefaults, write_decoding_defaults
 from fastforward.model import Model, load_model
 from fastforward.model.adapters import ADAPTER_CONFIG
 from fastforward.model.flatten import flatten
@@ -56,6 +59,7 @@ from fastforward.training.trainer import TrainConfig, train
 from fastforward.training.trajectories import TrajectoryData, from_examples
 
 BASE = "smollm2-135m"
+DESCRIPTION = "SmolLM2-135M-Instruct + a Jacobi Forcing LoRA adapter for grade-school arithmetic word problems"
 TASK = {"min_ops": 2, "max_ops": 3, "max_number": 20, "max_factor": 5}
 
 
@@ -168,7 +172,10 @@ def main() -> None:
     p.add_argument("--skip-eval", action="store_true", help="train only (the control too)")
     p.add_argument("--skip-control", action="store_true", help="neither train nor evaluate the NTP control")
     p.add_argument(
-        "--ship-to", type=Path, help="after the evaluation, write the shipped adapter and its provenance.json here"
+        "--ship-to",
+        type=Path,
+        help="after the evaluation, write the shipped adapter, its provenance.json and its decoding.json (the "
+        "fastest lossless row of the last point) here",
     )
     args = p.parse_args()
     threads = set_threads(args.threads)
@@ -252,6 +259,34 @@ def jf_model(work: Path, args, step: int) -> Path:
     return work / "curve" / f"step-{step:05d}"
 
 
+def block_sizes(args) -> list[int]:
+    """--blocks: the jacobi block sizes of the last point's rows."""
+    return [int(b) for b in args.blocks.split(",")]
+
+
+def final_decoders(blocks: list[int]) -> dict[str, tuple[str, dict]]:
+    """The last point's rows of the shipped adapter (label: decoder, options): ar, jacobi at each block, lookup."""
+    jacobi = {f"jf jacobi-{b}": ("jacobi", {"block_size": b}) for b in blocks}
+    return {"jf ar": ("ar", {}), **jacobi, "jf lookup": ("lookup", {})}
+
+
+def fastest(rows: dict, blocks: list[int], processor: str) -> DecodingDefaults:
+    """The preset's decoding defaults: of the last point's rows, the fastest in tokens/s among those that
+    give the adapter's ar tokens on every problem (ar itself included), and the figures that chose it."""
+    decoders = final_decoders(blocks)
+    lossless = [label for label in decoders if rows[label].get("equal_ar", rows[label]["n"]) == rows[label]["n"]]
+    best = max(lossless, key=lambda label: rows[label]["tps"])
+    chosen = DecodingDefaults(*decoders[best])
+    figures = ", ".join(f"{label.removeprefix('jf ')} {rows[label]['tps']:.1f}" for label in lossless)
+    n = rows[best]["n"]
+    measured = (
+        f"{chosen.describe()}: the fastest in tokens/s of {figures} (each = ar on {n} of {n}) on {n} held-out "
+        f"arithmetic problems, int4 --exact, batch 1, 2 threads, {processor}; python "
+        "benchmarks/smollm2_jf_arithmetic.py (its command and figures: provenance.json)"
+    )
+    return replace(chosen, measured=measured)
+
+
 def ship(work: Path, last: Path) -> Path:
     """The SFT and JF adapters flattened into one bfloat16 adapter over the base: what the preset ships."""
     shipped = work / "shipped"
@@ -271,7 +306,7 @@ def evaluate(args, work: Path, points: list[int], threads: int) -> None:
     few, few_prompts = examples[: args.curve_n], prompts[: args.curve_n]
     last_step = points[-1]
     shipped = ship(work, jf_model(work, args, last_step))
-    blocks = [int(b) for b in args.blocks.split(",")]
+    blocks = block_sizes(args)
     jacobi = {"block_size": args.block_size}
 
     def save(name: str, value, before: list[float]) -> None:
@@ -302,11 +337,9 @@ def evaluate(args, work: Path, points: list[int], threads: int) -> None:
             log(f"curve point: {json.dumps(row)}")
 
     def final() -> dict:
-        """The shipped adapter, at the preset's defaults: ar, jacobi at each of --blocks, lookup."""
+        """The shipped adapter, at the preset's precision: ar, jacobi at each of --blocks, lookup."""
         model = load_model(str(shipped), **SERVED)
-        contenders = {"jf ar": (model, "ar", {})}
-        contenders |= {f"jf jacobi-{b}": (model, "jacobi", {"block_size": b}) for b in blocks}
-        contenders["jf lookup"] = (model, "lookup", {})
+        contenders = {label: (model, name, options) for label, (name, options) in final_decoders(blocks).items()}
         out = interleaved(contenders, prompts, args)
         return {label: summary(g, examples, None if label == "jf ar" else out["jf ar"]) for label, g in out.items()}
 
@@ -356,11 +389,13 @@ def evaluate(args, work: Path, points: list[int], threads: int) -> None:
 
 
 def ship_preset(args, work: Path, record: dict, last_step: int, dest: Path) -> None:
-    """The flattened adapter and what made it (commit, command, data, training, the last point's figures)
-    as a preset directory (`fastforward/presets/<name>`): written beside `dest`, then renamed onto it."""
+    """The flattened adapter, what made it (commit, command, data, training, the last point's figures) and
+    the decoder it decodes with by default (`fastest`), as a preset directory (`fastforward/presets/<name>`):
+    written beside `dest`, then renamed onto it."""
     data = work / "train.jsonl"
     provenance = {
         "name": dest.name,
+        "description": DESCRIPTION,
         "base": BASE,
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "command": "python benchmarks/smollm2_jf_arithmetic.py " + " ".join(sys.argv[1:]),
@@ -384,6 +419,8 @@ def ship_preset(args, work: Path, record: dict, last_step: int, dest: Path) -> N
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(work / "shipped", tmp)
     (tmp / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    processor = (record.get("machine") or {}).get("processor", "unknown CPU")
+    write_decoding_defaults(tmp, fastest(record[f"final-step-{last_step}"], block_sizes(args), processor))
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
     log(f"shipped {dest}")

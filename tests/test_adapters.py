@@ -122,7 +122,9 @@ def test_lora_from_continues_a_finished_adapter_as_one_adapter_over_the_same_bas
     continued = run(tmp_path / "more", 2, 1e-12, lora_from=str(tmp_path / "first"))
     torch.testing.assert_close(logits(continued), first, rtol=1e-5, atol=1e-5)
     reloaded = load_model(str(tmp_path / "more"))
-    assert reloaded.adapter is None and json.loads((tmp_path / "more" / PROVENANCE).read_text())["base"] == str(base)
+    provenance = json.loads((tmp_path / "more" / PROVENANCE).read_text())
+    assert reloaded.adapter is None and provenance["base"] == str(base)  # a path loading follows
+    assert provenance["train"]["lora_from"] == "first (a training folder)"  # history: no path
     torch.testing.assert_close(logits(reloaded), first, rtol=1e-5, atol=1e-5)
     with pytest.raises(FastForwardError, match="rank 4, not the run's LoRA rank 2"):
         run(tmp_path / "bad", 1, 1e-2, lora_from=str(tmp_path / "first"), lora_rank=2)
@@ -278,7 +280,10 @@ def test_a_chain_of_adapters_flattens_into_one_that_gives_the_same_model(base, t
     flat = flatten([tmp_path / "first", tmp_path / "second"], tmp_path / "flat", str(base), dtype=torch.float32)
     config = json.loads((flat / ADAPTER_CONFIG).read_text())
     assert (config["r"], sorted(config["target_modules"])) == (8, ["o_proj", "q_proj", "v_proj"])
-    assert json.loads((flat / PROVENANCE).read_text())["base"] == str(base)  # no intermediate step left
+    provenance = json.loads((flat / PROVENANCE).read_text())
+    assert provenance["base"] == str(base)  # no intermediate step left
+    # what ships names the folders it was made from by their names only
+    assert provenance["flattened"] == [{"adapter": "first (a training folder)"}, {"base": "first (a training folder)"}]
     torch.testing.assert_close(logits(load_model(str(flat))), chain, rtol=1e-5, atol=1e-5)
     half = logits(load_model(str(flatten([tmp_path / "first", tmp_path / "second"], tmp_path / "bf16", str(base)))))
     assert (half - chain).abs().max() < 0.02 * (chain - logits(load_model(str(base)))).abs().max()
@@ -290,11 +295,12 @@ def test_a_chain_of_adapters_flattens_into_one_that_gives_the_same_model(base, t
 
 
 def test_a_shipped_adapter_loads_by_name_and_is_listed_among_the_presets(base, tmp_path, monkeypatch):
+    from fastforward import shipped as catalogue
     from fastforward.model import presets
 
     shipped = tmp_path / "shipped"
     peft_adapter(base, shipped / "tiny-lora")
-    monkeypatch.setattr(presets, "SHIPPED_ADAPTERS", shipped)
+    monkeypatch.setattr(catalogue, "SHIPPED_ADAPTERS", shipped)
     by_name = load_model("tiny-lora")
     torch.testing.assert_close(logits(by_name), logits(load_model(str(shipped / "tiny-lora"))))
     assert "tiny-lora" in presets.preset_names()

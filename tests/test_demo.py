@@ -11,6 +11,7 @@ import pytest
 from fastforward.cli import build_parser, main
 from fastforward.cli.train import train_config
 from fastforward.decoding.metrics import aup
+from fastforward.decoding.model_defaults import DecodingDefaults
 from fastforward.demo import real_model, showcase, zoo
 from fastforward.demo.pipeline import PRESETS, run_demo
 from fastforward.errors import FastForwardError
@@ -119,6 +120,7 @@ def test_zoo_stages_provenance_packing_and_task_options(tmp_path, capsys):
         zoo.write_provenance(tmp_path / stage.name, stage, seconds, "test")
     record = json.loads((tmp_path / "sbd" / "provenance.json").read_text())
     assert record["stage"]["objective"] == "sbd" and "mask_loss" in record["final_losses"]
+    assert record["description"] == "the demo's small llama for arithmetic: sbd from its pretrain stage, 2 steps"
     # a stage's block options set the training blocks; the rest go to its objective
     post = zoo.Stage("multitf", "sbd", "multitf", 2, 1e-4, {"max_group": 2, "min_block": 4, "max_block": 4})
     zoo.train_stage(post, tmp_path, config, log=lambda _: None)
@@ -189,13 +191,15 @@ def test_the_real_model_rows_compare_each_model_with_its_own_ar_and_jacobi_is_lo
 
     monkeypatch.setattr(real_model, "load_model", load)
     monkeypatch.setattr(real_model, "task_options", lambda: {"max_ops": 2, "max_number": 10})
-    rows, results = real_model.evaluate_real_model(real_model.RealSettings(n=3, block_size=4, max_new_tokens=12), False)
+    own = {real_model.JF_PRESET: DecodingDefaults("jacobi", {"block_size": 4})}  # the base has no decoding.json
+    monkeypatch.setattr(real_model, "model_decoding_defaults", own.get)
+    rows, results = real_model.evaluate_real_model(real_model.RealSettings(n=3, max_new_tokens=12), False)
     assert loaded == [(real_model.JF_PRESET, real_model.SERVED), (real_model.BASE, real_model.SERVED)]
     jf, base = real_model.LABELS[real_model.JF_PRESET], real_model.LABELS[real_model.BASE]
     assert [(r["model"], r["decoder"]) for r in rows] == [
-        (jf, "AR"), (jf, "jacobi (block 4)"), (jf, "lookup"), (base, "AR"), (base, "lookup")
+        (jf, "AR"), (jf, "jacobi --block-size 4"), (jf, "lookup"), (base, "AR"), (base, "lookup")
     ]  # fmt: skip
-    assert all(r["n"] == 3 for r in rows) and {r.label for r in results} == {"ar", "jacobi (block 4)", "lookup"}
+    assert all(r["n"] == 3 for r in rows) and {r.label for r in results} == {"ar", "jacobi --block-size 4", "lookup"}
     assert all(r["agree_exact"] == 100.0 for r in rows if r["decoder"] != "AR")  # lossless: AR's tokens
 
 

@@ -156,6 +156,21 @@ def test_the_client_prints_what_generate_prints_in_process(
     assert without_timings(out, err, as_json) == without_timings(*expected, as_json)
 
 
+def test_a_models_own_default_decoder_is_the_engines_too(engine, home, model_dir, capsys, monkeypatch):
+    """A model's decoding.json names the decoder of a `generate` without --decoder in the engine as in
+    process (read per request: written while the engine runs, it counts)."""
+    own = Path(model_dir) / "decoding.json"
+    own.write_text(json.dumps({"decoder": "jacobi", "options": {"block_size": 4}}))
+    argv = ["--model", model_dir, *PRECISION, "--max-new-tokens", "12", *PROMPTS]
+    try:
+        out, err, heavy = client(home, *argv)
+        expected = in_process(capsys, monkeypatch, ["generate", *argv])
+    finally:
+        own.unlink()
+    assert heavy == "" and "decoding in process" not in err and err.startswith("[jacobi: ")
+    assert without_timings(out, err, False) == without_timings(*expected, False)
+
+
 def test_prompts_from_stdin_and_the_chat_template_off(engine, home, model_dir, capsys, monkeypatch):
     argv = ["--model", model_dir, *PRECISION, "--max-new-tokens", "8", "--no-chat-template", "--json"]
     stdin = "\n".join(PROMPTS).encode()

@@ -110,13 +110,17 @@ def test_decoders_command_prints_the_table(capsys):
 
 
 def test_generate_picks_lookup_and_an_option_it_does_not_take_names_it():
-    from fastforward.cli.generate import default_decoder
+    from fastforward.cli.decoding import default_decoder
 
-    assert default_decoder({}) == "lookup" and default_decoder({"lookup_tokens": 4}) == "lookup"
-    assert default_decoder({"temperature": 0.7, "top_p": 0.9, "seed": 1}) == "lookup"  # lookup samples too
-    assert default_decoder({"block_size": 16}) == "lookup"  # another decoder's option at its neutral default
+    def chosen(knobs: dict) -> str:
+        """The decoder generate picks for a model without decoding.json."""
+        return default_decoder(knobs, None, "lookup")[0]
+
+    assert chosen({}) == "lookup" and chosen({"lookup_tokens": 4}) == "lookup"
+    assert chosen({"temperature": 0.7, "top_p": 0.9, "seed": 1}) == "lookup"  # lookup samples too
+    assert chosen({"block_size": 16}) == "lookup"  # another decoder's option at its neutral default
     with pytest.raises(FastForwardError, match="--block-size 4 does not apply to the 'lookup' decoder, the default"):
-        default_decoder({"block_size": 4})
+        chosen({"block_size": 4})
 
 
 def test_generate_with_another_decoders_option_names_the_decoder_the_user_gets(capsys):

@@ -7,6 +7,8 @@ from typing import Any
 
 from fastforward.cli import add_command
 from fastforward.decoding.decoders import registry
+from fastforward.decoding.model_defaults import DecodingDefaults, model_decoding_defaults
+from fastforward.errors import FastForwardError
 
 
 def add_decoder_flags(
@@ -36,6 +38,37 @@ def decoder_knobs(args: argparse.Namespace) -> dict[str, Any]:
     """The knob values given on the command line (those left out are absent)."""
     knobs = registry.all_knobs()
     return {name: value for name, value in vars(args).items() if name in knobs}
+
+
+def chosen_decoder(
+    args: argparse.Namespace, knobs: dict[str, Any], fallback: str, cwd: str = "."
+) -> tuple[str, dict[str, Any]]:
+    """The decoder and options a command line asks for: --decoder with the options given (`knobs`); without
+    it, the model's own default (its --adapter's decoding.json, else its --model's) or `fallback`, with the
+    options given over the default's (`default_decoder`). `cwd`: where relative paths lead."""
+    if args.decoder is not None:
+        return args.decoder, knobs
+    return default_decoder(knobs, model_decoding_defaults(args.model, args.adapter, cwd), fallback)
+
+
+def default_decoder(
+    knobs: dict[str, Any], defaults: DecodingDefaults | None, fallback: str
+) -> tuple[str, dict[str, Any]]:
+    """The decoder, and its options, of a command line that names no decoder: the model's own default
+    (`defaults`, from its decoding.json), else the command's (`fallback`); options given override the
+    default's. One given that the default decoder does not take is an error naming that decoder, the one
+    the user gets, and the decoders that take it: no other decoder could stand in for it silently."""
+    chosen = defaults or DecodingDefaults(fallback)
+    whose = "this model's default (its decoding.json)" if defaults else "the default"
+    spec, known = registry.spec(chosen.decoder), registry.all_knobs()
+    for name, value in knobs.items():
+        if spec.knob(name) is None and value != known[name].default:
+            takers = ", ".join(s.name for s in registry.specs().values() if s.knob(name))
+            raise FastForwardError(
+                f"{known[name].flag} {value} does not apply to the {spec.name!r} decoder, {whose}; "
+                f"choose a decoder that takes it with --decoder ({takers})"
+            )
+    return chosen.decoder, {**chosen.options, **knobs}
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -29,18 +29,17 @@ import time
 from typing import Any
 
 from fastforward.api import build_decoder
-from fastforward.cli import build_parser, precision, resolve_precision
-from fastforward.cli.decoding import decoder_knobs
-from fastforward.cli.generate import default_decoder, record, summary, warning
+from fastforward.cli import DEFAULT_DECODER, build_parser, precision, resolve_precision
+from fastforward.cli.decoding import chosen_decoder, decoder_knobs, default_decoder
+from fastforward.cli.generate import record, summary, warning
 from fastforward.cli.generate_io import NO_PROMPTS
 from fastforward.decoding.decoders import registry
+from fastforward.decoding.model_defaults import model_decoding_defaults
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.serving.engine import Engine, Job, QueueFull
 from fastforward.serving.engines import EngineFolder, describe, serves
 from fastforward.serving.warm_up import load_ready
-
-WARM_UP_DECODER = "lookup"  # generate's default; the warm-up adds the kinds of step of ar and jacobi
 
 
 class Declined(Exception):
@@ -116,8 +115,8 @@ class LocalServer:
         try:
             if not prompts:
                 raise FastForwardError(NO_PROMPTS)
-            knobs = decoder_knobs(args)
-            name = args.decoder or default_decoder(knobs)
+            # The decoder the client's own process would choose: relative paths lead from its directory.
+            name, knobs = chosen_decoder(args, decoder_knobs(args), DEFAULT_DECODER, request["cwd"])
             decoder = build_decoder(name, **knobs)
             if registry.spec(name).needs_mask:
                 self.model.require_mask_token(name)
@@ -186,7 +185,7 @@ class LocalServer:
             if event.finish_reason is not None:
                 gen = event.generation
                 assert gen is not None  # a job without stop strings ends with its row's generation
-                report = {"record": record(prompt, gen), "summary": summary(decoder, gen)}
+                report = {"record": record(prompt, decoder, gen), "summary": summary(decoder, gen)}
                 await _write(writer, {"prompt": index, **report, "warning": warning(gen, args.max_new_tokens)})
                 return True
 
@@ -216,10 +215,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         folder.write_state({**state, "state": "loading"})
         print(f"fastforward engine: loading {describe(serving)} (pid {os.getpid()})", flush=True)
-        # Warmed up too: the first forwards of a process are slow (eager steps too), and "ready" promises
-        # a quick answer.
+        # Warmed up too, with the decoder a `generate` of this model gets by default (the warm-up adds the
+        # kinds of step of ar and jacobi): the first forwards of a process are slow (eager steps too), and
+        # "ready" promises a quick answer.
         load = {"name_or_path": args.model, "device": args.device, "precision": precision(args)}
-        model = load_ready(load, build_decoder(WARM_UP_DECODER), "fastforward engine")
+        name, knobs = default_decoder({}, model_decoding_defaults(args.model, args.adapter), DEFAULT_DECODER)
+        model = load_ready(load, build_decoder(name, **knobs), "fastforward engine")
         asyncio.run(LocalServer(model, serving, args.compile).serve(folder, state))
     except _Stopped:
         print("fastforward engine: stopped before it was ready", flush=True)

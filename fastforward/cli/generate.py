@@ -8,6 +8,7 @@ from typing import Any
 from fastforward.api import build_decoder
 from fastforward.cli import (
     DECODING_DEFAULTS,
+    DEFAULT_DECODER,
     add_command,
     add_compile_flag,
     add_precision_flags,
@@ -15,9 +16,9 @@ from fastforward.cli import (
     positive_int,
     precision,
 )
-from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
+from fastforward.cli.decoding import add_decoder_flags, chosen_decoder, decoder_knobs
 from fastforward.cli.generate_io import NO_PROMPTS, print_report, read_prompts, say_interrupted
-from fastforward.decoding.decoders import Generation, registry
+from fastforward.decoding.decoders import Generation
 from fastforward.decoding.runtime import GenerationInterrupted
 from fastforward.errors import FastForwardError
 from fastforward.model import check_device, load_model
@@ -27,7 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "generate")
     p.add_argument("prompts", nargs="*", help="prompts (default: read one per line from stdin)")
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
-    add_decoder_flags(p, default=None, default_help="lookup, lossless; it samples too, with --temperature")
+    add_decoder_flags(
+        p,
+        default=None,
+        default_help=f"the model's own, from its decoding.json (`fastforward models` lists them), else "
+        f"{DEFAULT_DECODER}: lossless, and it samples too, with --temperature",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most per prompt")
     add_precision_flags(p, **DECODING_DEFAULTS)
     add_compile_flag(p)
@@ -44,30 +50,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def default_decoder(knobs: dict) -> str:
-    """`lookup`: lossless (greedy, or AR's own samples with --temperature), and measured as fast as
-    `ar` on chat prompts and faster on code (docs/results.md). An option given that lookup does not
-    take is an error naming lookup, the decoder the user gets, and the decoders that take it (no
-    fallback could serve it: `ar` takes no option that lookup lacks)."""
-    lookup, known = registry.spec("lookup"), registry.all_knobs()
-    for name, value in knobs.items():
-        if lookup.knob(name) is None and value != known[name].default:
-            takers = ", ".join(spec.name for spec in registry.specs().values() if spec.knob(name))
-            raise FastForwardError(
-                f"{known[name].flag} {value} does not apply to the 'lookup' decoder, the default; "
-                f"choose a decoder that takes it with --decoder ({takers})"
-            )
-    return "lookup"
-
-
 def run(args: argparse.Namespace) -> int:
     check_device(args.device)
+    args.decoder, knobs = chosen_decoder(args, decoder_knobs(args), DEFAULT_DECODER)  # named in each report
+    decoder = build_decoder(args.decoder, **knobs)
     prompts = args.prompts or read_prompts()
     if not prompts:
         raise FastForwardError(NO_PROMPTS)
-    knobs = decoder_knobs(args)
-    args.decoder = args.decoder or default_decoder(knobs)  # named as chosen in each report
-    decoder = build_decoder(args.decoder, **knobs)
     model = load_model(args.model, device=args.device, precision=precision(args))
     encoded = [model.encode_prompt(p, chat_template=not args.no_chat_template) for p in prompts]
     for start in range(0, len(encoded), args.batch_size):
@@ -87,13 +76,16 @@ def run(args: argparse.Namespace) -> int:
 
 def report(args: argparse.Namespace, prompt: str, gen: Generation) -> None:
     """Print one prompt's generation (text, or a JSON record) and its figures or warnings on stderr."""
-    print_report(record(prompt, gen), summary(args.decoder, gen), warning(gen, args.max_new_tokens), args.json)
+    print_report(
+        record(prompt, args.decoder, gen), summary(args.decoder, gen), warning(gen, args.max_new_tokens), args.json
+    )
 
 
-def record(prompt: str, gen: Generation) -> dict[str, Any]:
-    """What `--json` prints of one prompt's generation."""
+def record(prompt: str, decoder: str, gen: Generation) -> dict[str, Any]:
+    """What `--json` prints of one prompt's generation (the decoder: the one chosen, maybe the model's own)."""
     return {
         "prompt": prompt,
+        "decoder": decoder,
         "text": gen.text,
         "token_ids": gen.token_ids,
         "finish_reason": gen.finish_reason,

@@ -20,7 +20,7 @@ from fastforward.cli import (
     positive_int,
     precision,
 )
-from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
+from fastforward.cli.decoding import add_decoder_flags, chosen_decoder, decoder_knobs
 from fastforward.decoding.runtime import PREFILL_TOKENS
 from fastforward.errors import FastForwardError
 from fastforward.model import check_device
@@ -28,13 +28,19 @@ from fastforward.serving.limits import MAX_REQUEST_BYTES
 from fastforward.serving.warm_up import load_ready
 
 API_KEY_ENV = "FASTFORWARD_API_KEY"
+DEFAULT_DECODER = "ar"  # what a model without decoding.json serves, as before models carried their own
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "serve", description=__doc__)
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file")
     p.add_argument("--served-name", help="the model id clients send (default: --model)")
-    add_decoder_flags(p, skip=("seed",))
+    add_decoder_flags(
+        p,
+        default=None,
+        skip=("seed",),
+        default_help=f"the model's own, from its decoding.json, else {DEFAULT_DECODER}; a request may name another",
+    )
     p.add_argument(
         "--seed",
         type=int,
@@ -134,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_device(args.device)
     name = args.served_name or args.model
-    knobs = serve_knobs(args)
+    args.decoder, knobs = chosen_decoder(args, serve_knobs(args), DEFAULT_DECODER)
     options = {
         "name": name,
         "decoder": args.decoder,

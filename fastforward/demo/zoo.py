@@ -56,6 +56,12 @@ class Stage:
     options: dict[str, Any] = field(default_factory=dict)
     ntp_weight: float = 1.0
 
+    @property
+    def description(self) -> str:
+        """One line of what the stage made (`fastforward models` shows it)."""
+        start = f"from its {self.base} stage" if self.base else "from scratch"
+        return f"the demo's small llama for arithmetic: {self.objective} {start}, {self.steps} steps"
+
 
 MULTITF_BLOCKS = {"min_block": 6, "max_block": 6}  # the demo's mbd decodes blocks of 6
 RECIPE: tuple[Stage, ...] = (
@@ -175,6 +181,7 @@ def write_provenance(run: Path, stage: Stage, seconds: float, command: str, comm
     """provenance.json of a trained stage (weights hashed as they are in `run`)."""
     weights = run / "model.safetensors"
     record = {
+        "description": stage.description,
         "stage": asdict(stage),
         "command": command,
         "commit": commit or git_commit(),

@@ -29,16 +29,11 @@ from transformers import PreTrainedModel
 
 from fastforward.cpu.low_rank import LowRank, add_update
 from fastforward.errors import FastForwardError
+from fastforward.shipped import ADAPTER_CONFIG, is_adapter  # free of torch: `fastforward models` lists adapters
 
-ADAPTER_CONFIG = "adapter_config.json"
 PROVENANCE = "fastforward_adapter.json"
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 DEFAULT_TARGETS = "all-linear"  # PEFT's name for every linear layer but the output projection
-
-
-def is_adapter(path: Path) -> bool:
-    """Whether `path` is a PEFT adapter directory (not a full model)."""
-    return path.is_dir() and (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file()
 
 
 def _read(path: Path) -> dict:
@@ -62,6 +57,19 @@ def weights_file(adapter: Path) -> Path:
         if (adapter / name).is_file():
             return adapter / name
     raise FastForwardError(f"adapter {adapter} has no weights ({' or '.join(WEIGHTS)}); it is incomplete")
+
+
+def training_folder(path: str | Path) -> str:
+    """A local folder as a provenance record keeps it, e.g. `sft (a training folder)`: its own name says
+    what it was, and the path it had on the machine that made it says nothing anywhere else."""
+    return f"{Path(path).name} (a training folder)"
+
+
+def path_free(reference: str) -> str:
+    """A model an adapter was made from, as a shipped record keeps it: a local folder (absolute, as training
+    records one, or there) by `training_folder`; a name (a preset, a Hub id) as it is."""
+    path = Path(reference).expanduser()
+    return training_folder(path) if path.is_absolute() or path.exists() else reference
 
 
 def base_of(adapter: Path) -> str | None:

