@@ -26,6 +26,7 @@ from unittest import mock
 import torch
 import transformers
 
+from fastforward.cpu.threads import cpu_model
 from fastforward.decoding.decoders import Decoder, Generation, Stats
 from fastforward.decoding.metrics import aup
 from fastforward.evaluation.report import write_json
@@ -167,15 +168,6 @@ def load_average() -> list[float]:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return []
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (Linux), where `platform.processor()` gives nothing."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
 
 
 def machine_info(load: bool = False) -> dict:

@@ -68,7 +68,8 @@ def main() -> None:
     log(f"{args.model} on {len(records)} test records: {', '.join(contenders)} interleaved")
     rows = table(contenders, records, prompts, args.max_new_tokens)
     own_ar, own_lookup = rows["ar"]["tps"], rows["lookup"]["tps"]
-    log("\n| contender | accuracy | TPF | tokens/s | × its ar | × its lookup | = its ar |\n|---|---|---|---|---|---|---|")
+    log("\n| contender | accuracy | TPF | tokens/s | × its ar | × its lookup | = its ar |")
+    log("|---|---|---|---|---|---|---|")
     for label, row in rows.items():
         own = not label.startswith(("base", "control"))
         ratios = f"{row['tps'] / own_ar:.2f} | {row['tps'] / own_lookup:.2f}" if own else " | "

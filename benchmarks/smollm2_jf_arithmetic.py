@@ -39,7 +39,6 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from common import load_average, log, machine_info, set_threads
@@ -49,6 +48,7 @@ from fastforward.decoding.model_defaults import DecodingDefaults, write_decoding
 from fastforward.model import Model, load_model
 from fastforward.model.adapters import ADAPTER_CONFIG
 from fastforward.model.flatten import flatten
+from fastforward.recipes.dev_eval import choose_defaults
 from fastforward.tasks import get_task
 from fastforward.training.data import PackedData, load_examples
 from fastforward.training.objectives import JacobiForcing, make_objective
@@ -271,20 +271,12 @@ def final_decoders(blocks: list[int]) -> dict[str, tuple[str, dict]]:
 
 
 def fastest(rows: dict, blocks: list[int], processor: str) -> DecodingDefaults:
-    """The preset's decoding defaults: of the last point's rows, the fastest in tokens/s among those that
-    give the adapter's ar tokens on every problem (ar itself included), and the figures that chose it."""
-    decoders = final_decoders(blocks)
-    lossless = [label for label in decoders if rows[label].get("equal_ar", rows[label]["n"]) == rows[label]["n"]]
-    best = max(lossless, key=lambda label: rows[label]["tps"])
-    chosen = DecodingDefaults(*decoders[best])
-    figures = ", ".join(f"{label.removeprefix('jf ')} {rows[label]['tps']:.1f}" for label in lossless)
-    n = rows[best]["n"]
-    measured = (
-        f"{chosen.describe()}: the fastest in tokens/s of {figures} (each = ar on {n} of {n}) on {n} held-out "
-        f"arithmetic problems, int4 --exact, batch 1, 2 threads, {processor}; python "
-        "benchmarks/smollm2_jf_arithmetic.py (its command and figures: provenance.json)"
+    """The preset's decoding defaults, chosen from the last point's rows as the recipe chooses them."""
+    where = (
+        f"{rows['jf ar']['n']} held-out arithmetic problems, int4 --exact, batch 1, 2 threads, {processor}; "
+        "python benchmarks/smollm2_jf_arithmetic.py (its command and figures: provenance.json)"
     )
-    return replace(chosen, measured=measured)
+    return choose_defaults(rows, final_decoders(blocks), where)
 
 
 def ship(work: Path, last: Path) -> Path:

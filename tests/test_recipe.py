@@ -154,15 +154,11 @@ def test_the_recipe_refuses_what_it_cannot_do(tmp_path, capsys):
 
 
 def test_defaults_go_to_a_lossless_decoder_only_when_it_pays():
-    contenders = {
-        "ar": (None, "ar", {}),
-        "lookup": (None, "lookup", {}),
-        "jacobi-8": (None, "jacobi", {"block_size": 8}),
-    }
+    decoders = {"ar": ("ar", {}), "lookup": ("lookup", {}), "jacobi-8": ("jacobi", {"block_size": 8})}
     rows = {"ar": {"tps": 100.0, "tpf": 1.0, "n": 10}, "lookup": {"tps": 103.0, "tpf": 1.1, "n": 10, "equal_ar": 10}}
     rows["jacobi-8"] = {"tps": 160.0, "tpf": 3.0, "n": 10, "equal_ar": 9}  # fast, but not ar's tokens once
-    assert dev_eval.choose_defaults(rows, contenders)["decoder"] == "ar"  # lookup within the noise margin
+    assert dev_eval.choose_defaults(rows, decoders, "dev").decoder == "ar"  # lookup within the noise margin
     rows["jacobi-8"]["equal_ar"] = 10
-    chosen = dev_eval.choose_defaults(rows, contenders)
-    assert (chosen["decoder"], chosen["options"]) == ("jacobi", {"block_size": 8})
-    assert chosen["measured"].startswith("jacobi-8: 1.60x its own ar")
+    chosen = dev_eval.choose_defaults(rows, decoders, "10 dev prompts")
+    assert (chosen.decoder, dict(chosen.options)) == ("jacobi", {"block_size": 8})
+    assert chosen.measured.startswith("jacobi --block-size 8: 1.60x its own ar") and "10 dev prompts" in chosen.measured

@@ -126,3 +126,15 @@ def on_passing_thread(work: Callable[[], T]) -> T:
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     return outcome["value"]  # type: ignore[return-value]
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (`platform.processor()` gives nothing on Linux), for the record
+    beside a measured figure; the platform's processor string elsewhere."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from fastforward.cpu.threads import cpu_model
 from fastforward.demo.pipeline import DemoConfig, finetune, pretrain
 from fastforward.errors import FastForwardError
 from fastforward.model import load_model
@@ -158,15 +159,6 @@ def final_losses(run: Path, last: int = 50) -> dict[str, float]:
     return {k: round(sum(r[k] for r in train) / len(train), 4) for k in keys}
 
 
-def cpu_name() -> str:
-    """The CPU's model name (platform.processor() is empty on Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
-
-
 def git_commit() -> str:
     try:
         here = Path(__file__).resolve().parent
@@ -186,7 +178,7 @@ def write_provenance(run: Path, stage: Stage, seconds: float, command: str, comm
         "command": command,
         "commit": commit or git_commit(),
         "seconds": round(seconds, 1),
-        "machine": {"platform": platform.platform(), "processor": cpu_name(), "cores": os.cpu_count()},
+        "machine": {"platform": platform.platform(), "processor": cpu_model(), "cores": os.cpu_count()},
         "torch": torch.__version__,
         "final_losses": final_losses(run),
         "sha256": hashlib.sha256(weights.read_bytes()).hexdigest(),

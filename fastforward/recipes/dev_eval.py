@@ -7,14 +7,15 @@ generation seconds with the prefill, as docs/results.md defines them.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from fastforward.api import build_decoder
 from fastforward.decoding.decoders import Generation, registry
+from fastforward.decoding.model_defaults import DecodingDefaults
 from fastforward.model import Model
 from fastforward.recipes.records import Record
 from fastforward.tasks.jsonl import grade_answer
@@ -68,21 +69,25 @@ def table(
 MARGIN = 1.05
 
 
-def choose_defaults(rows: dict[str, dict[str, Any]], contenders: dict[str, Contender]) -> dict[str, Any]:
-    """The fastest contender (tokens/s) among `ar` and the lossless ones that gave `ar`'s tokens on every
-    prompt and beat `ar` by `MARGIN`: the decoder a model runs when the user names none."""
-    floor = MARGIN * rows["ar"]["tps"]
-    exact = {
-        label: row
-        for label, row in rows.items()
-        if label == "ar"
-        or (registry.spec(contenders[label][1]).lossless and row.get("equal_ar") == row["n"] and row["tps"] >= floor)
-    }
-    label = max(exact, key=lambda name: exact[name]["tps"])
-    _, decoder, options = contenders[label]
-    row = rows[label]
+def choose_defaults(
+    rows: dict[str, dict[str, Any]], decoders: dict[str, tuple[str, dict[str, Any]]], where: str
+) -> DecodingDefaults:
+    """The fastest row (tokens/s) among `ar` and the lossless ones that gave `ar`'s tokens on every prompt and
+    beat `ar` by `MARGIN`: the decoder a model runs when the user names none. `decoders`: each row's decoder
+    and options, by label ("ar" among them); `where`: what the rows were measured on, for the record."""
+    ar = next(label for label, (name, _) in decoders.items() if name == "ar")
+    floor = MARGIN * rows[ar]["tps"]
+
+    def pays(label: str) -> bool:
+        row, lossless = rows[label], registry.spec(decoders[label][0]).lossless
+        return label == ar or (lossless and row.get("equal_ar") == row["n"] and row["tps"] >= floor)
+
+    exact = [label for label in decoders if pays(label)]
+    best = max(exact, key=lambda label: rows[label]["tps"])
+    chosen = DecodingDefaults(*decoders[best])
+    row = rows[best]
     measured = (
-        f"{label}: {row['tps'] / rows['ar']['tps']:.2f}x its own ar in tokens/s at TPF {row['tpf']:.2f} on "
-        f"{row['n']} dev prompts, interleaved (batch 1, greedy, {os.cpu_count()} cores)"
+        f"{chosen.describe()}: {row['tps'] / rows[ar]['tps']:.2f}x its own ar in tokens/s at TPF {row['tpf']:.2f}, "
+        f"the fastest row equal to ar on all {row['n']} of {where}"
     )
-    return {"decoder": decoder, "options": dict(options), "measured": measured}
+    return replace(chosen, measured=measured)

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastforward.cpu.threads import cpu_model
+from fastforward.decoding.model_defaults import DecodingDefaults, write_decoding_defaults
 from fastforward.errors import FastForwardError
 from fastforward.model import Model, adapters, load_model
 from fastforward.model.flatten import flatten
@@ -49,7 +51,6 @@ from fastforward.training.trainer import TrainConfig, default_autocast, train
 from fastforward.training.trajectories import TrajectoryData, from_examples
 
 SERVED = {"quantize": "int4", "exact": True}  # the precision `fastforward generate` runs a model at on a CPU
-DECODING = "decoding.json"
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,9 @@ class Recipe:
             contenders |= {f"jacobi-{b}": (model, "jacobi", {"block_size": b}) for b in o.blocks}
             rows = dev_eval.table(contenders, records, prompts, o.max_new_tokens)
             keep("final", rows)
-            keep("defaults", dev_eval.choose_defaults(rows, contenders))
+            decoders = {label: (name, options) for label, (_, name, options) in contenders.items()}
+            where = f"{len(records)} dev prompts, int4 --exact, batch 1, greedy, interleaved; {cpu_model()}"
+            keep("defaults", dev_eval.choose_defaults(rows, decoders, where).as_json())
         if "base" not in record:
             keep("base", dev_eval.table({"ar": (base, "ar", {})}, records, prompts, o.max_new_tokens)["ar"])
         if o.control and "control" not in record and finished_run(self.work / "control"):
@@ -302,7 +305,7 @@ class Recipe:
         tmp = dest.with_name(f".{dest.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(self._flattened(), tmp)
-        _write_json(tmp / DECODING, record["defaults"])
+        write_decoding_defaults(tmp, DecodingDefaults(**record["defaults"]))
         _write_json(tmp / "provenance.json", provenance)
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
@@ -318,7 +321,7 @@ class Recipe:
         if not evaluate:
             return None
         record = self._dev(points)
-        _write_json(self._flattened() / DECODING, record["defaults"])
+        write_decoding_defaults(self._flattened(), DecodingDefaults(**record["defaults"]))
         if ship_to is not None:
             self.ship(ship_to, record)
         return record
