@@ -25,6 +25,7 @@ from fastforward.model import load_model
 from fastforward.recipes.dev_eval import table
 from fastforward.recipes.records import Record, read_records
 from fastforward.tasks import get_task
+from fastforward.tasks.arithmetic import apart_from
 
 BASE = "smollm2-135m"
 SERVED = {"quantize": "int4", "exact": True}
@@ -33,10 +34,13 @@ ARITHMETIC = {"min_ops": 2, "max_ops": 3, "max_number": 20, "max_factor": 5}  # 
 
 def test_records(args: argparse.Namespace) -> list[Record]:
     """The first --n records of the test file, or of the arithmetic task's test split (seed 1, as its
-    preset's figures were measured)."""
+    preset's figures were measured); with --clean, of those apart from its 3,000 train problems (seed 0)."""
     if args.data:
         return read_records(args.data)[: args.n]
-    examples = get_task("arithmetic", **ARITHMETIC).examples("test", n=args.n, seed=1)
+    task = get_task("arithmetic", **ARITHMETIC)
+    examples = task.examples("test", n=2 * args.n if args.clean else args.n, seed=1)
+    if args.clean:
+        examples = apart_from(examples, task.examples("train", n=3000, seed=0))[: args.n]
     return [Record(e.prompt, None, e.reference) for e in examples]
 
 
@@ -47,6 +51,9 @@ def main() -> None:
     source.add_argument("--data", type=Path, help="a test JSONL (GSM8K lines, or prompt/answer)")
     source.add_argument("--task", choices=["arithmetic"], help="the arithmetic preset's own test split")
     p.add_argument("--n", type=int, default=500, help="test records (the first n)")
+    p.add_argument(
+        "--clean", action="store_true", help="--task arithmetic: only test problems apart from the train problems"
+    )
     p.add_argument("--control", help="an NTP control model whose ar accuracy is measured beside")
     p.add_argument("--no-base", action="store_true", help="leave out the base model's ar")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -76,7 +83,7 @@ def main() -> None:
         equal = f"{row['equal_ar']} of {row['n']}" if own and "equal_ar" in row else ""
         accuracy = f"{row['accuracy']:.1%}" if "accuracy" in row else ""
         log(f"| {label} | {accuracy} | {row['tpf']:.2f} | {row['tps']:.1f} | {ratios} | {equal} |")
-    out = RESULTS / f"preset_on_test-{Path(args.model).name}.json"
+    out = RESULTS / f"preset_on_test-{Path(args.model).name}{'-clean' if args.clean else ''}.json"
     write_report(out, before, threads, model=args.model, n=len(records), defaults=defaults.as_json(), rows=rows)
 
 

@@ -259,3 +259,16 @@ def test_jsonl_bad_regex_and_missing_file(tmp_path: Path):
         get_task(path, match="fuzzy")
     with pytest.raises(FastForwardError, match="does not exist"):
         get_task(str(tmp_path / "missing.jsonl"))
+
+
+def test_a_test_problem_apart_from_training_differs_in_more_than_names_and_items():
+    from fastforward.tasks.arithmetic import apart_from, masked
+
+    assert masked("Mia buys 3 notebooks. She pays $6.") == masked("Tom buys 3 pens. He pays $6.")
+    assert masked("Mia buys 3 notebooks.") != masked("Mia buys 4 notebooks.")
+    task = get_task("arithmetic", min_ops=2, max_ops=3, max_number=20, max_factor=5)
+    train, test = task.examples("train", n=3000, seed=0), task.examples("test", n=300, seed=1)
+    kept = apart_from(test, train)
+    assert len(kept) == 235 and all(e in test for e in kept)  # the figure its docstring gives
+    prompts, solutions = {masked(e.prompt) for e in train}, {e.completion for e in train}
+    assert not any(masked(e.prompt) in prompts or e.completion in solutions for e in kept)
