@@ -99,11 +99,12 @@ def test_own_answers_are_the_models_greedy_output_and_resume_after_a_torn_line(t
 
 
 # ---- the command ------------------------------------------------------------------------------------------
-def recipe_args(tmp_path, data: str) -> list[str]:
+def recipe_args(tmp_path, data: str, method: str = "jacobi-forcing") -> list[str]:
+    own = ["--block-size", "4"] if method == "jacobi-forcing" else ["--max-block", "4"]
     return [
-        "recipe", "jacobi-forcing", "--model", str(tmp_path / "m"), "--data", data, "--work", str(tmp_path / "w"),
-        "--budget", "3k", "--dev", "2", "--seq-len", "64", "--batch-size", "2", "--block-size", "4", "--blocks", "2",
-        "4", "--curve", "2", "--curve-n", "1", "--max-new-tokens", "12", "--lora-rank", "2", "--targets", "reference",
+        "recipe", method, "--model", str(tmp_path / "m"), "--data", data, "--work", str(tmp_path / "w"), *own,
+        "--budget", "3k", "--dev", "2", "--seq-len", "64", "--batch-size", "2", "--blocks", "2", "4",
+        "--curve", "2", "--curve-n", "1", "--max-new-tokens", "12", "--lora-rank", "2", "--targets", "reference",
         "--threads", "1",
     ]  # fmt: skip
 
@@ -129,6 +130,7 @@ def test_the_recipe_makes_a_preset_that_carries_its_defaults_and_resumes(tmp_pat
     provenance = json.loads((preset / "provenance.json").read_text())
     assert provenance["command"].startswith("fastforward recipe jacobi-forcing --data ")
     assert "--ar-weight 10.0" in provenance["command"] and provenance["data"]["file"] == "gsm8k.jsonl"
+    assert "Jacobi Forcing" in provenance["description"]
     model = load_model(str(preset))  # the flattened adapter over the base
     prompt = [model.encode_prompt("Tom has 3 apples")]
     ar = build_decoder("ar").generate(model, prompt, 10)[0].token_ids
@@ -139,6 +141,27 @@ def test_the_recipe_makes_a_preset_that_carries_its_defaults_and_resumes(tmp_pat
     assert "ntp from" not in out and "jacobi_forcing from" not in out and "dev final" not in out
     assert main([*args[:-2], "--lr", "0.5"]) == 2
     assert "other settings (lr)" in capsys.readouterr().err
+
+
+def test_the_sbd_recipe_ships_an_sbd_model_whose_default_is_lossless(tmp_path, capsys):
+    tiny_model(init_std=0.5).save(tmp_path / "m")
+    args = recipe_args(tmp_path, write_lines(tmp_path / "gsm8k.jsonl", GSM8K_LINES), "sbd")
+    assert main([*args, "--ship-to", str(tmp_path / "preset")]) == 0
+    dev = json.loads((tmp_path / "w" / "dev.json").read_text())
+    assert set(dev["curve"][0]) == {"step", "tokens", "ar"}  # the SFT start has no mask token yet
+    assert set(dev["curve"][-1]) == {"step", "tokens", "ar", "sbd-verified"}
+    assert {"sbd-verified-2", "sbd-verified-4", "sbd gamma 0.35", "sbd-slide gamma 0.35"} <= set(dev["final"])
+    assert all(dev["final"][f"sbd-verified-{b}"]["equal_ar"] == 2 for b in (2, 4))  # lossless on dev
+    assert dev["defaults"]["decoder"] in ("ar", "lookup", "sbd-verified")  # never a lossy one
+    model = load_model(str(tmp_path / "preset"))
+    assert model.mask_token_id is not None  # the shipped adapter brings SBD's mask token
+    prompt = [model.encode_prompt("Tom has 3 apples")]
+    ar = build_decoder("ar").generate(model, prompt, 10)[0].token_ids
+    assert (
+        build_decoder("sbd-verified", block_size=4, gamma=float("inf")).generate(model, prompt, 10)[0].token_ids == ar
+    )
+    provenance = json.loads((tmp_path / "preset" / "provenance.json").read_text())
+    assert provenance["command"].startswith("fastforward recipe sbd ") and "--max-block 4" in provenance["command"]
 
 
 def test_the_recipe_refuses_what_it_cannot_do(tmp_path, capsys):

@@ -1,98 +1,68 @@
 """`fastforward recipe METHOD`: a whole training recipe on the user's own data, from one command.
 
 `fastforward recipe jacobi-forcing --data train.jsonl --work DIR [--ship-to DIR]` runs the stages of
-`fastforward.recipes.jacobi_forcing` (SFT, targets, Jacobi Forcing, an evaluation on a dev split held out
-from the data, the choice of decoding defaults, a preset folder). Rerun the same command to resume.
+`fastforward.recipes.pipeline` around the method's own training (SFT, targets, training, an evaluation on a
+dev split held out from the data, the choice of decoding defaults, a preset folder); `fastforward recipe
+sbd` does the same with Set Block Decoding. Rerun the same command to resume.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields, replace
+import sys
+from dataclasses import MISSING, Field, fields
 from pathlib import Path
+from typing import Any
 
-from fastforward.cli import DefaultsShown, add_command, add_threads_flag, positive_int
+from fastforward.cli import DefaultsShown, add_command, add_threads_flag
 
 
 class DocstringAndDefaults(argparse.RawDescriptionHelpFormatter, DefaultsShown):
-    """The recipe's docstring as written (its stages are a list), and each option's default."""
+    """A recipe's docstring as written (its stages are a list), and each option's default."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from fastforward.recipes import jacobi_forcing
-    from fastforward.recipes.records import TOKENS_PER_SECOND
-    from fastforward.recipes.targets import TARGETS
-    from fastforward.training.objectives.jacobi_forcing import SCHEDULES
+    from fastforward.recipes.pipeline import RECIPES
 
-    defaults = jacobi_forcing.RecipeOptions()
     p = add_command(sub, "recipe", description=__doc__)
     methods = p.add_subparsers(dest="method", required=True)
-    jf = methods.add_parser(
-        "jacobi-forcing",
-        help="SFT, Jacobi Forcing, a dev-split evaluation and a preset folder with its decoding defaults",
-        description=jacobi_forcing.__doc__,
-        formatter_class=DocstringAndDefaults,
-    )
-    jf.add_argument("--model", default=defaults.model, help="the base: preset, model directory or .gguf file")
-    jf.add_argument(
-        "--data",
-        type=Path,
-        required=True,
-        help='JSONL of {"prompt", "completion"?, "answer"?} or GSM8K {"question", "answer"} lines',
-    )
-    jf.add_argument("--work", type=Path, required=True, help="the work folder (rerun with it to resume)")
-    jf.add_argument("--ship-to", type=Path, help="write the finished model here as a preset folder")
-    jf.add_argument(
-        "--budget",
-        default=defaults.budget,
-        help=f"training tokens (3M, 500k) or time (90min, 3h; converted at {TOKENS_PER_SECOND:.0f} tokens/s, "
-        "the rate of 2 quiet cores on SmolLM2-135M)",
-    )
-    jf.add_argument("--dev", type=positive_int, default=defaults.dev, help="records held out as the dev split")
-    jf.add_argument("--seed", type=int, default=defaults.seed, help="seed of the dev split and of training")
-    jf.add_argument(
-        "--sft", action=argparse.BooleanOptionalAction, default=defaults.sft,
-        help="an SFT stage on the records' completions first (when every record has one)",
-    )  # fmt: skip
-    jf.add_argument("--sft-share", type=float, default=defaults.sft_share, help="share of the budget for SFT")
-    jf.add_argument(
-        "--targets", choices=TARGETS, default=defaults.targets,
-        help="train toward the start model's own greedy answers (self) or the records' completions (reference)",
-    )  # fmt: skip
-    jf.add_argument(
-        "--answers", type=int, default=defaults.answers,
-        help="train prompts the start model answers for --targets self (0: as many as one epoch of the budget needs)",
-    )  # fmt: skip
-    jf.add_argument("--block-size", type=positive_int, default=defaults.block_size, help="training block size")
-    jf.add_argument(
-        "--blocks", type=positive_int, nargs="+", default=list(defaults.blocks),
-        help="jacobi block sizes measured on the dev split (the fastest becomes the default)",
-    )  # fmt: skip
-    jf.add_argument("--noise-schedule", choices=SCHEDULES, default=defaults.noise_schedule, help="noise in a window")
-    jf.add_argument("--ar-weight", type=float, default=defaults.ar_weight, help="AR loss weight (CLLM: 10)")
-    jf.add_argument("--lora-rank", type=positive_int, default=defaults.lora_rank, help="LoRA rank of each stage")
-    jf.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
-    jf.add_argument("--seq-len", type=positive_int, default=defaults.seq_len, help="tokens per training row")
-    jf.add_argument("--batch-size", type=positive_int, default=defaults.batch_size, help="rows per step")
-    jf.add_argument("--curve", type=positive_int, default=defaults.curve, help="points of the learning curve")
-    jf.add_argument("--curve-n", type=positive_int, default=defaults.curve_n, help="dev records at each curve point")
-    jf.add_argument(
-        "--control", action="store_true",
-        help="also train an NTP control (the same start, data and steps) and measure its accuracy",
-    )  # fmt: skip
-    jf.add_argument("--max-new-tokens", type=positive_int, default=defaults.max_new_tokens, help="per answer")
-    jf.add_argument("--no-eval", action="store_true", help="train only (a later rerun evaluates and ships)")
-    add_threads_flag(jf)
-    jf.set_defaults(run=run_jacobi_forcing)
+    for name, recipe in RECIPES.items():
+        doc = sys.modules[recipe.__module__].__doc__
+        q = methods.add_parser(name, help=recipe.summary, description=doc, formatter_class=DocstringAndDefaults)
+        q.add_argument(
+            "--data", type=Path, required=True,
+            help='JSONL of {"prompt", "completion"?, "answer"?} or GSM8K {"question", "answer"} lines',
+        )  # fmt: skip
+        q.add_argument("--work", type=Path, required=True, help="the work folder (rerun with it to resume)")
+        q.add_argument("--ship-to", type=Path, help="write the finished model here as a preset folder")
+        for f in fields(recipe.options_class):
+            add_option_flag(q, f)
+        q.add_argument("--no-eval", action="store_true", help="train only (a later rerun evaluates and ships)")
+        add_threads_flag(q)
+        q.set_defaults(run=run, recipe=name)
 
 
-def run_jacobi_forcing(args: argparse.Namespace) -> int:
-    from fastforward.recipes.jacobi_forcing import Recipe, RecipeOptions, command_line
+def add_option_flag(p: argparse.ArgumentParser, f: Field) -> None:
+    """One flag for one recipe option: a switch for a bool, several values for a tuple, else one value of
+    the default's type."""
+    default: Any = f.default if f.default is not MISSING else None
+    flag, help, choices = "--" + f.name.replace("_", "-"), f.metadata.get("help", ""), f.metadata.get("choices")
+    if isinstance(default, bool):
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
+    elif isinstance(default, tuple):
+        p.add_argument(flag, type=type(default[0]), nargs="+", default=list(default), help=help)
+    else:
+        p.add_argument(flag, type=type(default), default=default, choices=choices, help=help)
 
-    chosen = {f.name: getattr(args, f.name) for f in fields(RecipeOptions) if f.name in vars(args)}
-    options = RecipeOptions(**{**chosen, "blocks": tuple(args.blocks)})
-    options = replace(options, command=command_line(options, args.data, args.work, args.ship_to))
-    recipe = Recipe(args.data, args.work, options, log=lambda line: print(line, flush=True))
+
+def run(args: argparse.Namespace) -> int:
+    from fastforward.recipes.pipeline import RECIPES, command_line
+
+    recipe_class = RECIPES[args.recipe]
+    given = {f.name: getattr(args, f.name) for f in fields(recipe_class.options_class)}
+    options = recipe_class.options_class(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+    command = command_line(args.recipe, options, args.data, args.work, args.ship_to)
+    recipe = recipe_class(args.data, args.work, options, log=lambda line: print(line, flush=True), command=command)
     record = recipe.run(ship_to=args.ship_to, evaluate=not args.no_eval)
     if record is not None:
         defaults = record["defaults"]

@@ -1,0 +1,409 @@
+"""The stages every recipe shares, around the one stage that is its method's own.
+
+Stages, each kept in the work folder and skipped once done (rerun the same command to resume; an
+unfinished training run continues from its last checkpoint):
+
+1. data: the records split once into train and a dev split of `dev` records that nothing trains on
+   (WORK/train.jsonl, WORK/dev.jsonl), and the plan: the budget's tokens shared between the stages
+   (WORK/plan.json);
+2. sft (when the records carry completions): an `ntp` LoRA adapter on them, the domain-tuned start
+   (WORK/sft);
+3. targets: what the method trains toward, the start model's own greedy answers (`self`,
+   WORK/answers.jsonl) or the records' completions (`reference`) (`fastforward.recipes.targets`);
+4. the method's own training, a second LoRA adapter over the start, with snapshots for the learning
+   curve (WORK/<stage>, WORK/curve/step-N);
+5. control (`control`): the start trained on with `ntp` for as many steps, on the records' completions
+   (WORK/control);
+6. dev: on the dev split, at the precision `generate` runs (int4 `--exact`), batch 1, greedy: each curve
+   point's AR accuracy and the method's decoder, then the final model's `ar`, `lookup` and the method's
+   decoders, interleaved, and the base's and the control's `ar`; the fastest lossless one becomes the
+   model's decoding defaults (WORK/dev.json);
+7. ship: both adapters flattened into one bfloat16 adapter over the base, with its `decoding.json`
+   (WORK/shipped); `ship_to` copies it with a `provenance.json` that names the command that rebuilds it.
+
+A method is a subclass of `Recipe` in its own module, registered with `@register(name)`: its options
+(a subclass of `RecipeOptions`), its training stage and its decoders. `fastforward recipe NAME` offers
+every registered one, its flags made from its options' fields.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from fastforward.cpu.threads import cpu_model
+from fastforward.decoding.decoders import registry
+from fastforward.decoding.model_defaults import DecodingDefaults, write_decoding_defaults
+from fastforward.errors import FastForwardError
+from fastforward.model import Model, adapters, load_model
+from fastforward.model.flatten import flatten
+from fastforward.recipes import dev_eval
+from fastforward.recipes.records import Record, parse_budget, read_records, split_dev, write_records
+from fastforward.recipes.targets import TARGETS, reference_examples, self_answers
+from fastforward.registry import Registry
+from fastforward.training.data import Example, PackedData
+from fastforward.training.objectives import Objective, make_objective
+from fastforward.training.run_dir import finished_run, model_identity, save_adapter_snapshot, tokens_seen
+from fastforward.training.trainer import TrainConfig, TrainData, default_autocast, train
+
+SERVED = {"quantize": "int4", "exact": True}  # the precision `fastforward generate` runs a model at on a CPU
+
+
+def setting(default: Any, help: str, choices: tuple[str, ...] | None = None, *, training: bool = True) -> Any:
+    """A recipe option, offered as a flag with `help`; `training`: it shapes what is trained, so a rerun in
+    the same work folder must keep it (the others only change the evaluation)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "training": training})
+
+
+@dataclass(frozen=True)
+class RecipeOptions:
+    """What every recipe's command line sets; a method's options add its own fields."""
+
+    model: str = setting("smollm2-135m", "the base: preset, model directory or .gguf file")
+    budget: str = setting(
+        "1h", "training tokens (3M, 500k) or time (90min, 3h; at 240 tokens/s, 2 quiet AVX-512 cores' rate)"
+    )
+    dev: int = setting(100, "records held out as the dev split")
+    seed: int = setting(0, "seed of the dev split and of training")
+    sft: bool = setting(True, "an SFT stage on the records' completions first (when every record has one)")
+    sft_share: float = setting(0.25, "share of the budget for SFT")
+    targets: str = setting(
+        "self", "train toward the start model's own greedy answers (self) or the records' completions", TARGETS
+    )
+    answers: int = setting(0, "train prompts the start model answers for --targets self (0: one epoch's worth)")
+    lora_rank: int = setting(16, "LoRA rank of each stage")
+    lr: float = setting(1e-3, "peak learning rate")
+    seq_len: int = setting(512, "tokens per training row")
+    batch_size: int = setting(8, "rows per step")
+    curve: int = setting(4, "points of the learning curve")
+    control: bool = setting(False, "also train an NTP control (the same start, data and steps) and measure it")
+    blocks: tuple[int, ...] = setting((8, 12, 16), "block sizes measured on the dev split", training=False)
+    curve_n: int = setting(30, "dev records at each curve point", training=False)
+    max_new_tokens: int = setting(256, "tokens per answer at most", training=False)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.sft_share < 1:
+            raise FastForwardError(f"--sft-share must be between 0 and 1, got {self.sft_share}")
+        if self.answers < 0:
+            raise FastForwardError(f"--answers must be 0 (as many as one epoch needs) or more, got {self.answers}")
+        for f in fields(self):
+            if f.type == "int" and f.name not in ("seed", "answers") and getattr(self, f.name) < 1:
+                raise FastForwardError(f"--{f.name.replace('_', '-')} must be at least 1, got {getattr(self, f.name)}")
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise FastForwardError(f"--{f.name.replace('_', '-')}: choose one of {', '.join(choices)}")
+        if not self.blocks or min(self.blocks) < 1:
+            raise FastForwardError(f"--blocks must be block sizes of at least 1, got {list(self.blocks)}")
+        parse_budget(self.budget)
+
+    def training(self) -> dict[str, Any]:
+        """The options that shape training, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("training", True)}
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# A dev-split row: a decoder and its options, by label.
+Decoders = dict[str, tuple[str, dict[str, Any]]]
+
+
+class Recipe:
+    """One recipe run in one work folder; `run()` does every stage not yet done. A method's subclass sets
+    the class attributes and implements `objective`, `rows`, `curve_decoders` and `final_decoders`."""
+
+    name: ClassVar[str]  # the command: `fastforward recipe NAME`
+    summary: ClassVar[str]  # its one-line help
+    stage: ClassVar[str]  # the method's training folder and plan keys: WORK/<stage>, <stage>_steps
+    method: ClassVar[str]  # what the shipped adapter is, for its description: "a Jacobi Forcing LoRA adapter"
+    options_class: ClassVar[type[RecipeOptions]] = RecipeOptions
+
+    def __init__(
+        self, data: Path, work: Path, options: RecipeOptions, log: Callable[[str], None] = print, command: str = ""
+    ):
+        self.data, self.work, self.options, self.log = Path(data), Path(work), options, log
+        self.command = command or command_line(self.name, options, data, work)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.plan = self._plan()
+        self.train_records = read_records(self.work / "train.jsonl")
+        self.dev_records = read_records(self.work / "dev.jsonl")
+
+    # ---- what a method defines ----------------------------------------------------------------------
+    def objective(self) -> Objective:
+        """The method's training objective."""
+        raise NotImplementedError
+
+    def rows(self, examples: list[Example], model: Model) -> TrainData:
+        """The method's training rows from the target examples."""
+        raise NotImplementedError
+
+    def row_tokens(self, rows: TrainData) -> float:
+        """Tokens a row of `rows` holds on average (what the budget counts)."""
+        return float(self.options.seq_len)
+
+    def curve_decoders(self) -> Decoders:
+        """The rows measured at each curve point (`ar` among them)."""
+        raise NotImplementedError
+
+    def final_decoders(self) -> Decoders:
+        """The rows measured on the whole dev split for the final model (`ar` among them)."""
+        raise NotImplementedError
+
+    # ---- stage 1: data and plan ---------------------------------------------------------------------
+    def _plan(self) -> dict[str, Any]:
+        path = self.work / "plan.json"
+        wanted = self.options.training()
+        data_sha = _sha256(self.data)
+        if path.exists():
+            plan = json.loads(path.read_text())
+            changed = [k for k, v in wanted.items() if plan["options"].get(k) != v]
+            if plan.get("recipe", self.name) != self.name:
+                changed.append(f"the recipe ({plan['recipe']})")
+            if plan["data_sha256"] != data_sha:
+                changed.append("--data (its contents)")
+            if changed:
+                raise FastForwardError(
+                    f"{self.work} holds a recipe run with other settings ({', '.join(changed)}); rerun with the "
+                    "same ones to resume it, or give a new --work"
+                )
+            return plan
+        records = read_records(self.data)
+        train_records, dev = split_dev(records, self.options.dev, self.options.seed)
+        completions = all(r.completion is not None for r in train_records)
+        if self.options.control and not completions:
+            raise FastForwardError("--control trains on the records' completions: every record needs one")
+        write_records(self.work / "train.jsonl", train_records)
+        write_records(self.work / "dev.jsonl", dev)
+        budget = parse_budget(self.options.budget)
+        sft = self.options.sft and completions
+        sft_tokens = int(budget * self.options.sft_share) if sft else 0
+        row = self.options.batch_size * self.options.seq_len
+        plan = {
+            "recipe": self.name,
+            "options": wanted,
+            "data": self.data.name,
+            "data_sha256": data_sha,
+            "records": {"train": len(train_records), "dev": len(dev)},
+            "budget_tokens": budget,
+            "sft_steps": max(1, sft_tokens // row) if sft else 0,
+            "mixed_precision": default_autocast(),
+            f"{self.stage}_tokens": budget - sft_tokens,
+        }
+        _write_json(path, plan)
+        self.log(
+            f"plan: {budget:,} training tokens; {len(train_records)} train and {len(dev)} dev records; "
+            f"SFT {plan['sft_steps']} steps of {self.options.batch_size} rows of {self.options.seq_len}"
+        )
+        return plan
+
+    def _save_plan(self, **values: Any) -> None:
+        self.plan.update(values)
+        _write_json(self.work / "plan.json", self.plan)
+
+    # ---- training stages ----------------------------------------------------------------------------
+    def _config(self, steps: int) -> TrainConfig:
+        o = self.options
+        return TrainConfig(
+            steps=steps, seq_len=o.seq_len, batch_size=o.batch_size, lr=o.lr, warmup=min(10, max(steps // 10, 1)),
+            mixed_precision=self.plan["mixed_precision"], save_every=25, eval_every=0, keep_checkpoints=1,
+            lora_rank=o.lora_rank, seed=o.seed,
+        )  # fmt: skip
+
+    def _ntp(self, start: str, records: list[Record], run: Path, steps: int) -> None:
+        if finished_run(run):
+            return
+        model = load_model(start)
+        rows = PackedData(reference_examples(records, model), self.options.seq_len, model.pad_token_id)
+        self.log(f"ntp from {start}: {steps} steps → {run}")
+        train(model, make_objective("ntp"), rows, self._config(steps), run)
+
+    @property
+    def start(self) -> str:
+        """The model the method starts from: the SFT adapter, or the base without an SFT stage."""
+        return str(self.work / "sft") if self.plan["sft_steps"] else self.options.model
+
+    @property
+    def steps(self) -> int:
+        return self.plan[f"{self.stage}_steps"]
+
+    def _targets(self, model: Model) -> list[Example]:
+        if self.options.targets == "reference":
+            return reference_examples(self.train_records, model)
+        wanted = self.plan.get("answers")
+        if wanted is None:  # --answers, or enough for one epoch of the method's tokens (a row: about 0.6 seq_len)
+            epoch = math.ceil(self.plan[f"{self.stage}_tokens"] / (0.6 * self.options.seq_len))
+            wanted = min(len(self.train_records), self.options.answers or max(self.options.batch_size, epoch))
+            self._save_plan(answers=wanted)
+        self.log(f"targets: the start model's own greedy answers to {wanted} train prompts (int4 --exact)")
+        served = lambda: load_model(self.start, **SERVED)  # noqa: E731 (loaded only when answers are missing)
+        answers = self.work / "answers.jsonl"
+        return self_answers(served, self.train_records[:wanted], answers, self.options.max_new_tokens)
+
+    def _train_method(self) -> list[int]:
+        """Train (or resume) the method's stage, keeping the curve's snapshots; returns the curve's steps."""
+        run, o = self.work / self.stage, self.options
+        model = load_model(self.start)
+        objective = self.objective()
+        objective.setup(model)  # e.g. the mask token SBD adds, before the targets are tokenized
+        rows = self.rows(self._targets(model), model)
+        if f"{self.stage}_steps" not in self.plan:
+            per_step = self.row_tokens(rows) * o.batch_size
+            self._save_plan(**{f"{self.stage}_steps": max(1, round(self.plan[f"{self.stage}_tokens"] / per_step))})
+        steps = self.steps
+        points = sorted({max(1, round(steps * (i + 1) / o.curve)) for i in range(o.curve)})
+        if finished_run(run):
+            return points
+        provenance = {"base": model_identity(self.start), "objective": objective.describe()}
+
+        def snapshot(step: int, _: dict) -> None:
+            if step in points and step < steps:
+                save_adapter_snapshot(model, self.work / "curve" / f"step-{step:05d}", {**provenance, "step": step})
+
+        (self.work / "curve").mkdir(exist_ok=True)
+        self.log(f"{objective.name} from {self.start}: {steps} steps of {o.batch_size} rows → {run}")
+        train(model, objective, rows, self._config(steps), run, callback=snapshot)
+        return points
+
+    def _curve_model(self, step: int) -> str:
+        if step == 0:
+            return self.start
+        return str(self.work / (self.stage if step == self.steps else f"curve/step-{step:05d}"))
+
+    # ---- stage 6: the dev split ---------------------------------------------------------------------
+    def _dev(self, points: list[int]) -> dict[str, Any]:
+        path, o = self.work / "dev.json", self.options
+        record = json.loads(path.read_text()) if path.exists() else {}
+        records = self.dev_records
+        base = load_model(o.model, **SERVED)
+        prompts = [base.encode_prompt(r.prompt) for r in records]
+        few, few_prompts = records[: o.curve_n], prompts[: o.curve_n]
+
+        def keep(name: str, value: Any) -> None:
+            record[name] = value
+            _write_json(path, record)
+            self.log(f"dev {name}: {json.dumps(value)}")
+
+        def measure(model: Model, decoders: Decoders, on: list[Record], encoded: list[list[int]]) -> dict:
+            """The rows `model` can run: one without a mask token (the start, before SBD) skips SBD's decoders."""
+            runs = {
+                k: v
+                for k, v in decoders.items()
+                if model.mask_token_id is not None or not registry.spec(v[0]).needs_mask
+            }
+            contenders = {label: (model, name, options) for label, (name, options) in runs.items()}
+            return dev_eval.table(contenders, on, encoded, o.max_new_tokens)
+
+        seen = tokens_seen(self.work / self.stage)
+        for step in [0, *points]:
+            if any(p["step"] == step for p in record.get("curve", [])):
+                continue
+            rows = measure(load_model(self._curve_model(step), **SERVED), self.curve_decoders(), few, few_prompts)
+            point = {"step": step, "tokens": seen.get(step, 0.0), **rows}
+            record["curve"] = sorted([*record.get("curve", []), point], key=lambda p: p["step"])
+            _write_json(path, record)
+            self.log(f"dev curve point: {json.dumps(point)}")
+        if "final" not in record:
+            decoders = self.final_decoders()
+            rows = measure(load_model(str(self._flattened()), **SERVED), decoders, records, prompts)
+            keep("final", rows)
+            where = f"{len(records)} dev prompts, int4 --exact, batch 1, greedy, interleaved; {cpu_model()}"
+            keep("defaults", dev_eval.choose_defaults(rows, decoders, where).as_json())
+        if "base" not in record:
+            keep("base", measure(base, {"ar": ("ar", {})}, records, prompts)["ar"])
+        if o.control and "control" not in record and finished_run(self.work / "control"):
+            control = load_model(str(self.work / "control"), **SERVED)
+            keep("control", measure(control, {"ar": ("ar", {})}, records, prompts)["ar"])
+        return record
+
+    # ---- stage 7: ship ------------------------------------------------------------------------------
+    def _flattened(self) -> Path:
+        """The adapters from the base to the method's model flattened into one bfloat16 adapter (WORK/shipped)."""
+        shipped = self.work / "shipped"
+        if not (shipped / adapters.ADAPTER_CONFIG).exists():
+            chain = [self.work / "sft"] if self.plan["sft_steps"] else []
+            flatten([*chain, self.work / self.stage], shipped, self.options.model)
+        return shipped
+
+    def ship(self, dest: Path, record: dict[str, Any]) -> None:
+        """The shipped adapter, its decoding defaults and its provenance, written beside `dest` and renamed."""
+        o = self.options
+        provenance = {
+            "name": dest.name,
+            "description": f"{o.model} + {self.method} made by `fastforward recipe {self.name}` from {self.data.name}",
+            "base": o.model,
+            "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+            "command": self.command,
+            "data": {"file": self.data.name, "sha256": self.plan["data_sha256"], **self.plan["records"]},
+            "plan": {k: v for k, v in self.plan.items() if k not in ("data", "data_sha256", "records")},
+            "dev": record,
+        }
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(self._flattened(), tmp)
+        write_decoding_defaults(tmp, DecodingDefaults(**record["defaults"]))
+        _write_json(tmp / "provenance.json", provenance)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)
+        self.log(f"shipped {dest}")
+
+    def run(self, ship_to: Path | None = None, evaluate: bool = True) -> dict[str, Any] | None:
+        """Every stage not yet done; the dev record (None with `evaluate` off)."""
+        if self.plan["sft_steps"]:
+            self._ntp(self.options.model, self.train_records, self.work / "sft", self.plan["sft_steps"])
+        points = self._train_method()
+        if self.options.control:
+            self._ntp(self.start, self.train_records, self.work / "control", self.steps)
+        if not evaluate:
+            return None
+        record = self._dev(points)
+        write_decoding_defaults(self._flattened(), DecodingDefaults(**record["defaults"]))
+        if ship_to is not None:
+            self.ship(ship_to, record)
+        return record
+
+
+RECIPES: Registry[type[Recipe]] = Registry("recipe", "fastforward.recipes")
+R = TypeVar("R", bound=type[Recipe])
+
+
+def register(name: str) -> Callable[[R], R]:
+    """Declare a recipe as `fastforward recipe NAME`; decorates its `Recipe` subclass."""
+
+    def decorate(cls: R) -> R:
+        cls.name = name
+        RECIPES.add(name, cls, cls.__module__)
+        return cls
+
+    return decorate
+
+
+def command_line(name: str, options: RecipeOptions, data: Path, work: Path, ship_to: Path | None = None) -> str:
+    """The command that runs recipe `name` with `options`, every option that shapes training spelled out
+    (what a provenance.json gives to rebuild a model from a fresh work folder)."""
+    words = ["fastforward", "recipe", name, "--data", str(data), "--work", str(work)]
+    for option, value in options.training().items():
+        flag = "--" + option.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else "--no-" + flag[2:])
+        else:
+            words += [flag, str(value)]
+    words += ["--blocks", *map(str, options.blocks)]
+    if ship_to is not None:
+        words += ["--ship-to", str(ship_to)]
+    return shlex.join(words)

@@ -1,0 +1,58 @@
+"""`fastforward recipe sbd`: Set Block Decoding on the user's own prompts.
+
+The method's stage (`fastforward.recipes.pipeline` has the rest): the `sbd` objective (NTP on the clean
+copy plus masked-token prediction on a block-masked copy, block sizes drawn up to `max_block`) as a LoRA
+adapter over the start, on the targets. Along the curve the dev split measures `sbd-verified` (γ = ∞:
+SBD's drafts, each token verified by the next-token head, so the output is `ar`'s); at the end also
+`sbd-verified` at each of `blocks`, and the lossy `sbd` (the paper's entropy-bounded sampler) and
+`sbd-slide` at `gamma`, for their accuracy and speed. Only a lossless row can become the default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastforward.model import Model
+from fastforward.recipes.pipeline import Decoders, Recipe, RecipeOptions, register, setting
+from fastforward.training.data import Example, PackedData
+from fastforward.training.objectives import make_objective
+from fastforward.training.objectives.base import Objective
+
+
+@dataclass(frozen=True)
+class SBDOptions(RecipeOptions):
+    max_block: int = setting(16, "largest SBD block drawn in training (the smallest: 2)")
+    gamma: float = setting(0.35, "entropy bound of the lossy sbd and sbd-slide rows on dev", training=False)
+
+
+@register("sbd")
+class SBDRecipe(Recipe):
+    summary = "SFT, Set Block Decoding, a dev-split evaluation (lossless and lossy rows) and a preset folder"
+    stage = "sbd"
+    method = "a Set Block Decoding LoRA adapter"
+    options_class = SBDOptions
+    options: SBDOptions
+
+    def objective(self) -> Objective:
+        return make_objective("sbd", max_block=self.options.max_block)
+
+    def rows(self, examples: list[Example], model: Model) -> PackedData:
+        return PackedData(examples, self.options.seq_len, model.pad_token_id)
+
+    def curve_decoders(self) -> Decoders:
+        return {"ar": ("ar", {}), "sbd-verified": ("sbd-verified", self._verified(self.options.max_block))}
+
+    def final_decoders(self) -> Decoders:
+        verified = {f"sbd-verified-{b}": ("sbd-verified", self._verified(b)) for b in self.options.blocks}
+        lossy = {
+            f"{name} gamma {self.options.gamma:g}": (
+                name,
+                {"block_size": self.options.max_block, "gamma": self.options.gamma},
+            )
+            for name in ("sbd", "sbd-slide")
+        }
+        return {"ar": ("ar", {}), "lookup": ("lookup", {}), **verified, **lossy}
+
+    @staticmethod
+    def _verified(block: int) -> dict:
+        return {"block_size": block, "gamma": float("inf")}
