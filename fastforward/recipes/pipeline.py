@@ -258,6 +258,8 @@ class Recipe:
     def _train_method(self) -> list[int]:
         """Train (or resume) the method's stage, keeping the curve's snapshots; returns the curve's steps."""
         run, o = self.work / self.stage, self.options
+        if finished_run(run):  # its steps are in the plan: nothing to load
+            return self._points()
         model = load_model(self.start)
         objective = self.objective()
         objective.setup(model)  # e.g. the mask token SBD adds, before the targets are tokenized
@@ -265,10 +267,7 @@ class Recipe:
         if f"{self.stage}_steps" not in self.plan:
             per_step = self.row_tokens(rows) * o.batch_size
             self._save_plan(**{f"{self.stage}_steps": max(1, round(self.plan[f"{self.stage}_tokens"] / per_step))})
-        steps = self.steps
-        points = sorted({max(1, round(steps * (i + 1) / o.curve)) for i in range(o.curve)})
-        if finished_run(run):
-            return points
+        steps, points = self.steps, self._points()
         provenance = {"base": model_identity(self.start), "objective": objective.describe()}
 
         def snapshot(step: int, _: dict) -> None:
@@ -279,6 +278,10 @@ class Recipe:
         self.log(f"{objective.name} from {self.start}: {steps} steps of {o.batch_size} rows → {run}")
         train(model, objective, rows, self._config(steps), run, callback=snapshot)
         return points
+
+    def _points(self) -> list[int]:
+        """The steps of the learning curve's points after step 0 (the last: the finished run)."""
+        return sorted({max(1, round(self.steps * (i + 1) / self.options.curve)) for i in range(self.options.curve)})
 
     def _curve_model(self, step: int) -> str:
         if step == 0:
