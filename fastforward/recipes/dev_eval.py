@@ -7,13 +7,16 @@ generation seconds with the prefill, as docs/results.md defines them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from fastforward.api import build_decoder
+from fastforward.cpu.threads import cpu_model
 from fastforward.decoding.decoders import Generation, registry
 from fastforward.decoding.model_defaults import DecodingDefaults
 from fastforward.model import Model
@@ -59,9 +62,19 @@ def summarize(
 def table(
     contenders: dict[str, Contender], records: Sequence[Record], prompts: Sequence[list[int]], max_new_tokens: int
 ) -> dict[str, dict[str, Any]]:
-    """Each contender's summary on the prompts; every contender but `ar` is compared with `ar`'s tokens."""
+    """Each contender's summary on the prompts, with the conditions it was measured under (load average before
+    and after, threads, CPU, token budget); every contender but `ar` is compared with `ar`'s tokens."""
+    before = os.getloadavg()
     out = decode_interleaved(contenders, prompts, max_new_tokens)
-    return {label: summarize(g, records, None if label == "ar" else out["ar"]) for label, g in out.items()}
+    conditions = {
+        "load_before": [round(x, 2) for x in before],
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+        "max_new_tokens": max_new_tokens,
+    }
+    rows = {label: summarize(g, records, None if label == "ar" else out["ar"]) for label, g in out.items()}
+    return {label: {**row, "conditions": conditions} for label, row in rows.items()}
 
 
 # How much faster than `ar` another decoder must be to become a model's default: more than interleaved runs

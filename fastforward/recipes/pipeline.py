@@ -325,7 +325,7 @@ class Recipe:
             decoders = self.final_decoders()
             rows = measure(load_model(str(self._flattened()), **SERVED), decoders, records, prompts)
             keep("final", rows)
-            where = f"{len(records)} dev prompts, int4 --exact, batch 1, greedy, interleaved; {cpu_model()}"
+            where = f"{len(records)} dev prompts, int4 --exact, batch 1, greedy, interleaved, {cpu_model()}"
             keep("defaults", dev_eval.choose_defaults(rows, decoders, where).as_json())
         if "base" not in record:
             keep("base", measure(base, {"ar": ("ar", {})}, records, prompts)["ar"])

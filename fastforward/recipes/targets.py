@@ -2,9 +2,9 @@
 
 Jacobi decoding converges to the model's own greedy output (and `sbd-verified` keeps only what greedy AR
 confirms), so a target taken from that output agrees with the AR term; a reference solution (say
-GSM8K's) pulls the two apart where a small model would have written something else. `self_answers` decodes the train prompts in batches with the
-lossless `ar` decoder at the precision the shipped model runs at, and appends each batch to a JSONL file
-as it finishes, so a killed run loses at most one batch.
+GSM8K's) pulls the two apart where a small model would have written something else. `self_answers`
+decodes the train prompts in batches with the lossless `ar` decoder at the precision the shipped model
+runs at, and appends each batch to a JSONL file as it finishes, so a killed run loses at most one batch.
 """
 
 from __future__ import annotations
