@@ -104,8 +104,8 @@ def recipe_args(tmp_path, data: str, method: str = "jacobi-forcing") -> list[str
     return [
         "recipe", method, "--model", str(tmp_path / "m"), "--data", data, "--work", str(tmp_path / "w"), *own,
         "--budget", "3k", "--dev", "2", "--seq-len", "64", "--batch-size", "2", "--blocks", "2", "4",
-        "--curve", "2", "--curve-n", "1", "--max-new-tokens", "12", "--lora-rank", "2", "--targets", "reference",
-        "--threads", "1",
+        "--curve", "2", "--curve-n", "1", "--max-new-tokens", "12", "--answer-tokens", "12", "--lora-rank", "2",
+        "--targets", "reference", "--threads", "1",
     ]  # fmt: skip
 
 

@@ -80,6 +80,7 @@ class RecipeOptions:
         "self", "train toward the start model's own greedy answers (self) or the records' completions", TARGETS
     )
     answers: int = setting(0, "train prompts the start model answers for --targets self (0: one epoch's worth)")
+    answer_tokens: int = setting(256, "new tokens at most in each of those answers (longer ones are left out)")
     lora_rank: int = setting(16, "LoRA rank of each stage")
     lr: float = setting(1e-3, "peak learning rate")
     seq_len: int = setting(512, "tokens per training row")
@@ -88,7 +89,7 @@ class RecipeOptions:
     control: bool = setting(False, "also train an NTP control (the same start, data and steps) and measure it")
     blocks: tuple[int, ...] = setting((8, 12, 16), "block sizes measured on the dev split", training=False)
     curve_n: int = setting(30, "dev records at each curve point", training=False)
-    max_new_tokens: int = setting(256, "tokens per answer at most", training=False)
+    max_new_tokens: int = setting(256, "new tokens per dev answer at most", training=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.sft_share < 1:
@@ -253,7 +254,7 @@ class Recipe:
         self.log(f"targets: the start model's own greedy answers to {wanted} train prompts (int4 --exact)")
         served = lambda: load_model(self.start, **SERVED)  # noqa: E731 (loaded only when answers are missing)
         answers = self.work / "answers.jsonl"
-        return self_answers(served, self.train_records[:wanted], answers, self.options.max_new_tokens)
+        return self_answers(served, self.train_records[:wanted], answers, self.options.answer_tokens)
 
     def _train_method(self) -> list[int]:
         """Train (or resume) the method's stage, keeping the curve's snapshots; returns the curve's steps."""
