@@ -150,6 +150,21 @@ class RowChunkedLinear(nn.Linear):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+_UNPACKABLE: set[torch.dtype] = set()  # dtypes oneDNN refused to pack on this CPU
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight packed for oneDNN, or None where it cannot be: no oneDNN, not on the CPU, or a dtype this CPU
+    has no packed path for (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only EPYC refuses it)."""
+    if not PACKS or weight.device.type != "cpu" or weight.dtype in _UNPACKABLE:
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+    except RuntimeError:
+        _UNPACKABLE.add(weight.dtype)
+        return None
+
+
 def chunk_rows(model: nn.Module) -> int:
     """Make every bfloat16 or float16 `nn.Linear` of `model` a `RowChunkedLinear` (in place: the class
     changes, the parameters stay, a packed copy of the weights is added); returns how many. Each shape's
@@ -160,9 +175,7 @@ def chunk_rows(model: nn.Module) -> int:
         for module in model.modules():
             if type(module) is not nn.Linear or module.weight.dtype not in LOW_PRECISION:
                 continue
-            packed = None
-            if PACKS and module.weight.device.type == "cpu":
-                packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_ROWS)
+            packed = pack_weight(module.weight)
             shape = (*module.weight.shape, module.weight.dtype, module.weight.device, packed is None)
             if shape not in probed:
                 probed[shape] = call_sizes(module.weight, packed)
