@@ -8,14 +8,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fastforward"
 
 # lowest first; each entry is a top-level module or folder of the package
 LAYERS = [
-    {"errors", "home", "jsonl", "registry"},
+    {"errors", "home", "jsonl", "registry", "shipped"},  # shipped: the names that load without a path
     {"tasks"},
     {"cpu"},
     {"model", "presets"},  # presets: the adapters shipped as data, which model loads by name
     {"decoding"},
     {"api"},
     {"training", "evaluation"},
-    {"demo", "serving"},
+    {"demo", "serving", "recipes"},  # recipes: training, then measuring with decoders
     {"cli", "__init__", "__main__"},
 ]
 RANK = {part: rank for rank, layer in enumerate(LAYERS) for part in layer}
