@@ -300,7 +300,8 @@ def test_binned_loss_and_its_gradients_equal_a_full_logits_forward_of_each_row_a
     expected_grads = torch.autograd.grad(expected, trained)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     for got, want in zip(grads, expected_grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        # float32 sums in another order: an AVX2-only EPYC's kernels left one element of 256 1.4e-6 apart
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-6)
 
 
 def test_options_are_checked_and_text_batches_refused(model):
