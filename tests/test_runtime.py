@@ -137,7 +137,8 @@ def test_prompts_of_very_different_lengths_prefill_in_chunks_as_they_would_alone
     assert [shape[0] for shape in forwards] == [len(c) for c in chunks]
     for r, row in enumerate(rows):
         alone = _session(tiny, [row])
-        torch.testing.assert_close(session.next_logits[r], alone.next_logits[0], rtol=1e-5, atol=1e-5)
+        # float32 GEMMs of other shapes round differently: 1.4e-5 apart once on an AVX2-only EPYC (tokens: below)
+        torch.testing.assert_close(session.next_logits[r], alone.next_logits[0], rtol=1e-4, atol=5e-5)
         valid = session.cache.key_valid[r]
         assert int(valid.sum()) == len(row)
         for mine, theirs in zip(session.cache.layers, alone.cache.layers, strict=True):
