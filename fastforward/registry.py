@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 from fastforward.errors import FastForwardError
 
 T = TypeVar("T")
+C = TypeVar("C", bound=type)
 
 
 class Registry(Mapping[str, T], Generic[T]):
@@ -33,6 +34,16 @@ class Registry(Mapping[str, T], Generic[T]):
         if taken is not None and taken[0] != module:
             raise TypeError(f"{self.kind} {name!r} of {module} is already registered by {taken[0]}")
         self.entries[name] = (module, entry)
+
+    def named(self, name: str) -> Callable[[C], C]:
+        """A class decorator: registers the class as `name` and sets its `name` attribute (objectives, recipes)."""
+
+        def decorate(cls: C) -> C:
+            cls.name = name
+            self.add(name, cls, cls.__module__)  # type: ignore[arg-type]
+            return cls
+
+        return decorate
 
     def find(self, name: str) -> T:
         """The entry `name`, or an error a user can act on: it lists the known names."""

@@ -38,7 +38,7 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 from fastforward.cpu.threads import cpu_model
 from fastforward.decoding.decoders import registry
@@ -383,18 +383,8 @@ class Recipe:
 
 
 RECIPES: Registry[type[Recipe]] = Registry("recipe", "fastforward.recipes")
-R = TypeVar("R", bound=type[Recipe])
-
-
-def register(name: str) -> Callable[[R], R]:
-    """Declare a recipe as `fastforward recipe NAME`; decorates its `Recipe` subclass."""
-
-    def decorate(cls: R) -> R:
-        cls.name = name
-        RECIPES.add(name, cls, cls.__module__)
-        return cls
-
-    return decorate
+# `@register(name)` on a `Recipe` subclass declares it as `fastforward recipe NAME`.
+register = RECIPES.named
 
 
 def command_line(name: str, options: RecipeOptions, data: Path, work: Path, ship_to: Path | None = None) -> str:

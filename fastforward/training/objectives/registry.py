@@ -9,27 +9,16 @@ so a new objective is one new file.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, TypeVar
+from typing import Any
 
 from fastforward.registry import Registry
 from fastforward.training.objectives.base import Objective
 
 OBJECTIVES: Registry[type[Objective]] = Registry("objective", "fastforward.training.objectives")
 
-Kind = TypeVar("Kind", bound=type[Objective])
-
-
-def register(name: str) -> Callable[[Kind], Kind]:
-    """Declare an objective under `name`; decorates its class (a dataclass whose fields are its options)."""
-
-    def decorate(cls: Kind) -> Kind:
-        cls.name = name
-        OBJECTIVES.add(name, cls, cls.__module__)
-        return cls
-
-    return decorate
+# `@register(name)` on an objective's class (a dataclass whose fields are its options) declares it.
+register = OBJECTIVES.named
 
 
 def make_objective(name: str, **options) -> Objective:
