@@ -52,7 +52,13 @@ from fastforward.recipes.targets import TARGETS, reference_examples, self_answer
 from fastforward.registry import Registry
 from fastforward.training.data import Example, PackedData
 from fastforward.training.objectives import Objective, make_objective
-from fastforward.training.run_dir import finished_run, model_identity, save_adapter_snapshot, tokens_seen
+from fastforward.training.run_dir import (
+    finished_run,
+    model_identity,
+    save_adapter_snapshot,
+    tokens_seen,
+    write_json_atomic,
+)
 from fastforward.training.trainer import TrainConfig, TrainData, default_autocast, train
 
 SERVED = {"quantize": "int4", "exact": True}  # the precision `fastforward generate` runs a model at on a CPU
@@ -109,12 +115,6 @@ class RecipeOptions:
     def training(self) -> dict[str, Any]:
         """The options that shape training, by name."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("training", True)}
-
-
-def _write_json(path: Path, value: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def _sha256(path: Path) -> str:
@@ -206,7 +206,7 @@ class Recipe:
             "mixed_precision": default_autocast(),
             f"{self.stage}_tokens": budget - sft_tokens,
         }
-        _write_json(path, plan)
+        write_json_atomic(path, plan)
         self.log(
             f"plan: {budget:,} training tokens; {len(train_records)} train and {len(dev)} dev records; "
             f"SFT {plan['sft_steps']} steps of {self.options.batch_size} rows of {self.options.seq_len}"
@@ -215,7 +215,7 @@ class Recipe:
 
     def _save_plan(self, **values: Any) -> None:
         self.plan.update(values)
-        _write_json(self.work / "plan.json", self.plan)
+        write_json_atomic(self.work / "plan.json", self.plan)
 
     # ---- training stages ----------------------------------------------------------------------------
     def _config(self, steps: int) -> TrainConfig:
@@ -300,7 +300,7 @@ class Recipe:
 
         def keep(name: str, value: Any) -> None:
             record[name] = value
-            _write_json(path, record)
+            write_json_atomic(path, record)
             self.log(f"dev {name}: {json.dumps(value)}")
 
         def measure(model: Model, decoders: Decoders, on: list[Record], encoded: list[list[int]]) -> dict:
@@ -320,7 +320,7 @@ class Recipe:
             rows = measure(load_model(self._curve_model(step), **SERVED), self.curve_decoders(), few, few_prompts)
             point = {"step": step, "tokens": seen.get(step, 0.0), **rows}
             record["curve"] = sorted([*record.get("curve", []), point], key=lambda p: p["step"])
-            _write_json(path, record)
+            write_json_atomic(path, record)
             self.log(f"dev curve point: {json.dumps(point)}")
         if "final" not in record:
             decoders = self.final_decoders()
@@ -361,7 +361,7 @@ class Recipe:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(self._flattened(), tmp)
         write_decoding_defaults(tmp, DecodingDefaults(**record["defaults"]))
-        _write_json(tmp / "provenance.json", provenance)
+        write_json_atomic(tmp / "provenance.json", provenance)
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
         self.log(f"shipped {dest}")

@@ -44,7 +44,7 @@ CHECKPOINT = re.compile(r"step-(\d+)")
 RESUME_NEUTRAL = {"eval_every", "save_every", "keep_checkpoints", "max_eval_batches", "batch_size", "grad_accum"}
 
 
-def _write_json(path: Path, value: dict) -> None:
+def write_json_atomic(path: Path, value: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(value, indent=2) + "\n")
     os.replace(tmp, path)
@@ -97,7 +97,7 @@ def _write_manifest(directory: Path) -> None:
     """Record the size and sha256 of every file in `directory`; written last, so it vouches for all of them."""
     files = sorted(p for p in directory.rglob("*") if p.is_file())
     entries = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
-    _write_json(directory / MANIFEST, {"files": entries})
+    write_json_atomic(directory / MANIFEST, {"files": entries})
 
 
 def checkpoint_problem(checkpoint: Path) -> str | None:
@@ -222,7 +222,7 @@ def claim(accelerator: Accelerator, out: Path, record: dict, overwrite: bool) ->
                 if wipe:
                     _clear(out)
                 (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-                _write_json(out / RUN_CONFIG, record)
+                write_json_atomic(out / RUN_CONFIG, record)
                 decision = [checkpoint]
             except Exception as exc:  # the other processes must raise it too, not wait forever
                 decision = [exc]
@@ -272,7 +272,7 @@ def save_checkpoint(accelerator: Accelerator, out: Path, step: int, keep: int, v
             shared_tensor_notice.setLevel(level)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            _write_json(tmp / "trainer_state.json", {"step": step})
+            write_json_atomic(tmp / "trainer_state.json", {"step": step})
             _write_manifest(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -303,7 +303,7 @@ def save_final(accelerator: Accelerator, module: nn.Module, model: Model, out: P
     with quiet_progress():
         model.hf.save_pretrained(tmp, state_dict=weights, safe_serialization=True, **extra)
     if lora:
-        _write_json(tmp / adapters.PROVENANCE, provenance)
+        write_json_atomic(tmp / adapters.PROVENANCE, provenance)
     if not lora or getattr(model.hf.config, MASK_CONFIG_KEY, None) is not None:  # the adapter's added token
         model.tokenizer.save_pretrained(tmp)
     last = adapters.ADAPTER_CONFIG if lora else "config.json"
