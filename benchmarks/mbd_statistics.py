@@ -61,9 +61,9 @@ class RecordingMBD(MultiBlockDiffusionDecoder):
         super().__init__(*args, **kwargs)
         self.traces: list[dict] = []
 
-    def decode(self, session) -> None:
+    def begin(self, session, rows) -> None:
         self.traces.append({"forwards": [], "revealed_by": {}})
-        super().decode(session)
+        super().begin(session, rows)
 
     def _choose(self, running, confidence):
         chosen = super()._choose(running, confidence)

@@ -3,6 +3,7 @@ import os
 
 import pytest
 import torch
+from driving import decode
 
 from fastforward.decoding.runtime import Session, start
 from fastforward.model import Layout, visibility
@@ -93,7 +94,7 @@ def decode_and_check_cache(tiny, cache_is_prefill):
     def run(decoder, prompt: list[int], max_new_tokens: int) -> Session:
         with torch.inference_mode():
             session = start(tiny, [prompt], max_new_tokens)
-            decoder.decode(session)
+            decode(decoder, session)
         cache_is_prefill(session.cache, prompt + session.rows[0].output[:-1])
         return session
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from driving import decode
 
 from fastforward.decoding.decoders import (
     ARDecoder,
@@ -70,7 +71,7 @@ def test_cache_after_sbd_equals_fresh_prefill(tiny, prompts, cache_is_prefill):
     decoder = SBDDecoder(5, EntropyBounded(2.0))
     with torch.inference_mode():
         session = start(tiny, [prompt], 23)
-        decoder.decode(session)
+        decode(decoder, session)
     generated = session.rows[0].output
     committed = len(generated) - 3  # 23 = 5·4 + 3: the last block is read, not yet committed
     assert session.cache.get_seq_length() == len(prompt) + committed

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from driving import decode
 
 from fastforward.api import build_decoder
 from fastforward.decoding.decoders import SBDDecoder
@@ -19,7 +20,7 @@ def _ids(gens):
 class _Recording(MultiBlockDiffusionDecoder):
     """Records, per forward, the sizes of the running blocks its rule lays out."""
 
-    def decode(self, session):
+    def begin(self, session, rows):
         self.forwards: list[tuple[int, ...]] = []
         self.last_position = 0
         original = session.forward
@@ -37,7 +38,7 @@ class _Recording(MultiBlockDiffusionDecoder):
             return original(tokens, positions, rule, read)
 
         session.forward = forward
-        super().decode(session)
+        super().begin(session, rows)
 
 
 def test_block_causal_rule():
@@ -85,7 +86,7 @@ def test_cache_after_mbd_equals_fresh_prefill(tiny, prompts, decoder, cache_is_p
     prompt = prompts[0]
     with torch.inference_mode():
         session = start(tiny, [prompt], 23)
-        decoder.decode(session)
+        decode(decoder, session)
     generated = session.rows[0].output
     cached = session.cache.get_seq_length() - len(prompt)
     # the last blocks are read, never written: at most a buffer of them is missing from the cache
@@ -188,7 +189,7 @@ def test_no_forward_is_spent_after_a_revealed_stop(tiny, prompts, stop_on):
 class _Widths(MultiBlockDiffusionDecoder):
     """Records the width (tokens) of every forward."""
 
-    def decode(self, session):
+    def begin(self, session, rows):
         self.widths: list[int] = []
         original = session.forward
 
@@ -197,7 +198,7 @@ class _Widths(MultiBlockDiffusionDecoder):
             return original(tokens, positions, rule, read)
 
         session.forward = forward
-        super().decode(session)
+        super().begin(session, rows)
 
 
 @pytest.mark.parametrize("options", [(4, 2, 0.0, 0.5, 0.5), (5, 3, 0.2, 0.3, 0.0), (3, 1, 0.0, 0.9, 0.9)])

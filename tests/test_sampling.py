@@ -117,19 +117,20 @@ class _GreedyAcceptance(BatchSampler):
         return tokens
 
 
-class _Fed(Session):
-    """A session that remembers the tokens of its last forward, and samples with the broken rule."""
-
-    def forward(self, tokens, *args, **kwargs):
-        self.fed = tokens
-        return super().forward(tokens, *args, **kwargs)
-
-
 class _BrokenJacobi(JacobiDecoder):
-    def open_session(self, model, prompts, max_new_tokens):
-        session = _Fed(model, *self.prefilled(model, prompts, max_new_tokens))
+    """Jacobi sampling with the broken rule: every step's session remembers the tokens it feeds
+    (`fed`) and samples with `_GreedyAcceptance` over its rows of the moment."""
+
+    def step(self, session):
+        forward = Session.forward.__get__(session)
+
+        def feeding(tokens, *args, **kwargs):
+            session.fed = tokens
+            return forward(tokens, *args, **kwargs)
+
+        session.forward = feeding
         session.sampler = _GreedyAcceptance(session)
-        return session
+        super().step(session)
 
 
 def _verifier(name: str, tiny, prompt: list[int]):

@@ -7,9 +7,9 @@ import random
 import pytest
 
 from fastforward.api import build_decoder
+from fastforward.decoding.text_stream import TextStream
 from fastforward.model.tiny import EOS, fit_tokenizer
 from fastforward.serving.app import CompletionRequest, Server
-from fastforward.serving.text_stream import TextStream
 
 TEXTS = [
     "Un café crème, naïve Grüße. 日本語のテキスト 🙂🚀 and 👩‍💻 mixed with ASCII.",

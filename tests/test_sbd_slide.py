@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from driving import decode
 
 from fastforward.api import build_decoder
 from fastforward.decoding.decoders import ARDecoder, Prompt
@@ -38,7 +39,7 @@ def test_the_cache_holds_a_causal_prefill_of_the_text(tiny, prompts, cache_is_pr
     for prompt in prompts:
         with torch.inference_mode():
             session = start(tiny, [prompt], 11)
-            SlidingSBDDecoder(5, gamma).decode(session)
+            decode(SlidingSBDDecoder(5, gamma), session)
         cached = session.cache.get_seq_length()
         assert cached > len(prompt)
         cache_is_prefill(session.cache, (prompt + session.rows[0].output)[:cached])

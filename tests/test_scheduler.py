@@ -1,8 +1,8 @@
-"""Admission and turns (`serving.scheduler`) as pure functions: no engine, no threads, no model."""
+"""Admission and turns (`decoding.scheduler`) as pure functions: no engine, no threads, no model."""
 
 from dataclasses import dataclass
 
-from fastforward.serving.scheduler import Limits, admit, next_batch
+from fastforward.decoding.scheduler import Limits, admit, next_batch
 
 
 @dataclass(eq=False)
@@ -12,10 +12,6 @@ class Waiting:
     max_tokens: int = 8
     setting: str = "jacobi"
     cancelled: bool = False
-
-    @property
-    def prompt(self) -> list[int]:
-        return [0] * self.prompt_tokens
 
 
 def names(admitted: dict[str, list[Waiting]]) -> dict[str, list[str]]:

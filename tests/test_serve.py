@@ -66,7 +66,7 @@ def test_concurrent_requests_share_batches_and_equal_generate_alone(tiny, served
 
     def hold() -> None:  # runs on the worker: nothing decodes until all requests wait
         with engine._lock:
-            assert engine._lock.wait_for(lambda: len(engine._waiting) == len(asks), timeout=60)
+            assert engine._lock.wait_for(lambda: len(engine._inbox) == len(asks), timeout=60)
 
     def ask(prompt):
         return client.completions.create(model="tiny", prompt=prompt, max_tokens=14, extra_body={"decoder": "jacobi"})
@@ -208,8 +208,8 @@ def test_text_is_streamed_and_rows_ended_only_between_steps(tiny, serve_at_once,
     outside while a decoder's step runs (nothing hooks into it), and the outputs are as alone."""
     from fastforward.decoding.decoders import JacobiDecoder
     from fastforward.decoding.rows import Row
+    from fastforward.decoding.text_stream import TextStream
     from fastforward.serving.app import CompletionRequest
-    from fastforward.serving.text_stream import TextStream
 
     stepping, seen = [False], []
     step, push, finish = JacobiDecoder.step, TextStream.push, Row.finish
@@ -258,13 +258,13 @@ def test_admission_bounds_and_a_full_queue(tiny, serve_at_once):
 def test_a_burst_joins_over_several_turns_within_the_prefill_budget(tiny, serve_at_once, budget, joins, monkeypatch):
     """--max-prefill-tokens: between two steps, waiting requests join while their prompts fit in it (one
     at least), in arrival order; the rest join at the next turns. Outputs are unchanged."""
+    from fastforward.decoding.engine_core import EngineCore
     from fastforward.serving.app import CompletionRequest
-    from fastforward.serving.engine import Engine
 
     seen = []
-    admit = Engine._admit
+    admit = EngineCore._admit
     monkeypatch.setattr(
-        Engine, "_admit", lambda self, setting, jobs: seen.append(len(jobs)) or admit(self, setting, jobs)
+        EngineCore, "_admit", lambda self, setting, jobs, out: seen.append(len(jobs)) or admit(self, setting, jobs, out)
     )
     prompts = PROMPTS[:4]
     assert [len(tiny.encode_prompt(p, chat_template=False)) for p in prompts] == [9, 6, 20, 1]

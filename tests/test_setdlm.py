@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from driving import decode
 from test_objectives import make_batch
 
 from fastforward.api import build_decoder, infill
@@ -188,7 +189,7 @@ def test_first_token_from_ntp_at_threshold_inf_is_greedy_ar(tiny, prompts, cache
     for prompt in prompts:
         with torch.inference_mode():
             session = start(tiny, [prompt], 11)
-            SetDiffusionDecoder(window, 0.0, first_token_from_ntp=True).decode(session)
+            decode(SetDiffusionDecoder(window, 0.0, first_token_from_ntp=True), session)
         cached = session.cache.get_seq_length()
         assert cached > len(prompt)
         cache_is_prefill(session.cache, (prompt + session.rows[0].output)[:cached])

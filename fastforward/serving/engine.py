@@ -1,54 +1,32 @@
-"""The serving engine: one worker thread schedules requests continuously, step by step.
+"""The serving engine: a worker thread that drives the engine core (`fastforward.decoding.engine_core`)
+and delivers its outputs to the HTTP side's event loops.
 
-A request becomes a `Job` (token ids, a built decoder, its budget, stop strings, its sampling seed).
-Jobs whose decoders have equal options (`Decoder.batch_key`: temperature, top-p and seed aside) form
-a **group**: one `Session` whose rows are its jobs' (a row's `owner` is its job). The worker's loop
-has nano-vLLM's shape, each part a function of its own:
-
-* `_schedule`: work handed to `call` runs (other model work, such as scoring log-probabilities);
-  waiting jobs join their groups as far as `scheduler` admits them (rows, tokens in flight and
-  prompt tokens per turn bounded), prefilled on their own and begun (`_admit`); the group whose
-  turn it is steps next (groups take turns, one step each);
-* `decoder.step(session)`: one step of that group's rows, and nothing else runs inside it;
-* `_postprocess`: each row's newly committed tokens become text deltas (`TextStream`), cut before a
-  stop string (which ends the row); rows whose clients left are cancelled; rows that finished end
-  their jobs; finished rows leave the session at the next join (one cache copy for both) or once
-  they are a quarter of it (`_retire`).
-
-A row's status (`rows.Status`: running, or finished with its reason) is its request's one state;
-the engine keeps nothing beside the rows. Rows with different budgets, prompt lengths and sampling
-knobs share forwards, and nobody waits for a batch to drain. A queue of more than `max_queue`
-waiting jobs refuses new ones (`QueueFull`: HTTP 503 with Retry-After).
-
-Each row samples with its own request's temperature, top-p and seed (`Job.as_prompt`), so a request
-gets the tokens it would get alone whatever shares its batch. Events go to the jobs' event queues,
-which the HTTP layer reads (`fastforward.serving.app`); a job's last event carries its token ids. A
-failure inside decoding fails only the jobs of that group.
+A request is a `Job`: the core's `Request` with the event loop and queue its client reads. The core
+schedules, steps and postprocesses (batches by decoder setting, stop strings, text increments, finished
+rows leaving at the step they finish); the worker's loop adds only what an async server needs: jobs
+handed over from the HTTP threads (`submit`, `cancel`: the core's `abort`), other model work run between
+two steps (`call`), the metrics, a bounded queue (`QueueFull`: HTTP 503 with Retry-After), and each
+step's outputs turned into `Event`s, delivered in one wake-up per event loop per step. Isolated
+failures: a failure inside decoding fails only the jobs of that batch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from fastforward.decoding.decoders import Decoder
-from fastforward.decoding.runtime import PREFILL_TOKENS, Generation, Prompt, Row, Session, Status
+from fastforward.decoding import scheduler
+from fastforward.decoding.engine_core import EngineCore, Output, Request
+from fastforward.decoding.runtime import PREFILL_TOKENS, Generation
 from fastforward.model import Model
-from fastforward.serving import scheduler
 from fastforward.serving.metrics import Metrics
-from fastforward.serving.text_stream import TextStream
-
-_ids = itertools.count()
 
 
 @dataclass
@@ -67,32 +45,15 @@ class Event:
 
 
 @dataclass(eq=False)  # a job is itself: queue membership is by identity
-class Job:
-    prompt: list[int]
-    decoder: Decoder
-    max_tokens: int
-    stop: list[str]
-    loop: asyncio.AbstractEventLoop
-    seed: int | None = None  # the request's own sampling seed (None: the decoder's)
-    ignore_eos: bool = False  # decode through stop tokens up to max_tokens (vLLM's field)
+class Job(Request):
+    """A request of an HTTP client: the core's `Request`, with the event loop and queue its client reads."""
+
+    loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    id: int = field(default_factory=lambda: next(_ids))
-    cancelled: bool = False  # its client left: set by the HTTP side, applied to its row between steps
-    created: float = field(default_factory=time.perf_counter)
-    stream: TextStream | None = None  # its text, once it runs
-
-    @property
-    def setting(self) -> Hashable:
-        """Jobs of equal settings share a batch: their decoders' options (`Decoder.batch_key`)."""
-        return self.decoder.batch_key()
-
-    def as_prompt(self) -> Prompt:
-        """The job as a session row: its prompt, its seed, its stop tokens, and its decoder's temperature
-        and top-p (a group's rows share a decoder setting but not these)."""
-        return Prompt(self.prompt, seed=self.seed, sampler=self.decoder.sampler, ignore_eos=self.ignore_eos)
 
     def send(self, event: Event) -> None:
         """Thread-safe: deliver an event to the HTTP side."""
+        assert self.loop is not None
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
@@ -106,23 +67,9 @@ class QueueFull(RuntimeError):
     """The engine holds `max_queue` waiting jobs already: the request should be retried later."""
 
 
-@dataclass
-class _Group:
-    """The rows of one decoder setting, in one session."""
-
-    decoder: Decoder
-    session: Session
-
-    def running(self) -> list[Row]:
-        return [row for row in self.session.rows if not row.finished]
-
-    def finished(self) -> list[int]:
-        """Its finished rows (their jobs ended), until they leave the session."""
-        return [index for index, row in enumerate(self.session.rows) if row.finished]
-
-
 class Engine:
-    """A queue of jobs and the worker thread that schedules them (see the module docstring)."""
+    """The worker thread driving the engine core, and the queue the HTTP side hands jobs over in (see the
+    module docstring)."""
 
     def __init__(
         self,
@@ -135,15 +82,12 @@ class Engine:
         max_prefill_tokens: int = PREFILL_TOKENS,
     ):
         self.model = model
-        self.limits = scheduler.Limits(max_batch_size, max_batch_tokens, max_prefill_tokens)
-        self.max_step_tokens = max_step_tokens  # `Session.step_tokens` of every group
+        limits = scheduler.Limits(max_batch_size, max_batch_tokens, max_prefill_tokens)
+        self.core = EngineCore(model, limits, max_step_tokens, isolate_failures=True)
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
-        self._waiting: deque[Job] = deque()
+        self._inbox: list[Job] = []  # jobs submitted since the worker last took them into the core
         self._calls: list[tuple[Callable[[], Any], Future]] = []  # work to run between two steps (`call`)
-        self._outbox: list[tuple[Job, Event]] = []  # events of this step, delivered by `_flush`
-        self._groups: dict[Hashable, _Group] = {}  # by setting
-        self._turn = 0  # round robin over the groups
         self._lock = threading.Condition()
         self._stopping = False
         self._worker = threading.Thread(target=self._run, name="fastforward-engine", daemon=True)
@@ -154,10 +98,11 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting already")
-            self._waiting.append(job)
-            self.metrics.queue_depth.set(len(self._waiting))
+            waiting = len(self._inbox) + len(self.core.waiting)
+            if waiting >= self.max_queue:
+                raise QueueFull(f"{waiting} requests are waiting already")
+            self._inbox.append(job)
+            self.metrics.queue_depth.set(waiting + 1)
             self._lock.notify()
 
     def call(self, work: Callable[[], Any]) -> Future:
@@ -173,20 +118,18 @@ class Engine:
         return future
 
     def cancel(self, job: Job) -> None:
-        """The client left: drop the job if it waits, else its row is cancelled after its group's next step."""
-        job.cancelled = True
+        """The client left: the core drops the job if it waits, else ends its row after the next step."""
+        EngineCore.abort(job)
         self.metrics.cancelled.inc()
         with self._lock:
-            if job in self._waiting:
-                self._waiting.remove(job)
-                self.metrics.queue_depth.set(len(self._waiting))
+            if job in self._inbox:
+                self._inbox.remove(job)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Refuse new jobs, let the worker finish the rows in flight, fail the jobs still waiting."""
         with self._lock:
             self._stopping = True
-            left = list(self._waiting)
-            self._waiting.clear()
+            left, self._inbox = self._inbox, []
             calls, self._calls = self._calls, []
             self._lock.notify()
         for _, future in calls:
@@ -196,63 +139,37 @@ class Engine:
         self._worker.join(timeout)
 
     # ---- the worker -------------------------------------------------------------------------------
-    def _post(self, job: Job, event: Event) -> None:
-        """Queue an event for a job; `_flush` hands a step's events over together."""
-        self._outbox.append((job, event))
-
-    def _flush(self) -> None:
-        """Deliver the queued events: one wake-up of each event loop per step, not one per event (with
-        dozens of streaming rows, waking the HTTP side per token costs the worker its GIL time)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Event]]] = {}
-        for job, event in self._outbox:
-            by_loop.setdefault(job.loop, []).append((job, event))
-        self._outbox = []
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, items)
-
     def _run(self) -> None:
-        """The worker: schedule → step → postprocess, until `stop` and nothing is left."""
-        try:
-            while self._wait():
-                setting = self._schedule()
-                if setting is not None:
-                    group = self._groups[setting]
-                    rows = group.running()
-                    self.metrics.step_rows.observe(len(rows))
-                    with self._failing(setting, [row.owner for row in rows]):
-                        group.decoder.step(group.session)
-                        self._postprocess(setting, group, rows)
-                self.metrics.batch_size.set(sum(len(g.running()) for g in self._groups.values()))
-                self._flush()
-        finally:
-            self._flush()
+        """The worker: take the jobs handed over, run `call`'s work, step the core and deliver its outputs,
+        until `stop`; then the jobs the core still had waiting fail."""
+        while self._wait():
+            with self._lock:
+                calls, self._calls = self._calls, []
+                jobs, self._inbox = self._inbox, []
+            self._run_calls(calls)
+            for job in jobs:
+                self.core.add_request(job)
+            if self._stopping:
+                self._refuse_waiting()
+            outputs = self.core.step()
+            if self.core.last_step_rows:
+                self.metrics.step_rows.observe(self.core.last_step_rows)
+            self.metrics.batch_size.set(len(self.core.running()))
+            self.metrics.queue_depth.set(len(self.core.waiting))
+            self._deliver(outputs)
 
     def _wait(self) -> bool:
         """Wait for work: False once the engine stops with nothing left to do."""
         with self._lock:
-            while not (self._waiting or self._groups or self._calls or self._stopping):
+            while not (self._inbox or self.core.has_work or self._calls or self._stopping):
                 self._lock.wait()
-            return bool(self._waiting or self._groups or self._calls)
+            return bool(self._inbox or self.core.has_work or self._calls)
 
-    def _schedule(self) -> Hashable | None:
-        """Between two steps: the work handed to `call`, then waiting jobs into their groups as far as the
-        limits allow; returns the setting whose group steps next (None: no group runs)."""
-        with self._lock:
-            calls, self._calls = self._calls, []
-        self._run_calls(calls)
-        with self._lock:
-            live = [row.owner for group in self._groups.values() for row in group.running()]
-            admitted = scheduler.admit(self._waiting, live, self.limits)
-            for jobs in admitted.values():
-                for job in jobs:
-                    self._waiting.remove(job)
-            self.metrics.queue_depth.set(len(self._waiting))
-        for setting, jobs in admitted.items():
-            self._admit(setting, jobs)
-        if not self._groups:
-            return None
-        self._turn += 1
-        return scheduler.next_batch(list(self._groups), self._turn - 1)
+    def _refuse_waiting(self) -> None:
+        """Stopping: the jobs not yet started end with an error; the running ones finish."""
+        while self.core.waiting:
+            job = self.core.waiting.popleft()
+            job.send(Event(finish_reason="error", error="the server shut down before this request started"))
 
     @staticmethod
     def _run_calls(calls: list[tuple[Callable[[], Any], Future]]) -> None:
@@ -265,103 +182,49 @@ class Engine:
                 except Exception as exc:  # the caller's to answer
                     future.set_exception(exc)
 
-    @contextmanager
-    def _failing(self, setting: Hashable | None, jobs: list[Job]) -> Iterator[None]:
-        """Run the block (under inference mode); if it fails, the group of `setting` closes and `jobs`
-        end with the error, and the server goes on."""
-        try:
-            with torch.inference_mode():
-                yield
-        except Exception as exc:  # one group fails; the server goes on
-            self._groups.pop(setting, None)
-            for job in jobs:
-                self._post(job, Event(finish_reason="error", error=f"decoding failed: {type(exc).__name__}: {exc}"))
-            self.metrics.failures.inc(len(jobs))
-
-    def _admit(self, setting: Hashable, jobs: list[Job]) -> None:
-        """Start jobs in their setting's group: their rows prefilled (a failure there fails them alone),
-        then a new session, or rows joining the running one (in one join, each with its own budget; the
-        finished rows leave in the same copy); begun, and postprocessed as after a step."""
-        decoder, prefilled = jobs[0].decoder, None
-        with self._failing(None, jobs):
-            prefilled = decoder.prefilled(self.model, [job.as_prompt() for job in jobs], [j.max_tokens for j in jobs])
-            for row, job in zip(prefilled[0], jobs, strict=True):
-                row.owner, job.stream = job, TextStream(self.model.decode, job.stop)
-        if prefilled is None:
-            return
-        group = self._groups.get(setting)
-        running = [] if group is None else group.running()
-        with self._failing(setting, [row.owner for row in running] + jobs):
-            if group is None:
-                group = self._groups[setting] = _Group(decoder, Session(self.model, *prefilled))
-                group.session.step_tokens = self.max_step_tokens
-                new = list(range(len(jobs)))
-            else:
-                new = group.session.join(*prefilled, drop=group.finished())
-            running = group.running()
-            decoder.begin(group.session, new)
-            self._postprocess(setting, group, running)
-
-    def _postprocess(self, setting: Hashable, group: _Group, rows: list[Row]) -> None:
-        """After a group's step (or its rows' start), each of `rows` (running before it): a client that
-        left cancels its row; new text goes to the row's job, cut before a stop string (which ends the
-        row); a row that finished ends its job. Then finished rows may leave (`_retire`). The events go
-        out once all this has held (so no job hears of its end twice if it fails), together."""
-        events: list[tuple[Job, Event]] = []
-        for row in rows:
-            job: Job = row.owner
-            assert job.stream is not None
-            cut = False  # a stop string ended the text
+    def _deliver(self, outputs: list[Output]) -> None:
+        """A step's outputs as events, handed to each event loop in one wake-up (with dozens of streaming
+        rows, waking the HTTP side per token costs the worker its GIL time). A job whose client left hears
+        nothing more."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Event]]] = {}
+        for output in outputs:
+            job: Job = output.request  # type: ignore[assignment]
+            if output.error is not None:
+                self.metrics.failures.inc()
+            elif output.generation is not None and job.row is not None:  # it ran (not cancelled while waiting)
+                stats = output.generation.stats
+                self.metrics.observe(stats.nfe, stats.tokens, time.perf_counter() - job.created, stats.queries)
             if job.cancelled:
-                row.finish(Status.CANCELLED)  # nothing more to tell: its client left
-            elif new := row.canvas[len(job.stream.ids) : row.length]:
-                delta, cut = job.stream.push(new)  # type: ignore[arg-type]
-                if delta:
-                    events.append((job, Event(delta=delta)))
-                if cut:
-                    row.finish(Status.STOP)
-            if row.finished:
-                events += self._end(row, cut)
-        self._retire(setting, group)
-        self._outbox += events
-        self._flush()
-
-    def _end(self, row: Row, cut: bool) -> list[tuple[Job, Event]]:
-        """A finished row's figures into the metrics, and unless its client left, its job's last text (the
-        text held back, unless a stop string `cut` it) and its end."""
-        job: Job = row.owner
-        generation = row.result(self.model.decode)
-        stats = generation.stats
-        self.metrics.observe(stats.nfe, stats.tokens, time.perf_counter() - job.created, stats.queries)
-        if job.cancelled:
-            return []
-        events = []
-        if not cut:
-            assert job.stream is not None
-            delta, cut = job.stream.push([], final=True)
-            if delta:
-                events.append((job, Event(delta=delta)))
-        reason = "stop" if cut or generation.finish_reason == "stop" else "length"
-        usage = self._usage(job, stats.tokens, stats.nfe, stats.queries)
-        end = Event(finish_reason=reason, usage=usage, token_ids=list(generation.token_ids), generation=generation)
-        return [*events, (job, end)]
-
-    def _retire(self, setting: Hashable, group: _Group) -> None:
-        """Finished rows leave the session at the next join (one cache copy for both), or now once they are
-        a quarter of it; a group whose rows have all finished closes."""
-        finished = group.finished()
-        if len(finished) == group.session.batch:
-            del self._groups[setting]
-        elif finished and 4 * len(finished) >= group.session.batch:
-            group.session.leave(finished)
+                continue
+            assert job.loop is not None
+            by_loop.setdefault(job.loop, []).extend((job, event) for event in self._events(output))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     @staticmethod
-    def _usage(job: Job, tokens: int, nfe: int, queries: int) -> dict[str, Any]:
-        return {
-            "prompt_tokens": len(job.prompt),
-            "completion_tokens": tokens,
-            "total_tokens": len(job.prompt) + tokens,
-            "nfe": nfe,
-            "tpf": round(tokens / nfe, 4) if nfe else 0.0,
-            "queries": queries,  # tokens the decoding forwards ran, drafts included (`runtime.Stats`)
-        }
+    def _events(output: Output) -> list[Event]:
+        """What a job hears of one output: its text delta, and its end (a finish reason, usage, token ids and
+        the whole generation; or the error)."""
+        events = [Event(delta=output.delta)] if output.delta else []
+        if output.error is not None:
+            events.append(Event(finish_reason="error", error=output.error))
+        elif (generation := output.generation) is not None:
+            job: Job = output.request  # type: ignore[assignment]
+            reason = "stop" if generation.finish_reason == "stop" else "length"
+            stats = generation.stats
+            usage = _usage(job, stats.tokens, stats.nfe, stats.queries)
+            events.append(
+                Event(finish_reason=reason, usage=usage, token_ids=list(generation.token_ids), generation=generation)
+            )
+        return events
+
+
+def _usage(job: Job, tokens: int, nfe: int, queries: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": job.prompt_tokens,
+        "completion_tokens": tokens,
+        "total_tokens": job.prompt_tokens + tokens,
+        "nfe": nfe,
+        "tpf": round(tokens / nfe, 4) if nfe else 0.0,
+        "queries": queries,  # tokens the decoding forwards ran, drafts included (`runtime.Stats`)
+    }

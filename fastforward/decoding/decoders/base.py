@@ -1,6 +1,7 @@
 """The decoder protocol: `begin` rows of a prefilled `Session` (`fastforward.decoding.runtime`), then
-`step` until every row stops. Rows may join and leave between steps (the server's continuous
-batching), so a decoder keeps each row's state in `Row.state`, which follows the row. A decoder is a
+`step` them, one forward each time; whoever drives the session (the engine core,
+`fastforward.decoding.engine_core`) loops, and takes finished rows out between steps. Rows join and
+leave between steps, so a decoder keeps each row's state in `Row.state`, which follows the row. A decoder is a
 dataclass whose fields are its options (`decoders.registry`), checked when it is made; rows of
 decoders with equal options (`batch_key`) can share a batch."""
 
@@ -14,9 +15,8 @@ import torch
 
 from fastforward.decoding import runtime
 from fastforward.decoding.options import check_options
-from fastforward.decoding.runtime import Generation, GenerationInterrupted, Prompt, Row, Session
+from fastforward.decoding.runtime import Generation, Prompt, Row, Session
 from fastforward.decoding.sampling import Sampler
-from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.model.cache import KVCache
 
@@ -51,12 +51,6 @@ class Decoder(ABC):
     def step(self, session: Session) -> None:
         """One step of every running row: at most one forward, closed by `session.advance`."""
 
-    def decode(self, session: Session) -> None:
-        """Begin every row of the session and step until all have finished."""
-        self.begin(session, range(session.batch))
-        while not session.finished:
-            self.step(session)
-
     def prefilled(
         self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int | Sequence[int]
     ) -> tuple[list[Row], KVCache, torch.Tensor]:
@@ -67,21 +61,13 @@ class Decoder(ABC):
     def open_session(
         self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int | Sequence[int]
     ) -> Session:
-        """A batch of `prompts` for this decoder, prefilled, to `decode`."""
+        """A batch of `prompts` for this decoder, prefilled, to drive step by step (`begin`, `step`)."""
         return Session(model, *self.prefilled(model, prompts, max_new_tokens))
 
     def generate(
         self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int = 256
     ) -> list[Generation]:
-        if not self.infills and any(isinstance(p, Prompt) and p.suffix for p in prompts):
-            raise FastForwardError(
-                f"the {self.name} decoder cannot infill (fill a gap before a suffix); use the setdlm decoder, "
-                "or ar on the prefix alone as the baseline"
-            )
-        with torch.inference_mode():
-            session = self.open_session(model, prompts, max_new_tokens)
-            try:
-                self.decode(session)
-            except KeyboardInterrupt as interrupt:
-                raise GenerationInterrupted(session.results()) from interrupt
-            return session.results()
+        """Decode `prompts` in this process, all in one batch (`engine_core.generate`)."""
+        from fastforward.decoding.engine_core import generate  # the engine core drives decoders: it imports this module
+
+        return generate(model, self, prompts, max_new_tokens)

@@ -19,10 +19,12 @@ from typing import Protocol, TypeVar
 
 
 class Waiting(Protocol):
-    """What admission reads of a job (`engine.Job`)."""
+    """What admission reads of a request (`engine_core.Request`)."""
 
-    prompt: list[int]
     max_tokens: int
+
+    @property
+    def prompt_tokens(self) -> int: ...  # the tokens its prefill caches
 
     @property
     def setting(self) -> Hashable: ...  # jobs of equal settings share a batch
@@ -35,7 +37,7 @@ J = TypeVar("J", bound=Waiting)
 
 @dataclass(frozen=True)
 class Limits:
-    """The bounds admission keeps (`Engine`'s options of the same names)."""
+    """The bounds admission keeps (`EngineCore`'s, set by `serve`'s options of the same names)."""
 
     max_batch_size: int  # rows in flight, every batch together
     max_batch_tokens: int | None  # prompt plus budget of every row in flight; None: no bound
@@ -46,24 +48,24 @@ def admit(waiting: Iterable[J], running: Sequence[J], limits: Limits) -> dict[Ha
     """The waiting jobs that join now, by setting (settings in the order their first job waited, each
     one's jobs in arrival order). `running`: the jobs still decoding. A job alone always fits the token
     bounds, so an oversized one runs by itself rather than never; a cancelled job is passed over (its
-    client left, and `Engine.cancel` takes it off the queue)."""
+    client left, and the engine core takes it off the queue)."""
     rows = len(running)
-    tokens = sum(len(job.prompt) + job.max_tokens for job in running)
+    tokens = sum(job.prompt_tokens + job.max_tokens for job in running)
     prefill = 0  # prompt tokens admitted in this turn
     admitted: dict[Hashable, list[J]] = {}
     for job in waiting:
         if job.cancelled:
             continue
-        size = len(job.prompt) + job.max_tokens
+        size = job.prompt_tokens + job.max_tokens
         full = rows >= limits.max_batch_size or (
             limits.max_batch_tokens is not None and tokens + size > limits.max_batch_tokens and rows > 0
         )
         # Past the prefill budget it waits for the next turn.
-        enough = prefill > 0 and prefill + len(job.prompt) > limits.max_prefill_tokens
+        enough = prefill > 0 and prefill + job.prompt_tokens > limits.max_prefill_tokens
         if full or enough:
             break
         admitted.setdefault(job.setting, []).append(job)
-        rows, tokens, prefill = rows + 1, tokens + size, prefill + len(job.prompt)
+        rows, tokens, prefill = rows + 1, tokens + size, prefill + job.prompt_tokens
     return admitted
 
 
