@@ -130,15 +130,15 @@ def test_interrupt_while_loading(monkeypatch, capsys):
 
 def test_interrupt_while_decoding(saved, monkeypatch, capsys):
     calls = []
-    real = ARDecoder.generate
+    real = ARDecoder.prefilled
 
-    def second_call_interrupted(self, *args, **kwargs):
+    def second_prefill_interrupted(self, *args, **kwargs):  # one prompt at a time: the second one's
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(ARDecoder, "generate", second_call_interrupted)
+    monkeypatch.setattr(ARDecoder, "prefilled", second_prefill_interrupted)
     assert generate(saved, "--decoder", "ar", "--json", "one", "two", "three") == 130
     captured = capsys.readouterr()
     assert [json.loads(line)["prompt"] for line in captured.out.splitlines()] == ["one"]

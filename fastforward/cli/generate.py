@@ -19,6 +19,7 @@ from fastforward.cli import (
 from fastforward.cli.decoding import add_decoder_flags, chosen_decoder, decoder_knobs
 from fastforward.cli.generate_io import NO_PROMPTS, print_report, read_prompts, say_interrupted
 from fastforward.decoding.decoders import Generation
+from fastforward.decoding.engine_core import in_order
 from fastforward.decoding.runtime import GenerationInterrupted
 from fastforward.errors import FastForwardError
 from fastforward.model import check_device, load_model
@@ -38,7 +39,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_precision_flags(p, **DECODING_DEFAULTS)
     add_compile_flag(p)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
-    p.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together (left padding)")
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=1,
+        help="prompts decoded together at most; a waiting prompt joins as soon as one finishes",
+    )
+    p.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="end the text before this string (repeatable)"
+    )
     p.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument(
@@ -59,18 +68,18 @@ def run(args: argparse.Namespace) -> int:
         raise FastForwardError(NO_PROMPTS)
     model = load_model(args.model, device=args.device, precision=precision(args))
     encoded = [model.encode_prompt(p, chat_template=not args.no_chat_template) for p in prompts]
-    for start in range(0, len(encoded), args.batch_size):
-        batch = encoded[start : start + args.batch_size]
-        try:
-            gens = decoder.generate(model, batch, args.max_new_tokens)
-        except KeyboardInterrupt as interrupt:  # print what the batch in flight had so far, then stop
-            partial = interrupt.generations if isinstance(interrupt, GenerationInterrupted) else []
-            for prompt, gen in zip(prompts[start:], partial, strict=False):
+    done = 0  # prompts reported
+    try:
+        for gen in in_order(model, decoder, encoded, args.max_new_tokens, args.batch_size, args.stop):
+            report(args, prompts[done], gen)
+            done += 1
+    except KeyboardInterrupt as interrupt:  # print what the prompts in flight had so far, then stop
+        partial = interrupt.generations if isinstance(interrupt, GenerationInterrupted) else []
+        for prompt, gen in zip(prompts[done:], partial, strict=False):
+            if gen.token_ids or gen.finish_reason != "interrupted":  # it had started
                 report(args, prompt, gen)
-            say_interrupted(start, len(prompts))
-            raise
-        for prompt, gen in zip(prompts[start:], gens, strict=False):
-            report(args, prompt, gen)
+        say_interrupted(done, len(prompts))
+        raise
     return 0
 
 

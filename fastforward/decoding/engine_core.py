@@ -300,9 +300,22 @@ def generate(
     batch_size: int | None = None,
     stop: Sequence[str] = (),
 ) -> list[Generation]:
-    """Decode `prompts` in this process and return their generations in order: every prompt a request of
-    one engine core, `batch_size` rows at a time at most (None: all at once), a prompt joining as soon as a
-    row finishes. Ctrl-C raises `GenerationInterrupted` with what every prompt had by then."""
+    """Decode `prompts` in this process and return their generations in order (`in_order`)."""
+    return list(in_order(model, decoder, prompts, max_new_tokens, batch_size, stop))
+
+
+def in_order(
+    model: Model,
+    decoder: Decoder,
+    prompts: Sequence[Sequence[int] | Prompt],
+    max_new_tokens: int | Sequence[int] = 256,
+    batch_size: int | None = None,
+    stop: Sequence[str] = (),
+) -> Iterator[Generation]:
+    """Decode `prompts` in this process, each a request of one engine core, `batch_size` rows at a time at
+    most (None: all at once; a waiting prompt joins as soon as a row finishes), cut at the first of the
+    `stop` strings; yields each prompt's generation, in order, once it and those before it have finished.
+    Ctrl-C raises `GenerationInterrupted` with what each prompt not yet yielded had by then."""
     if not prompts:
         raise FastForwardError("no prompts given")
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -313,10 +326,13 @@ def generate(
         core.add_request(Request(prompt, decoder, budget, stop, stream_text=False))
         for prompt, budget in zip(prompts, budgets, strict=True)
     ]
+    done = 0  # requests yielded
     with torch.inference_mode():
         try:
-            while core.has_work:
-                core.step()
+            while done < len(requests):
+                while requests[done].generation is None:
+                    core.step()
+                yield requests[done].generation
+                done += 1
         except KeyboardInterrupt as interrupt:
-            raise GenerationInterrupted([r.result(model.decode) for r in requests]) from interrupt
-    return [r.result(model.decode) for r in requests]
+            raise GenerationInterrupted([r.result(model.decode) for r in requests[done:]]) from interrupt
