@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from fastforward.model.tiny import tiny_model
 from fastforward.training.objectives import OBJECTIVES
-from fastforward.training.trajectories import collect
+from fastforward.training.trajectories.writer import collect
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",

@@ -44,7 +44,8 @@ from fastforward.tasks.instructions import instruction_prompts
 from fastforward.training.objectives import JacobiForcing
 from fastforward.training.run_dir import finished_run, save_adapter_snapshot, tokens_seen
 from fastforward.training.trainer import TrainConfig, train
-from fastforward.training.trajectories import TrajectoryData, collect
+from fastforward.training.trajectories.dataset import TrajectoryData
+from fastforward.training.trajectories.writer import collect
 
 BASE = "smollm2-135m"
 CODE_OPTIONS = {"context_lines": 12, "max_prompt_chars": 600}  # short contexts: most of a row is the response

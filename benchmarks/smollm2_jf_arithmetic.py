@@ -56,7 +56,7 @@ from fastforward.training.run_dir import finished_run, model_identity
 from fastforward.training.run_dir import save_adapter_snapshot as save_snapshot
 from fastforward.training.run_dir import tokens_seen as tokens_at
 from fastforward.training.trainer import TrainConfig, train
-from fastforward.training.trajectories import TrajectoryData, from_examples
+from fastforward.training.trajectories.dataset import TrajectoryData, from_examples
 
 BASE = "smollm2-135m"
 DESCRIPTION = "SmolLM2-135M-Instruct + a Jacobi Forcing LoRA adapter for grade-school arithmetic word problems"

@@ -46,10 +46,10 @@ from fastforward.model import load_model
 from fastforward.model.tiny import tiny_model
 from fastforward.tasks import get_task
 from fastforward.training.data import PackedData, encode_record
-from fastforward.training.jacobi_trajectories import Block, Trajectory
 from fastforward.training.objectives import make_objective
 from fastforward.training.trainer import TrainConfig, train
-from fastforward.training.trajectories import TrajectoryData
+from fastforward.training.trajectories.dataset import TrajectoryData
+from fastforward.training.trajectories.records import Block, Trajectory
 
 ADAMW = torch.optim.AdamW
 OBJECTIVES = ("ntp", "sbd", "multitf", "setdlm", "jacobi_forcing")

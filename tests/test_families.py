@@ -21,7 +21,8 @@ from fastforward.model.tiny import DEFAULT_CORPUS, fit_tokenizer
 from fastforward.training.data import Batch
 from fastforward.training.objectives import SBD, JacobiForcing, MultiTF, SetDLM
 from fastforward.training.objectives.base import causal_layout
-from fastforward.training.trajectories import TrajectoryData, collect
+from fastforward.training.trajectories.dataset import TrajectoryData
+from fastforward.training.trajectories.writer import collect
 
 WINDOW = 6
 WINDOWED = {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}

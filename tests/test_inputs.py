@@ -21,8 +21,9 @@ from fastforward.model.tiny import tiny_model
 from fastforward.tasks import JsonlTask
 from fastforward.tasks.humaneval import load_problems
 from fastforward.training import data
-from fastforward.training.jacobi_trajectories import Trajectory
-from fastforward.training.trajectories import collect, read_prompts, read_trajectories
+from fastforward.training.trajectories.records import Trajectory, read_trajectories
+from fastforward.training.trajectories.sources import read_prompts
+from fastforward.training.trajectories.writer import collect
 
 BOM = b"\xef\xbb\xbf"
 DIRECTORY = "directory"

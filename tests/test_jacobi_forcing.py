@@ -16,7 +16,6 @@ from fastforward.model.tiny import DEFAULT_CORPUS, fit_tokenizer, tiny_model
 from fastforward.model.visibility import jacobi_forcing_train as jacobi_forcing_rule
 from fastforward.training import lora
 from fastforward.training.data import Example
-from fastforward.training.jacobi_trajectories import Block, Trajectory
 from fastforward.training.objectives import JacobiForcing, make_objective
 from fastforward.training.objectives.jacobi_forcing import (
     TAIL_POOL,
@@ -32,13 +31,9 @@ from fastforward.training.objectives.jacobi_forcing import (
     row_length,
 )
 from fastforward.training.trainer import TrainConfig, train
-from fastforward.training.trajectories import (
-    TrajectoryBatch,
-    TrajectoryData,
-    collect,
-    from_examples,
-    read_trajectories,
-)
+from fastforward.training.trajectories.dataset import TrajectoryBatch, TrajectoryData, from_examples
+from fastforward.training.trajectories.records import Block, Trajectory, read_trajectories
+from fastforward.training.trajectories.writer import collect
 
 
 # ---- schedule and trajectory points -------------------------------------------------------------

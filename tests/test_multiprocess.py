@@ -27,14 +27,10 @@ from fastforward.training.objectives.base import labelled
 from fastforward.training.objectives.jacobi_forcing import pack, slot_counts
 from fastforward.training.rounds import Round, progressive_rounds
 from fastforward.training.trainer import TrainConfig, train
-from fastforward.training.trajectories import (
-    Collection,
-    PromptSource,
-    TrajectoryData,
-    collect,
-    merge_parts,
-    read_trajectories,
-)
+from fastforward.training.trajectories.dataset import TrajectoryData
+from fastforward.training.trajectories.records import read_trajectories
+from fastforward.training.trajectories.sources import Collection, PromptSource
+from fastforward.training.trajectories.writer import collect, merge_parts
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",

@@ -15,11 +15,11 @@ from fastforward.errors import FastForwardError
 from fastforward.model import Model, load_model
 from fastforward.model.tiny import tiny_model
 from fastforward.training.data import PackedData, encode_record
-from fastforward.training.jacobi_trajectories import Block, Trajectory
 from fastforward.training.objectives import NTP, SBD, JacobiForcing, MultiTF, SetDLM
 from fastforward.training.run_dir import checkpoints
 from fastforward.training.trainer import TrainConfig, train
-from fastforward.training.trajectories import TrajectoryBatch
+from fastforward.training.trajectories.dataset import TrajectoryBatch
+from fastforward.training.trajectories.records import Block, Trajectory
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",

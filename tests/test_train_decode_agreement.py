@@ -13,13 +13,14 @@ then its later in-block forwards on the cache that commit leaves. What the copy 
 b (masked or not) does not matter. Training blocks start at row position 0, decoding blocks at the
 prompt's end: they coincide when k divides the prompt length (the tests place b·k freely).
 
-Jacobi Forcing (`objectives.jacobi_forcing.pack`, `decoders.jacobi_trajectories`, `decoders.jacobi`,
+Jacobi Forcing (`objectives.jacobi_forcing.pack`, `trajectories.rollout`, `decoders.jacobi`,
 `decoders.multiblock_jacobi`). The alignment: noisy block i of a packed row holds the state y at the
 block's positions s … s+n−1 (s = prompt length + i·n) and slot j predicts the token at position
-s+j+1 (its teacher is clean slot j, its AR label response[i·n+j+1]). Trajectory collection's forward
-is exactly that layout: y at positions s … s+n−1, causal, after a cache holding the prompt and the
-fixed points before block i; its read j is the greedy token after y_j, so the next iterate is
-[token after the context, argmax of slots 0 … n−2]. `JacobiDecoder`'s forward [last ; d_1 … d_n] at
+s+j+1 (its teacher is clean slot j, its AR label response[i·n+j+1]). Trajectory collection is a run
+of `JacobiDecoder` (`trajectories.rollout`): a recorded state y of block i is the block's committed
+head and the decoder's drafts over the rest, and the next iterate is y's Jacobi update, [token after
+the context, argmax of slots 0 … n−2] of that layout (y at positions s … s+n−1, causal, after the
+prompt and the fixed points before block i). `JacobiDecoder`'s forward [last ; d_1 … d_n] at
 positions p … p+n is a noisy block of n+1 whose slot 0 has converged (last = the token at p): its
 read j equals noisy slot j of the training block [last, d_1 … d_n].
 
@@ -41,9 +42,9 @@ import torch
 from fastforward.model import Layout, Model, visibility
 from fastforward.model.cache import KVCache
 from fastforward.training.data import Batch
-from fastforward.training.jacobi_trajectories import jacobi_trajectories
 from fastforward.training.objectives.jacobi_forcing import pack
 from fastforward.training.objectives.sbd import sbd_layout
+from fastforward.training.trajectories.rollout import jacobi_decoder, rollouts
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
@@ -286,10 +287,10 @@ def test_noisy_context_blocks_equal_the_multiblock_decoders_draft_chain(tiny, pr
 
 @pytest.fixture(scope="module")
 def trajectories(tiny, prompts):
-    """Real Jacobi trajectories of two prompts of different lengths (`jacobi_trajectories`: how training
-    data is collected)."""
+    """Real Jacobi trajectories of two prompts of different lengths (`rollouts`: how training data is
+    collected)."""
     chosen = prompts[:2]
-    return chosen, jacobi_trajectories(tiny, chosen, block_size=N, max_new_tokens=3 * N, init="repeat", seed=0)
+    return chosen, [r.blocks for r in rollouts(tiny, jacobi_decoder(N, "repeat"), chosen, max_new_tokens=3 * N)]
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""Jacobi trajectories: fixed points equal greedy AR, states are Jacobi iterates, writing resumes cleanly."""
+"""Jacobi trajectories: the `jacobi` decoder's run, its fixed points greedy AR's and its states Jacobi
+iterates of its own drafts; writing resumes cleanly."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import torch
 
 from fastforward.cli import main
 from fastforward.decoding.decoders import ARDecoder
+from fastforward.decoding.runtime import Prompt
+from fastforward.decoding.sampling import random_tokens, row_key
 from fastforward.errors import FastForwardError
 from fastforward.model.tiny import tiny_model
-from fastforward.training.jacobi_trajectories import Block, Trajectory, jacobi_trajectories
-from fastforward.training.trajectories import TrajectoryData, collect, fit, only_correct, read_trajectories
+from fastforward.training.trajectories.dataset import TrajectoryData, fit, only_correct
+from fastforward.training.trajectories.records import Block, Trajectory, read_trajectories
+from fastforward.training.trajectories.rollout import jacobi_decoder, rollouts
+from fastforward.training.trajectories.writer import collect
 
 
 def cut(response: list[int], stops: list[int], limit: int) -> list[int]:
@@ -30,13 +35,17 @@ def jacobi_update(model, context: list[int], state: list[int]) -> list[int]:
     return logits[len(context) - 1 : len(context) + len(state) - 1].argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("init", ["repeat", "random", "pad"])
+def trajectories(model, prompts, n: int, max_new_tokens: int, init: str = "repeat", seed: int = 0) -> list[list[Block]]:
+    return [r.blocks for r in rollouts(model, jacobi_decoder(n, init, seed), prompts, max_new_tokens)]
+
+
+@pytest.mark.parametrize("init", ["repeat", "random"])
 @pytest.mark.parametrize("n", [1, 3, 5, 8])
 def test_fixed_points_concatenated_equal_greedy_ar(tiny, prompts, n, init):
-    trajectories = jacobi_trajectories(tiny, prompts, n, max_new_tokens=14, init=init)
+    collected = trajectories(tiny, prompts, n, max_new_tokens=14, init=init)
     total = -(-14 // n) * n  # whole blocks
     ar = ARDecoder().generate(tiny, prompts, max_new_tokens=total)
-    for blocks, gen in zip(trajectories, ar, strict=True):
+    for blocks, gen in zip(collected, ar, strict=True):
         assert len(blocks) == -(-14 // n)
         response = [t for b in blocks for t in b.fixed]
         assert cut(response, tiny.stop_token_ids, total) == gen.token_ids
@@ -48,41 +57,61 @@ def test_stop_token_inside_a_block_makes_it_the_last(tiny, prompts, n, stop_on):
     free = ARDecoder().generate(tiny, [prompts[0]], max_new_tokens=20)[0].token_ids
     at = next(i for i in range(5, 20) if i % n != n - 1 and free[i] not in free[:i])  # mid-block, first time
     with stop_on(free[at]):
-        [blocks] = jacobi_trajectories(tiny, [prompts[0]], n, max_new_tokens=40)
+        [blocks] = trajectories(tiny, [prompts[0]], n, max_new_tokens=40)
         ar = ARDecoder().generate(tiny, [prompts[0]], max_new_tokens=40)[0].token_ids
     assert len(blocks) == at // n + 1
     response = [t for b in blocks for t in b.fixed]
     assert cut(response, [free[at]], 40) == ar == free[: at + 1]
+    # the tokens after the stop in its block are greedy AR's too: the block is decoded whole
+    assert response == ARDecoder().generate(tiny, [Prompt(prompts[0], ignore_eos=True)], len(response))[0].token_ids
 
 
-def test_states_are_jacobi_iterates_ending_at_the_fixed_point(tiny, prompts):
+@pytest.mark.parametrize("init", ["repeat", "random"])
+def test_states_are_the_decoders_drafts_then_jacobi_iterates(tiny, prompts, init):
+    """Block 0 starts from the decoder's first token and its own drafts (random ones keyed by the seed,
+    the prompt and the position); every point's Jacobi update is the next; the forwards are the
+    decoder's: recording changes nothing of its run."""
+    decoder = jacobi_decoder(4, init, seed=5)
     for prompt in prompts[:3]:
-        [blocks] = jacobi_trajectories(tiny, [prompt], 4, max_new_tokens=12, init="repeat")
+        [rollout] = rollouts(tiny, decoder, [prompt], 12)
+        blocks = rollout.blocks
+        first = blocks[0].fixed[0]
+        origin = len(prompt)
+        fill = (
+            [first] * 3
+            if init == "repeat"
+            else random_tokens(row_key(5, prompt, []), range(origin + 1, origin + 4), tiny.vocab_size)
+        )
+        assert blocks[0].trajectory[0] == [first, *fill]
         context = list(prompt)
         for block in blocks:
             points = block.trajectory
-            assert points[0] == [context[-1]] * 4  # "repeat": the token before the block
             for state, following in zip(points, points[1:], strict=False):
                 assert state != following
                 assert jacobi_update(tiny, context, state) == following
             assert jacobi_update(tiny, context, block.fixed) == block.fixed
-            assert len(points) <= 4 + 1  # at least one more token is right after each iteration
+            assert len(points) <= 4 + 1  # every forward commits at least one more token
             context += block.fixed
+        assert len(blocks) == 3
+        alone = decoder.generate(tiny, [Prompt(prompt, ignore_eos=True)], 12)[0]
+        assert rollout.forwards == alone.stats.nfe and [t for b in blocks for t in b.fixed] == alone.token_ids
 
 
 def test_a_prompt_gets_the_same_trajectory_alone_or_in_a_batch(tiny, prompts):
-    batched = jacobi_trajectories(tiny, prompts, 3, max_new_tokens=12, init="random", keys=[10, 11, 12, 13])
-    for key, prompt, blocks in zip([10, 11, 12, 13], prompts, batched, strict=True):
-        assert jacobi_trajectories(tiny, [prompt], 3, max_new_tokens=12, init="random", keys=[key])[0] == blocks
+    batched = trajectories(tiny, prompts, 3, max_new_tokens=12, init="random", seed=7)
+    for prompt, blocks in zip(prompts, batched, strict=True):
+        assert trajectories(tiny, [prompt], 3, max_new_tokens=12, init="random", seed=7)[0] == blocks
+    assert trajectories(tiny, prompts[:1], 3, max_new_tokens=12, init="random", seed=8)[0] != batched[0]
 
 
-def test_bad_knobs_are_refused(tiny, prompts):
-    with pytest.raises(FastForwardError, match="draft init"):
-        jacobi_trajectories(tiny, prompts, 3, 12, init="zeros")
+def test_bad_knobs_are_refused(tiny, prompts, tmp_path):
+    with pytest.raises(FastForwardError, match="draft-init"):
+        collect(tiny, ["0"], tmp_path / "t.jsonl", block_size=3, init="pad", progress=False)
     with pytest.raises(FastForwardError, match="block size"):
-        jacobi_trajectories(tiny, prompts, 0, 12)
+        jacobi_decoder(0)
     with pytest.raises(FastForwardError, match="no room"):
-        jacobi_trajectories(tiny, [[5] * 510], 4, 12)
+        rollouts(tiny, jacobi_decoder(4), [[5] * 510], 12)
+    assert not (tmp_path / "t.jsonl").exists()
 
 
 # ---- writing and reading ------------------------------------------------------------------------
@@ -129,7 +158,6 @@ def test_records_round_trip(tiny, tmp_path):
     assert (first.index, first.id, first.prompt, second.id) == (0, "a", "Tom has", "b")
     assert first.prompt_ids == tiny.encode_prompt("Tom has")
     assert Trajectory.from_record(first.to_record()) == first
-    assert first.forwards == sum(len(b.states) + 1 for b in first.blocks)
 
 
 def test_collect_grades_each_response_up_to_its_stop(tiny, prompts, tmp_path):

@@ -15,7 +15,7 @@ from fastforward.training.launch import reported_once, say, share_threads
 from fastforward.training.objectives import OBJECTIVES, make_objective
 from fastforward.training.objectives.registry import options
 from fastforward.training.trainer import TrainConfig, default_autocast, train
-from fastforward.training.trajectories import TrajectoryData, from_examples, trajectory_datasets
+from fastforward.training.trajectories.dataset import TrajectoryData, from_examples, trajectory_datasets
 
 
 def register(sub: argparse._SubParsersAction) -> None:

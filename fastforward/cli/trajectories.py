@@ -8,20 +8,20 @@ from __future__ import annotations
 import argparse
 
 from fastforward.cli import add_adapter_flag, add_command, add_dtype_flag, add_threads_flag, precision
+from fastforward.decoding.decoders.jacobi import DRAFT_INITS
 from fastforward.errors import FastForwardError
 from fastforward.model import load_model
 from fastforward.tasks import parse_options
 from fastforward.training.launch import launched_processes, local_rank, reported_once, say, share_threads
-from fastforward.training.trajectories import (
-    DRAFT_INITS,
+from fastforward.training.trajectories.shards import collect_shards
+from fastforward.training.trajectories.sources import (
     Collection,
     PromptSource,
     collect_from,
-    collect_shards,
-    describe,
     read_prompts,
     task_prompts,
 )
+from fastforward.training.trajectories.writer import describe
 
 
 def add_prompt_flags(p: argparse.ArgumentParser) -> None:
@@ -47,7 +47,9 @@ def add_collect_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-new-tokens", type=int, default=None, help="rounded up to whole blocks (default: 256 or the task's)"
     )
-    p.add_argument("--init", choices=DRAFT_INITS, default="repeat", help="draft of a fresh block")
+    p.add_argument(
+        "--init", choices=DRAFT_INITS, default="repeat", help="how the jacobi decoder fills fresh draft slots"
+    )
     p.add_argument("--collect-batch-size", type=int, default=8, help="prompts decoded together")
     p.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
 
@@ -59,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_prompt_flags(p)
     p.add_argument("--block-size", type=int, default=16, help="tokens per Jacobi block (n)")
     add_collect_flags(p)
-    p.add_argument("--seed", type=int, default=0, help="seed of random draft initialisation")
+    p.add_argument("--seed", type=int, default=0, help="seed of random drafts (with the prompt, keys them)")
     add_dtype_flag(p)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     add_adapter_flag(p)

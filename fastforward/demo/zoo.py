@@ -41,7 +41,7 @@ from fastforward.model import load_model
 from fastforward.training.objectives import JacobiForcing
 from fastforward.training.rounds import Round, progressive_rounds
 from fastforward.training.trainer import TrainConfig
-from fastforward.training.trajectories import Collection, task_prompts
+from fastforward.training.trajectories.sources import Collection, task_prompts
 
 TASK_FILE = "fastforward_task.json"  # the task options a checkpoint was trained for (read by `eval`)
 CONFIG_OPTIONS = ("min_block", "max_block")  # a stage's options that set the demo config's training blocks

@@ -16,7 +16,7 @@ from fastforward.recipes.pipeline import Decoders, Recipe, RecipeOptions, regist
 from fastforward.training.data import Example
 from fastforward.training.objectives import JacobiForcing
 from fastforward.training.objectives.jacobi_forcing import SCHEDULES
-from fastforward.training.trajectories import TrajectoryData, from_examples
+from fastforward.training.trajectories.dataset import TrajectoryData, from_examples
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ from fastforward.training.launch import launched_processes
 from fastforward.training.objectives import JacobiForcing
 from fastforward.training.run_dir import finished_run
 from fastforward.training.trainer import TrainConfig, train
-from fastforward.training.trajectories import Collection, PromptSource, TrajectoryData, collect_from, describe
+from fastforward.training.trajectories.dataset import TrajectoryData
+from fastforward.training.trajectories.sources import Collection, PromptSource, collect_from
+from fastforward.training.trajectories.writer import describe
 
 
 @dataclass(frozen=True)

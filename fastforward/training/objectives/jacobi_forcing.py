@@ -31,12 +31,12 @@ Schedules (eq. 7, with blocks numbered from 0 within a row): W = {0, 1/w, …, (
 (each example from its own stream, `row_generators`).
 
 State sources (`states`), where a block's noisy copy at ratio t comes from:
-- "rollout": the recorded Jacobi iterate nearest t (the paper's data; collecting it costs a Jacobi
-  decode of every prompt);
+- "rollout": the recorded Jacobi iterate nearest t (the paper's data, here the states the `jacobi`
+  decoder passes through, `trajectories.rollout`; collecting it costs a Jacobi decode of every prompt);
 - "random-tail": the clean block with its rightmost round(t·n) tokens replaced by tokens drawn
   uniformly from the `TAIL_POOL` tokens before them (the Jacobi Forcing repository's
   progressive-masking preparation, no rollout): trains on ground-truth responses as they are
-  (`trajectories.from_examples`), or on a trajectory file's fixed points;
+  (`trajectories.dataset.from_examples`), or on a trajectory file's fixed points;
 - "rollout-aug": the recorded iterate nearest t with a random half of its wrong tokens set to the
   fixed point's (CLLM's `--use_aug`).
 A row's draws come from its own stream, so a resumed or sharded run draws the same states.
@@ -53,7 +53,6 @@ import torch.nn.functional as F
 
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, visibility
-from fastforward.training.jacobi_trajectories import REFERENCE, Block, Trajectory
 from fastforward.training.objectives.base import (
     IGNORE,
     Norms,
@@ -64,7 +63,8 @@ from fastforward.training.objectives.base import (
     term_norm,
 )
 from fastforward.training.objectives.registry import option, register
-from fastforward.training.trajectories import TrajectoryBatch
+from fastforward.training.trajectories.dataset import TrajectoryBatch
+from fastforward.training.trajectories.records import REFERENCE, Block, Trajectory
 
 SCHEDULES = ("progressive", "random", "reverse")
 STATE_SOURCES = ("rollout", "random-tail", "rollout-aug")
