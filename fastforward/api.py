@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from fastforward.decoding import engine_core
 from fastforward.decoding.decoders import ARDecoder, Decoder, Generation, Prompt, registry
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
@@ -21,15 +23,18 @@ def generate(
     decoder: Decoder | str = "ar",
     max_new_tokens: int = 256,
     chat_template: bool = True,
+    stop: Sequence[str] = (),
+    batch_size: int | None = None,
     **decoder_options: Any,
 ) -> list[Generation]:
-    """Generate for text prompts (one batch, left-padded). Returns one Generation per prompt."""
+    """Generate for text prompts through the engine core: `batch_size` at a time at most (None: all in
+    one batch), each text cut before the first of the `stop` strings. Returns one Generation per prompt."""
     if isinstance(prompts, str):
         prompts = [prompts]
     if isinstance(decoder, str):
         decoder = build_decoder(decoder, **decoder_options)
     encoded = [model.encode_prompt(p, chat_template=chat_template) for p in prompts]
-    return decoder.generate(model, encoded, max_new_tokens)
+    return engine_core.generate(model, decoder, encoded, max_new_tokens, batch_size, stop)
 
 
 def infill(
