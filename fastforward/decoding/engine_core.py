@@ -248,8 +248,9 @@ class EngineCore:
             if not cut:
                 rest, cut = request.stream.push([], final=True)
                 delta += rest
-            if request.stop:  # the text as sent: up to the first stop string
+            if cut:  # a stop string ended the text: the text as sent, up to it
                 generation.text = _cut_text(generation.text, request.stop)
+                generation.finish_reason = Status.STOP.value
         return self._finish(request, generation, delta)
 
     @staticmethod
