@@ -109,8 +109,8 @@ def option(
     kind: type | None = None,
 ) -> Any:
     """A dataclass field users set by name, with its help and the rule its values obey (`name`: the
-    knob's, where users know it by another name than the field's; `kind`: the values' type where the
-    default does not tell it: None, or `MISSING` for a field without a default)."""
+    knob's, where users know it by another name than the field's; `kind`: the values' type, where the
+    default does not tell it: a default of None, or `MISSING` for a field that must be given)."""
     return Knob(name, kind or type(default), default, help, choices, bound).field()
 
 
