@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fastforward"
 
 # lowest first; each entry is a top-level module or folder of the package
 LAYERS = [
-    {"errors", "home", "jsonl", "registry", "shipped"},  # shipped: the names that load without a path
+    {"errors", "home", "jsonl", "options", "registry", "shipped"},  # shipped: the names that load without a path
     {"tasks"},
     {"cpu"},
     {"model", "presets"},  # presets: the adapters shipped as data, which model loads by name

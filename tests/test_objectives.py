@@ -118,7 +118,7 @@ def test_sbd_suffix_share_picks_the_masking_per_row(model):
     )
     masking = SBD(min_block=4, max_block=4, suffix_share=1.0).draw(batch, generator)
     assert (masking.masked.view(64, 8, 4).int().diff(dim=2) >= 0).all()
-    with pytest.raises(FastForwardError, match="suffix_share"):
+    with pytest.raises(FastForwardError, match=r"suffix share must be in \[0, 1\], got 1.5"):
         SBD(suffix_share=1.5)
 
 

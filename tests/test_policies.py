@@ -112,7 +112,7 @@ def test_rows_are_independent():
 def test_make_policy_rejects_bad_input():
     with pytest.raises(FastForwardError, match="unknown reveal policy"):
         make_policy("greedy", 0.1)
-    with pytest.raises(FastForwardError, match=">= 0"):
+    with pytest.raises(FastForwardError, match="gamma must be >= 0, got -0.1"):
         make_policy("entropy", -0.1)
 
 

@@ -12,12 +12,12 @@ import pytest
 
 import fastforward as ff
 from fastforward.cli import build_parser
-from fastforward.decoding import options as decoder_options
 from fastforward.decoding.decoders import registry as decoders
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.errors import FastForwardError
+from fastforward.options import AT_LEAST_ONE, option
 from fastforward.training.objectives import NTP, OBJECTIVES, MultiTF, Objective, make_objective, register
-from fastforward.training.objectives.registry import option, options
+from fastforward.training.objectives.registry import options
 
 
 def test_every_objective_module_registers_itself():
@@ -56,7 +56,7 @@ def test_a_new_decoder_is_one_dataclass_whose_option_fields_are_its_flags(scratc
     @decoders.register("ar-twice", summary="a test decoder")
     @dataclass(eq=False)
     class Twice(ff.ARDecoder):
-        repeats: int = decoder_options.option(2, "ar-twice: how often", decoder_options.AT_LEAST_ONE)
+        repeats: int = option(2, "ar-twice: how often", AT_LEAST_ONE)
 
     spec = decoders.spec("ar-twice")
     assert Twice.name == "ar-twice" and [k.name for k in spec.knobs] == ["temperature", "top_p", "seed", "repeats"]
@@ -72,7 +72,7 @@ def test_a_new_decoder_is_one_dataclass_whose_option_fields_are_its_flags(scratc
 
 def test_objective_options_shared_by_name_are_one_flag():
     assert options()["ntp_weight"].objectives == ("multitf", "sbd", "setdlm")
-    assert options()["layouts"].choices == ("systematic", "random", "both")
+    assert options()["layouts"].knob.choices == ("systematic", "random", "both")
     assert "suffix_share" not in {f.name for f in fields(MultiTF) if f.init}  # SBD's, fixed off in MultiTF
     assert options()["suffix_share"].objectives == ("sbd",)
 

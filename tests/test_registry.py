@@ -12,11 +12,11 @@ from fastforward.cli import build_parser, main
 from fastforward.decoding.decoders import registry
 from fastforward.decoding.decoders.lookup import PromptLookupDecoder
 from fastforward.decoding.decoders.sbd_slide import SlidingSBDDecoder
-from fastforward.decoding.options import Knob, knobs_of
 from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
 from fastforward.evaluation.evaluate import parse_sweep
 from fastforward.model.tiny import tiny_model
+from fastforward.options import Knob, knobs_of
 
 DECODERS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "decoders.md"
 

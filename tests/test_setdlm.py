@@ -112,7 +112,7 @@ def test_infill_share_makes_middles_the_only_targets_and_counts_them():
     _, metrics = objective.loss(model, batch, torch.Generator().manual_seed(1))
     assert metrics["masked"] == counted["mask"]
     assert torch.equal(SetDLM().draw(batch, torch.Generator().manual_seed(1))[0], batch.loss_mask)
-    with pytest.raises(FastForwardError, match="infill_share"):
+    with pytest.raises(FastForwardError, match=r"infill share must be in \[0, 1\], got 2.0"):
         SetDLM(infill_share=2.0)
 
 

@@ -26,7 +26,7 @@ def test_get_task_errors():
         get_task("gsm8k")
     with pytest.raises(FastForwardError, match="no option.*max_opps.*max_ops=4"):
         get_task("arithmetic", max_opps=3)
-    with pytest.raises(FastForwardError, match="must be a int"):
+    with pytest.raises(FastForwardError, match="task option max_ops takes int values, got 'three'"):
         get_task("arithmetic", max_ops="three")
     with pytest.raises(FastForwardError, match="name=value"):
         parse_options(["max_ops"])

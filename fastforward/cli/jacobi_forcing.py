@@ -14,17 +14,15 @@ from __future__ import annotations
 import argparse
 
 from fastforward.cli import add_command, add_threads_flag
-from fastforward.cli.train import add_only_correct_flag, add_optimizer_flags, train_config
+from fastforward.cli.train import add_knob_flag, add_only_correct_flag, add_optimizer_flags, rule, train_config
 from fastforward.cli.trajectories import add_collect_flags, add_prompt_flags, collection, load_prompt_source
 from fastforward.errors import FastForwardError
-from fastforward.model.visibility import CONTEXTS
+from fastforward.options import options_of
 from fastforward.training.objectives import JacobiForcing
-from fastforward.training.objectives.jacobi_forcing import SCHEDULES, STATE_SOURCES
 from fastforward.training.rounds import Round, per_round, progressive_rounds
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    jf = JacobiForcing()
     p = add_command(sub, "jacobi-forcing", description=__doc__)
     p.add_argument("--model", default="smollm2-135m", help="preset, model directory or .gguf file to start from")
     p.add_argument("--out", required=True, help="directory of the rounds: trajectories-round-R.jsonl, round-R/")
@@ -33,16 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32], help="block size of each round")
     p.add_argument("--noise-windows", type=int, nargs="+", default=[16, 8], help="window w of each round")
     add_collect_flags(p)
-    p.add_argument("--noise-schedule", choices=SCHEDULES, default=jf.noise_schedule, help="noise within a window")
-    p.add_argument("--noisy-context", choices=CONTEXTS, default=jf.noisy_context, help="what noisy blocks see before")
-    p.add_argument("--ar-weight", type=float, default=jf.ar_weight, help="weight of the AR loss (eq. 9)")
-    p.add_argument(
-        "--states",
-        choices=STATE_SOURCES,
-        default=jf.states,
-        help="noisy blocks from collected trajectories (rollout, rollout-aug: half their wrong tokens set right) "
-        "or from the task's worked solutions with random tails (random-tail: nothing is collected)",
-    )
+    knobs = options_of(JacobiForcing)
+    for name in ("noise_schedule", "noisy_context", "ar_weight", "states"):  # the objective's own
+        add_knob_flag(p, knobs[name], knobs[name].help + rule(knobs[name]))
     add_only_correct_flag(p)
     add_optimizer_flags(p, seq_len=1024)  # a row holds the prompt and the response twice
     add_threads_flag(p)

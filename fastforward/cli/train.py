@@ -10,6 +10,7 @@ import argparse
 from fastforward.cli import add_command, add_dtype_flag, add_threads_flag
 from fastforward.errors import FastForwardError
 from fastforward.model import flex, load_model
+from fastforward.options import Knob
 from fastforward.training.data import PackedData, load_examples, split_examples
 from fastforward.training.launch import reported_once, say, share_threads
 from fastforward.training.objectives import OBJECTIVES, make_objective
@@ -53,12 +54,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def add_objective_flags(p: argparse.ArgumentParser) -> None:
     """One flag per option of the registered objectives (`objectives.registry.options`), naming the
-    objectives that take it."""
+    objectives that take it; `run` checks the values against the same declarations."""
     for option in options().values():
-        kind = {"action": argparse.BooleanOptionalAction} if option.type is bool else {"type": option.type}
-        used_by = ", ".join(option.objectives)
-        p.add_argument(option.flag, default=option.default, choices=option.choices, help=f"{option.help} ({used_by})",
-                       **kind)  # fmt: skip
+        add_knob_flag(p, option.knob, f"{option.knob.help}{rule(option.knob)} ({', '.join(option.objectives)})")
+
+
+def add_knob_flag(p: argparse.ArgumentParser, knob: Knob, help: str) -> None:
+    """The flag of an option (`fastforward.options`), at the option's default."""
+    kind = {"action": argparse.BooleanOptionalAction} if knob.type is bool else {"type": knob.type}
+    p.add_argument(knob.flag, default=knob.default, choices=knob.choices, help=help, **kind)
+
+
+def rule(knob: Knob) -> str:
+    """What an option's values must be, for its help: "; must be > 0" (choices show themselves)."""
+    return f"; must be {knob.bound.rule}" if knob.bound else ""
 
 
 def add_only_correct_flag(p: argparse.ArgumentParser) -> None:
@@ -135,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
         args, eval_every=args.eval_every, max_eval_batches=args.max_eval_batches, lora_from=args.lora_from
     )
     chosen = {name: getattr(args, name) for name in options() if getattr(args, name) is not None}
-    objective = make_objective(args.objective, **chosen)  # the options it does not take are left out
+    # the options it does not take are left out; a bad value is refused naming its flag
+    objective = make_objective(args.objective, label=lambda knob: knob.flag, **chosen)
     on_trajectories = args.objective == "jacobi_forcing" and not args.data
     if bool(args.trajectories) != on_trajectories or not (on_trajectories or args.data):
         raise FastForwardError(

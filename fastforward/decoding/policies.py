@@ -3,18 +3,20 @@
 Every policy sorts the still-masked positions by a per-token score and reveals the longest
 prefix of that order whose running statistic stays within a bound (always at least one token
 while any is masked). The statistics come from the whole predicted distribution, never from the
-sampled token.
+sampled token. A policy's bound is an option (`fastforward.options`), checked when the policy is made,
+so `EntropyBounded(-1.0)` is refused as `--gamma -1` is.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 
 import torch
 
 from fastforward.errors import FastForwardError
+from fastforward.options import NON_NEGATIVE, check_options, option
 
 # A reveal policy: (logits [B, k, V], masked [B, k]) → the positions to reveal [B, k] (a subset of `masked`).
 Policy = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -31,6 +33,19 @@ def entropy_and_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     logp = torch.log_softmax(logits.float(), dim=-1)
     p = logp.exp()
     return (-(p * logp).sum(dim=-1)).clamp_min(0.0), p.amax(dim=-1)
+
+
+def bound(help: str) -> float:
+    """A policy's bound, the value `--gamma` sets: a dataclass field without a default, >= 0."""
+    return option(MISSING, help, NON_NEGATIVE, kind=float)
+
+
+@dataclass(frozen=True)
+class _Bounded:
+    """A policy whose bound is checked when it is made, however it is made."""
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 def _reveal(
@@ -58,10 +73,10 @@ def _reveal(
 
 
 @dataclass(frozen=True)
-class EntropyBounded:
+class EntropyBounded(_Bounded):
     """EB-Sampler with entropy proxy (SBD eq. 8): lowest entropy first, while Σ_{j<s} H_j ≤ γ."""
 
-    gamma: float
+    gamma: float = bound("entropy budget γ")
 
     def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         return self.by_entropy(entropy(logits), masked)
@@ -86,13 +101,13 @@ class EntropyLeftmost(EntropyBounded):
 
 
 @dataclass(frozen=True)
-class EntropyPrefix:
+class EntropyPrefix(_Bounded):
     """A run from the leftmost masked position while Σ_{j≤s} H_j ≤ γ (at least one), so every revealed
     token has its left filled, as a causal model's would (the state SBD's `suffix_share` rows train).
     The bound counts the last token's own entropy, unlike EB's Σ_{j<s}: in entropy order that last one
     is the surest left, in position order it could be the least sure."""
 
-    gamma: float
+    gamma: float = bound("entropy budget γ")
 
     def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         place = torch.arange(masked.shape[-1], device=masked.device).expand(masked.shape).float()
@@ -100,10 +115,10 @@ class EntropyPrefix:
 
 
 @dataclass(frozen=True)
-class ConfidenceBounded:
+class ConfidenceBounded(_Bounded):
     """EB-Sampler with confidence proxy (SBD eq. 18): most confident first, while Σ H − max H ≤ γ."""
 
-    gamma: float
+    gamma: float = bound("entropy budget γ beyond the surest position's")
 
     def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         entropy, confidence = entropy_and_confidence(logits)
@@ -113,10 +128,10 @@ class ConfidenceBounded:
 
 
 @dataclass(frozen=True)
-class Factor:
+class Factor(_Bounded):
     """Fast-dLLM's factor rule: most confident first, the largest n with (n + 1)(1 − c_(n)) < f."""
 
-    factor: float
+    factor: float = bound("factor f")
 
     def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         _, confidence = entropy_and_confidence(logits)
@@ -125,10 +140,10 @@ class Factor:
 
 
 @dataclass(frozen=True)
-class Threshold:
+class Threshold(_Bounded):
     """Reveal every masked position whose confidence is at least τ (at least the most confident one)."""
 
-    threshold: float
+    threshold: float = bound("confidence threshold τ")
 
     def __call__(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         _, confidence = entropy_and_confidence(logits)
@@ -146,11 +161,10 @@ POLICIES = {
 
 
 def make_policy(name: str, value: float) -> Policy:
-    """Build a policy by name; `value` is γ (entropy, confidence), f (factor) or τ (threshold)."""
+    """Build a policy by name; `value` is γ (entropy, confidence), f (factor) or τ (threshold), checked
+    by the policy itself."""
     if name not in POLICIES:
         raise FastForwardError(f"unknown reveal policy {name!r}; choose one of {', '.join(POLICIES)}")
-    if math.isnan(value) or value < 0:
-        raise FastForwardError(f"the {name} policy needs a value >= 0 (γ, f or τ), got {value}")
     return POLICIES[name](value)
 
 

@@ -26,7 +26,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from fastforward.decoding.options import NON_NEGATIVE, SHARE, check_options, option
+from fastforward.options import NON_NEGATIVE, SHARE, check_options, option
 
 _M32 = 0xFFFFFFFF
 _DRAFTS = 0x9E3779B9  # sets random drafts' draws apart from sampling's

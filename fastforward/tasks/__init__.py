@@ -9,11 +9,11 @@ See `fastforward.tasks.base` for the protocol.
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
 from fastforward.errors import FastForwardError
+from fastforward.options import Knob, options_of
 from fastforward.tasks.arithmetic import ArithmeticTask
 from fastforward.tasks.base import Example, Grade, Task
 from fastforward.tasks.humaneval import HumanEvalTask
@@ -48,33 +48,16 @@ __all__ = [
 
 
 def task_options(cls: type[Task]) -> dict[str, Any]:
-    """The options a task class takes, with their defaults."""
-    params = inspect.signature(cls.__init__).parameters
-    skip = {"self", "path"} if cls is JsonlTask else {"self"}  # a JSONL task's path is the task's name
-    return {name: p.default for name, p in params.items() if name not in skip}
-
-
-def _coerce(name: str, value: Any, default: Any, task: str) -> Any:
-    """Options given as text (from the command line) become the type of their default."""
-    if not isinstance(value, str) or default is None or isinstance(default, str):
-        return value
-    try:
-        if isinstance(default, bool):
-            if value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if value.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
-        return type(default)(value)
-    except ValueError:
-        raise FastForwardError(f"option {name}={value!r} of task {task!r} must be a {type(default).__name__}") from None
+    """The options a task class takes, with their defaults (a JSONL task's path is no option: the task's name)."""
+    return {name: knob.default for name, knob in options_of(cls).items()}
 
 
 def get_task(name_or_path: str, **options: Any) -> Task:
     """A built-in task by name, or a JSONL task for a file path; options go to the task's constructor.
 
-    Option values may be strings (e.g. parsed from `--task-option max_ops=3`): they are converted to
-    the type of the option's default. Unknown names and options raise FastForwardError."""
+    Option values may be strings (e.g. parsed from `--task-option max_ops=3`): they are read as the
+    option's type. Unknown names and options and values outside an option's bounds raise FastForwardError,
+    naming the option as `task option NAME`."""
     if name_or_path in TASKS:
         cls: type[Task] = TASKS[name_or_path]
         label = name_or_path
@@ -86,13 +69,18 @@ def get_task(name_or_path: str, **options: Any) -> Task:
             f"unknown task {name_or_path!r}; choose one of: {', '.join(TASKS)}, "
             'or give the path of a JSONL file of {"prompt", "answer"} lines'
         )
-    known = task_options(cls)
+    known = options_of(cls)
     unknown = sorted(set(options) - set(known))
     if unknown:
-        listed = ", ".join(f"{k}={v!r}" for k, v in known.items()) or "none"
+        listed = ", ".join(f"{k}={v.default!r}" for k, v in known.items()) or "none"
         raise FastForwardError(f"task {label!r} has no option(s) {unknown}; its options (defaults): {listed}")
-    kwargs = {k: _coerce(k, v, known[k], label) for k, v in options.items()}
+    kwargs = {k: read(known[k], v, f"task option {k}") for k, v in options.items()}
     return cls(*args, **kwargs)
+
+
+def read(knob: Knob, value: Any, label: str) -> Any:
+    """A task option's value, checked: text (from the command line) is read as the option's type."""
+    return knob.parse(value, label) if isinstance(value, str) else knob.validate(value, label)
 
 
 def parse_options(items: list[str] | None) -> dict[str, str]:

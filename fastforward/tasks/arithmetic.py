@@ -34,6 +34,7 @@ from decimal import Decimal, InvalidOperation
 from random import Random
 
 from fastforward.errors import FastForwardError
+from fastforward.options import PROPER_FRACTION, at_least, option, within
 from fastforward.tasks.base import Example, Grade, Task, seeded_rng, stable_hash
 
 NAMES = [
@@ -565,6 +566,7 @@ def check_solution(completion: str) -> int:
     return int(answer)
 
 
+@dataclass(eq=False)
 class ArithmeticTask(Task):
     """GSM8K-style word problems; see the module docstring."""
 
@@ -574,37 +576,31 @@ class ArithmeticTask(Task):
     max_new_tokens = 192
     stop = ()
 
-    def __init__(
-        self,
-        min_ops: int = 2,
-        max_ops: int = 4,
-        max_number: int = 100,
-        max_factor: int = 10,
-        themes: str | list[str] | None = None,
-        test_fraction: float = 0.2,
-        strict: bool = True,
-    ):
-        if not 1 <= min_ops <= max_ops <= 6:
-            raise FastForwardError(f"need 1 <= min_ops <= max_ops <= 6, got min_ops={min_ops}, max_ops={max_ops}")
-        if max_number < 10:
-            raise FastForwardError(f"max_number must be at least 10, got {max_number}")
-        if not 2 <= max_factor <= max_number:
-            raise FastForwardError(f"max_factor must be between 2 and max_number ({max_number}), got {max_factor}")
-        if not 0 < test_fraction < 1:
-            raise FastForwardError(f"test_fraction must be between 0 and 1, got {test_fraction}")
+    min_ops: int = option(2, "fewest operations in a problem", within(1, 6))
+    max_ops: int = option(4, "most operations in a problem", within(1, 6))
+    max_number: int = option(100, "largest number a problem starts from", at_least(10))
+    max_factor: int = option(10, "largest factor of a multiplication or division", at_least(2))
+    # a list from Python, kept as the list of themes that fit max_ops
+    themes: str | list[str] | None = option(None, "comma-separated story themes (default: all)", kind=str)
+    test_fraction: float = option(0.2, "share of problems in the test split", PROPER_FRACTION)
+    strict: bool = option(True, "grade only a '#### n' answer line (else the last number)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_ops > self.max_ops:
+            raise FastForwardError(f"need min_ops <= max_ops, got min_ops={self.min_ops}, max_ops={self.max_ops}")
+        if self.max_factor > self.max_number:
+            raise FastForwardError(f"max_factor must be at most max_number ({self.max_number}), got {self.max_factor}")
+        themes = self.themes
         if isinstance(themes, str):
             themes = [t.strip() for t in themes.split(",") if t.strip()]
         themes = themes or list(THEMES)
         unknown = [t for t in themes if t not in THEMES]
         if unknown:
             raise FastForwardError(f"unknown arithmetic theme(s) {unknown}; choose from: {', '.join(THEMES)}")
-        self.min_ops, self.max_ops = min_ops, max_ops
-        self.max_number, self.max_factor = max_number, max_factor
-        self.themes = [t for t in themes if _MIN_OPS.get(t, 1) <= max_ops]
+        self.themes = [t for t in themes if _MIN_OPS.get(t, 1) <= self.max_ops]
         if not self.themes:
-            raise FastForwardError(f"themes {themes} all need more than max_ops={max_ops} operations")
-        self.test_fraction = test_fraction
-        self.strict = strict
+            raise FastForwardError(f"themes {themes} all need more than max_ops={self.max_ops} operations")
 
     def describe(self) -> dict:
         return {

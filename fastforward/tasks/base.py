@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastforward.errors import FastForwardError
+from fastforward.options import check_options
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,9 @@ class Grade:
 
 
 class Task:
-    """Base class of the built-in tasks; subclasses set `name`, `splits` and implement the two methods."""
+    """Base class of the built-in tasks; subclasses set `name`, `splits` and implement the two methods.
+    The built-in tasks are dataclasses whose option fields (`fastforward.options`) are their options,
+    given as `get_task(name, **options)` and `--task-option NAME=VALUE`."""
 
     name: str = "task"
     splits: tuple[str, ...] = ("train", "test")
@@ -60,6 +63,11 @@ class Task:
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
     infilling: bool = False  # examples carry meta["suffix"]: decode the reference between prompt and suffix
+
+    def __post_init__(self) -> None:
+        """Refuse option values outside their bounds, however the task is made (`get_task`, Python); a
+        task with rules between its options checks them after these."""
+        check_options(self)
 
     def examples(self, split: str = "test", n: int | None = None, seed: int = 0) -> list[Example]:
         raise NotImplementedError

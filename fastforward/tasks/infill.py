@@ -17,11 +17,13 @@ ROUGE-L F1 (Google's `rouge-score`, its default tokenizer: lower case, words and
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from rouge_score import rouge_scorer
 
 from fastforward.errors import FastForwardError
+from fastforward.options import AT_LEAST_ONE, option
 from fastforward.tasks.arithmetic import ArithmeticTask
 from fastforward.tasks.base import Example, Grade, Task, seeded_rng
 from fastforward.tasks.pycode import PyCodeTask
@@ -97,25 +99,18 @@ class ArithmeticNumberInfillTask(_InfillGrading, ArithmeticTask):
         return out
 
 
+@dataclass(eq=False)
 class PyCodeInfillTask(_InfillGrading, PyCodeTask):
     """A line of standard-library Python between the lines before it and `suffix_lines` after it."""
 
     name = "pycode-infill"
 
-    def __init__(
-        self,
-        suffix_lines: int = 8,
-        context_lines: int = 40,
-        max_prompt_chars: int = 2000,
-        test_fraction: float = 0.1,
-        root: str | None = None,
-    ):
-        if suffix_lines < 1:
-            raise FastForwardError(f"suffix_lines must be at least 1, got {suffix_lines}")
-        super().__init__(
-            context_lines=context_lines, max_prompt_chars=max_prompt_chars, test_fraction=test_fraction, root=root
-        )
-        self.suffix_lines = suffix_lines
+    lines: int = field(default=1, init=False)  # PyCodeTask's: the middle is one line
+    train_lines: int = field(default=16, init=False)  # PyCodeTask's: no training records
+    suffix_lines: int = option(8, "lines after the middle", AT_LEAST_ONE)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.max_new_tokens = 40
         self.stop = ()
 

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from fastforward.errors import FastForwardError
 from fastforward.jsonl import read_jsonl
+from fastforward.options import option
 from fastforward.tasks.base import Example, Grade, Task
 
 MATCHES = ("exact", "contains", "regex")
@@ -67,18 +69,21 @@ def extractor(extract: str) -> re.Pattern | None:
     return compiled
 
 
+@dataclass(eq=False)
 class JsonlTask(Task):
     """Prompt/answer pairs from a JSONL file; see the module docstring."""
 
     splits = ("test",)
     max_new_tokens = 256
 
-    def __init__(self, path: str, match: str = "exact", extract: str = "none"):
-        if match not in MATCHES:
-            raise FastForwardError(f"unknown match {match!r} for a JSONL task; choose one of: {', '.join(MATCHES)}")
-        self.path = Path(path)
-        self.match, self.extract = match, extract
-        self._extractor = extractor(extract)
+    path: str | Path  # the file, which names the task (no option: kept as its Path)
+    match: str = option("exact", "how an output is compared with the answer", choices=MATCHES)
+    extract: str = option("none", f"what is taken from the output: none, {', '.join(EXTRACTORS)} or a regex")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.path = Path(self.path)
+        self._extractor = extractor(self.extract)
         self.name = self.path.stem
         self.records = self._read()
 

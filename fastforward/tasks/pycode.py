@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 from fastforward.errors import FastForwardError
+from fastforward.options import AT_LEAST_ONE, PROPER_FRACTION, at_least, option
 from fastforward.tasks.base import Example, Grade, Task, seeded_rng, stable_hash
 
 SKIP_DIRS = {
@@ -54,6 +56,7 @@ def _skip_file(name: str) -> bool:
     return not name.endswith(".py") or name.startswith(("test_", "_sysconfigdata")) or name.endswith("_test.py")
 
 
+@dataclass(eq=False)
 class PyCodeTask(Task):
     """Next-line prediction on standard-library Python; see the module docstring."""
 
@@ -61,30 +64,21 @@ class PyCodeTask(Task):
     splits = ("train", "test")
     default_size = 200
 
-    def __init__(
-        self,
-        lines: int = 1,
-        context_lines: int = 40,
-        max_prompt_chars: int = 2000,
-        train_lines: int = 16,
-        test_fraction: float = 0.1,
-        root: str | None = None,
-    ):
-        if lines < 1 or train_lines < 1 or context_lines < 1:
-            raise FastForwardError(
-                f"lines, train_lines and context_lines must be at least 1, got {lines}, {train_lines}, {context_lines}"
-            )
-        if max_prompt_chars < 80:
-            raise FastForwardError(f"max_prompt_chars must be at least 80, got {max_prompt_chars}")
-        if not 0 < test_fraction < 1:
-            raise FastForwardError(f"test_fraction must be between 0 and 1, got {test_fraction}")
-        self.lines, self.context_lines, self.max_prompt_chars = lines, context_lines, max_prompt_chars
-        self.train_lines, self.test_fraction = train_lines, test_fraction
-        self.root = Path(root) if root else stdlib_root()
+    lines: int = option(1, "lines to predict", AT_LEAST_ONE)
+    context_lines: int = option(40, "lines of the prompt at most", AT_LEAST_ONE)
+    max_prompt_chars: int = option(2000, "characters of the prompt at most (whole lines)", at_least(80))
+    train_lines: int = option(16, "lines of a training completion", AT_LEAST_ONE)
+    test_fraction: float = option(0.1, "share of files in the test split", PROPER_FRACTION)
+    # kept as the folder's Path
+    root: str | Path | None = option(None, "folder of .py files (default: the standard library)", kind=str)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.root = Path(self.root) if self.root else stdlib_root()
         if not self.root.is_dir():
             raise FastForwardError(f"pycode root {self.root} is not a folder; give root= a folder of .py files")
-        self.max_new_tokens = 40 * lines
-        self.stop = ("\n",) if lines == 1 else ()
+        self.max_new_tokens = 40 * self.lines
+        self.stop = ("\n",) if self.lines == 1 else ()
 
     def describe(self) -> dict:
         return {

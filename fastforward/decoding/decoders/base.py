@@ -14,11 +14,11 @@ from dataclasses import fields
 import torch
 
 from fastforward.decoding import runtime
-from fastforward.decoding.options import check_options
 from fastforward.decoding.runtime import Generation, Prompt, Row, Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.model import Model
 from fastforward.model.cache import KVCache
+from fastforward.options import check_options
 
 
 class Decoder(ABC):

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import BLOCK_SIZE, register, sampling
-from fastforward.decoding.options import option
 from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler, random_tokens
 from fastforward.decoding.steps import chain_step, first_tokens, row_tokens
+from fastforward.options import option
 
 DRAFT_INITS = ("repeat", "random")
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import register, sampling
-from fastforward.decoding.options import AT_LEAST_ONE, NON_NEGATIVE, option
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.decoding.steps import chain_step, first_tokens, row_tokens, verify
 from fastforward.errors import FastForwardError
+from fastforward.options import AT_LEAST_ONE, NON_NEGATIVE, option
 
 
 class NgramIndex:

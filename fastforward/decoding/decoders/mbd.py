@@ -45,12 +45,12 @@ import torch
 
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import BLOCK_SIZE, register, sampling
-from fastforward.decoding.options import AT_LEAST_ONE, FRACTION, option
 from fastforward.decoding.policies import entropy_and_confidence, most_confident
 from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.decoding.steps import commit_writes
 from fastforward.model import visibility
+from fastforward.options import AT_LEAST_ONE, FRACTION, option
 
 
 @dataclass

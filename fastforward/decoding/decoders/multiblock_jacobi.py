@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import BLOCK_SIZE, register, sampling
-from fastforward.decoding.options import AT_LEAST_ONE, NON_NEGATIVE, SHARE, option
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.decoding.steps import first_tokens, verify
+from fastforward.options import AT_LEAST_ONE, NON_NEGATIVE, SHARE, option
 
 
 class NgramPool:

@@ -1,7 +1,7 @@
 """Decoder names and options, declared once: the CLI flags, `build_decoder`, the server's request
 fields, sweeps and the table of docs/decoders.md all come from here.
 
-A decoder is a dataclass whose option fields are its knobs (`fastforward.decoding.options`), each with
+A decoder is a dataclass whose option fields are its knobs (`fastforward.options`), each with
 its default, help and bounds beside it; `@register(name, summary=...)` on the class puts it in
 `DECODERS`. Every module in `fastforward.decoding.decoders` is imported on first lookup, so a new method
 is one new file. Knobs with the same name are one knob (one CLI flag): decoders share the declarations
@@ -19,10 +19,10 @@ from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any, TypeVar
 
 from fastforward.decoding.decoders.base import Decoder
-from fastforward.decoding.options import NON_NEGATIVE, POSITIVE, Knob, built_from, knobs_of, value_of
 from fastforward.decoding.policies import POLICIES, make_policy
 from fastforward.decoding.sampling import Sampler
 from fastforward.errors import FastForwardError
+from fastforward.options import NON_NEGATIVE, POSITIVE, Knob, built_from, knobs_of, value_of
 from fastforward.registry import Registry
 
 

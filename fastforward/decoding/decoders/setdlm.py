@@ -44,12 +44,12 @@ import torch
 
 from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.decoders.registry import FIRST_TOKEN_FROM_NTP, register, sampling
-from fastforward.decoding.options import AT_LEAST_ONE, NON_NEGATIVE, option
 from fastforward.decoding.policies import most_confident
 from fastforward.decoding.runtime import Row, Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.decoding.steps import carried_and_masks, commit_writes, next_token_logits
 from fastforward.errors import FastForwardError
+from fastforward.options import AT_LEAST_ONE, NON_NEGATIVE, option
 
 SUFFIX_CACHE = ("promote", "upfront")
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from fastforward.model import Layout, Model
 from fastforward.model.visibility import causal, over_cache
+from fastforward.options import check_options
 from fastforward.training.data import Batch, derive_seed
 
 IGNORE = -100
@@ -34,6 +35,11 @@ class Objective:
     """Base of the training objectives; subclasses are dataclasses whose fields are their options."""
 
     name: ClassVar[str]  # given by `objectives.registry.register`
+
+    def __post_init__(self) -> None:
+        """Refuse option values outside their bounds, however the objective is made (`fastforward train`,
+        a recipe, Python); an objective with rules between its options checks them after these."""
+        check_options(self)
 
     def setup(self, model: Model) -> None:
         """Prepare the model before the optimizer sees its parameters (e.g. add a mask token)."""

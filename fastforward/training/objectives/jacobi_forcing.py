@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, visibility
+from fastforward.options import AT_LEAST_ONE, NON_NEGATIVE, option
 from fastforward.training.objectives.base import (
     IGNORE,
     Norms,
@@ -62,7 +63,7 @@ from fastforward.training.objectives.base import (
     row_generators,
     term_norm,
 )
-from fastforward.training.objectives.registry import option, register
+from fastforward.training.objectives.registry import register
 from fastforward.training.trajectories.dataset import TrajectoryBatch
 from fastforward.training.trajectories.records import REFERENCE, Block, Trajectory
 
@@ -288,30 +289,17 @@ class JacobiForcing(Objective):
     block_size: n of the blocks that ground-truth responses (`--data`) are cut into.
     """
 
-    noise_schedule: str = option("progressive", "noise within a window", SCHEDULES)
-    noise_window: int = option(16, "window w of eq. 7")
-    noisy_context: str = option("noisy", "noisy blocks see earlier noisy or clean blocks", visibility.CONTEXTS)
-    ar_weight: float = option(1.0, "weight of the AR loss")
-    states: str = option("rollout", "where noisy blocks come from", STATE_SOURCES)
-    block_size: int = option(16, "block size n that --data responses are cut into (random-tail states)")
-
-    def __post_init__(self) -> None:
-        if self.noise_schedule not in SCHEDULES:
-            raise FastForwardError(
-                f"unknown noise schedule {self.noise_schedule!r}; choose one of {', '.join(SCHEDULES)}"
-            )
-        if self.noise_window < 1:
-            raise FastForwardError(f"the noise window must be at least 1, got {self.noise_window}")
-        if self.noisy_context not in visibility.CONTEXTS:
-            raise FastForwardError(
-                f"unknown noisy context {self.noisy_context!r}; choose one of {', '.join(visibility.CONTEXTS)}"
-            )
-        if self.ar_weight < 0:
-            raise FastForwardError(f"ar_weight must be >= 0, got {self.ar_weight}")
-        if self.states not in STATE_SOURCES:
-            raise FastForwardError(f"unknown state source {self.states!r}; choose one of {', '.join(STATE_SOURCES)}")
-        if self.block_size < 1:
-            raise FastForwardError(f"the block size must be at least 1, got {self.block_size}")
+    noise_schedule: str = option("progressive", "noise within a window", choices=SCHEDULES)
+    noise_window: int = option(16, "window w of eq. 7", AT_LEAST_ONE)
+    noisy_context: str = option("noisy", "noisy blocks see earlier noisy or clean blocks", choices=visibility.CONTEXTS)
+    ar_weight: float = option(1.0, "weight of the AR loss (eq. 9)", NON_NEGATIVE)
+    states: str = option(
+        "rollout",
+        "noisy blocks from collected trajectories (rollout, rollout-aug: half their wrong tokens set right) "
+        "or from worked solutions or --data responses with random tails (random-tail: nothing is collected)",
+        choices=STATE_SOURCES,
+    )
+    block_size: int = option(16, "block size n that --data responses are cut into (random-tail states)", AT_LEAST_ONE)
 
     def noisy_blocks(
         self, example: Trajectory, ratios: Sequence[float], generator: torch.Generator, stop_ids: Sequence[int] = ()

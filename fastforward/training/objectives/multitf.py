@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastforward.errors import FastForwardError
 from fastforward.model import visibility
+from fastforward.options import AT_LEAST_ONE, option
 from fastforward.training.data import Batch
 from fastforward.training.objectives.base import row_generators
-from fastforward.training.objectives.registry import option, register
+from fastforward.training.objectives.registry import register
 from fastforward.training.objectives.sbd import SBD, Masking, draw_block
 
 LAYOUTS = ("systematic", "random", "both")
@@ -102,18 +102,9 @@ class MultiTF(SBD):
     """SBD's dual stream with noise-groups of consecutive blocks and slot-wise mask ratios."""
 
     suffix_share: float = field(default=0.0, init=False)  # SBD's masking: MultiTF draws its masks per noise-group
-    max_group: int = option(4, "most blocks in a noise-group")
-    layouts: str = option("both", "noise-group layouts", LAYOUTS)
-    schedule: str = option("chain-uniform", "mask ratios in a group", SCHEDULES)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.max_group < 1:
-            raise FastForwardError(f"max_group must be >= 1, got {self.max_group}")
-        if self.layouts not in LAYOUTS:
-            raise FastForwardError(f"unknown layouts {self.layouts!r}; choose one of {', '.join(LAYOUTS)}")
-        if self.schedule not in SCHEDULES:
-            raise FastForwardError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    max_group: int = option(4, "most blocks in a noise-group", AT_LEAST_ONE)
+    layouts: str = option("both", "noise-group layouts", choices=LAYOUTS)
+    schedule: str = option("chain-uniform", "mask ratios in a group", choices=SCHEDULES)
 
     def draw(self, batch: Batch, generator: torch.Generator) -> Masking:
         """The block size (once per step); each row's noise-groups, mask ratios and masks (its own stream)."""

@@ -25,6 +25,7 @@ import torch
 
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, visibility
+from fastforward.options import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, option
 from fastforward.training.data import Batch
 from fastforward.training.objectives.base import (
     IGNORE,
@@ -38,7 +39,7 @@ from fastforward.training.objectives.base import (
     positions,
     term_norm,
 )
-from fastforward.training.objectives.registry import option, register
+from fastforward.training.objectives.registry import register
 
 
 def draw_block(min_block: int, max_block: int, generator: torch.Generator) -> int:
@@ -123,21 +124,18 @@ class Masking:
 class SBD(Objective):
     """NTP on the clean half plus masked-token prediction on the block-masked copy."""
 
-    min_block: int = option(2, "smallest block size drawn")
-    max_block: int = option(16, "largest block size drawn")
-    ntp_weight: float = option(1.0, "weight of the NTP term")
+    min_block: int = option(2, "smallest block size drawn", AT_LEAST_ONE)
+    max_block: int = option(16, "largest block size drawn", AT_LEAST_ONE)
+    ntp_weight: float = option(1.0, "weight of the NTP term", NON_NEGATIVE)
     # rows masked by `draw_block_suffixes` instead of eq. 13 (ours, not the paper's)
-    suffix_share: float = option(0.0, "share of rows whose blocks are masked from a random cut to their end")
+    suffix_share: float = option(0.0, "share of rows whose blocks are masked from a random cut to their end", FRACTION)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.suffix_share <= 1:
-            raise FastForwardError(f"suffix_share must be in [0, 1], got {self.suffix_share}")
-        if not 1 <= self.min_block <= self.max_block:
+        super().__post_init__()
+        if self.min_block > self.max_block:
             raise FastForwardError(
-                f"block sizes must satisfy 1 <= min_block <= max_block, got {self.min_block} and {self.max_block}"
+                f"block sizes must satisfy min_block <= max_block, got {self.min_block} and {self.max_block}"
             )
-        if self.ntp_weight < 0:
-            raise FastForwardError(f"ntp_weight must be >= 0, got {self.ntp_weight}")
 
     def setup(self, model: Model) -> None:
         model.add_mask_token()

@@ -28,6 +28,7 @@ import torch
 
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, visibility
+from fastforward.options import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, option
 from fastforward.training.data import Batch
 from fastforward.training.objectives.base import (
     IGNORE,
@@ -42,7 +43,7 @@ from fastforward.training.objectives.base import (
     positions,
     term_norm,
 )
-from fastforward.training.objectives.registry import option, register
+from fastforward.training.objectives.registry import register
 
 
 def hitting_times(length: int, set_size: float, max_set: float, batch: int, generator: torch.Generator) -> torch.Tensor:
@@ -113,22 +114,12 @@ def setdlm_layout(
 class SetDLM(Objective):
     """Every target predicted once, as a singleton set, from the tokens revealed before it."""
 
-    set_size: float = option(4.0, "desired tokens per reveal set")
-    max_set: float = option(8.0, "reveal window width s_max")
-    ntp_weight: float = option(1.0, "weight of the NTP term")
+    set_size: float = option(4.0, "desired tokens per reveal set", POSITIVE)
+    max_set: float = option(8.0, "reveal window width s_max", AT_LEAST_ONE)
+    ntp_weight: float = option(1.0, "weight of the NTP term", NON_NEGATIVE)
     # infilling rows: `middle_span`, context first (ours, not the paper's)
-    infill_share: float = option(0.0, "share of rows trained to fill a middle span between known text")
-    max_span: int = option(8, "longest middle of an infilling row")
-
-    def __post_init__(self) -> None:
-        if self.set_size <= 0 or self.max_set < 1:
-            raise FastForwardError(f"need set_size > 0 and max_set >= 1, got {self.set_size} and {self.max_set}")
-        if not 0 <= self.infill_share <= 1 or self.max_span < 1:
-            raise FastForwardError(
-                f"need 0 <= infill_share <= 1 and max_span >= 1, got {self.infill_share} and {self.max_span}"
-            )
-        if self.ntp_weight < 0:
-            raise FastForwardError(f"ntp_weight must be >= 0, got {self.ntp_weight}")
+    infill_share: float = option(0.0, "share of rows trained to fill a middle span between known text", FRACTION)
+    max_span: int = option(8, "longest middle of an infilling row", AT_LEAST_ONE)
 
     def setup(self, model: Model) -> None:
         model.add_mask_token()
