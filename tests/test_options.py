@@ -1,4 +1,4 @@
-"""One option system (`fastforward.options`): decoders, objectives, tasks and reveal policies declare
+"""One option system (`fastforward.options`): decoders, objectives, tasks, reveal policies and recipes declare
 their options as dataclass fields with default, help and bound, and a bad value is refused, in the same
 words, however the object is made: the Python class, the function that makes it by name, the CLI flag,
 and for decoders the server's request field."""
@@ -200,3 +200,19 @@ def test_every_task_lists_its_declared_options_and_refuses_a_value_outside_their
             bad = next(v for v in (-1, 0, 1.5) if not knob.bound.holds(v))
             with pytest.raises(FastForwardError, match=re.escape(f"must be {knob.bound.rule}, got {bad}")):
                 get_task(name, **{field_name: str(bad)})
+
+
+# ---- recipes ----------------------------------------------------------------------------------------
+def test_a_recipe_refuses_a_bad_value_from_python_and_its_flag(tmp_path, capsys):
+    from fastforward.recipes.pipeline import RECIPES
+
+    for name, recipe in RECIPES.items():
+        knobs = options_of(recipe.options_class)
+        assert knobs["sft_share"].bound is not None and knobs["lora_rank"].bound is AT_LEAST_ONE
+        with pytest.raises(FastForwardError, match=r"sft share must be in \(0, 1\), got 1.5"):
+            recipe.options_class(sft_share=1.5)
+        data = tmp_path / "data.jsonl"
+        data.write_text('{"prompt": "1+1=", "completion": "2"}\n')
+        argv = ["recipe", name, "--data", str(data), "--work", str(tmp_path / name), "--sft-share", "1.5"]
+        assert "sft share must be in (0, 1), got 1.5" in refused(capsys, argv)
+        assert not (tmp_path / name).exists()  # refused before any work

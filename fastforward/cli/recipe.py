@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import MISSING, Field, fields
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
 from fastforward.cli import DefaultsShown, add_command, add_threads_flag
+from fastforward.options import Knob, options_of
 
 
 class DocstringAndDefaults(argparse.RawDescriptionHelpFormatter, DefaultsShown):
@@ -35,24 +35,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         )  # fmt: skip
         q.add_argument("--work", type=Path, required=True, help="the work folder (rerun with it to resume)")
         q.add_argument("--ship-to", type=Path, help="write the finished model here as a preset folder")
-        for f in fields(recipe.options_class):
-            add_option_flag(q, f)
+        for option_name, knob in options_of(recipe.options_class).items():
+            add_option_flag(q, option_name, knob)
         q.add_argument("--no-eval", action="store_true", help="train only (a later rerun evaluates and ships)")
         add_threads_flag(q)
         q.set_defaults(run=run, recipe=name)
 
 
-def add_option_flag(p: argparse.ArgumentParser, f: Field) -> None:
-    """One flag for one recipe option: a switch for a bool, several values for a tuple, else one value of
-    the default's type."""
-    default: Any = f.default if f.default is not MISSING else None
-    flag, help, choices = "--" + f.name.replace("_", "-"), f.metadata.get("help", ""), f.metadata.get("choices")
+def add_option_flag(p: argparse.ArgumentParser, name: str, knob: Knob) -> None:
+    """One flag for one recipe option (`fastforward.options`): a switch for a bool, several values for a
+    tuple, else one value of the default's type; its rule is checked when the options are made."""
+    flag, default = "--" + name.replace("_", "-"), knob.default
     if isinstance(default, bool):
-        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=knob.help)
     elif isinstance(default, tuple):
-        p.add_argument(flag, type=type(default[0]), nargs="+", default=list(default), help=help)
+        p.add_argument(flag, type=type(default[0]), nargs="+", default=list(default), help=knob.help)
     else:
-        p.add_argument(flag, type=type(default), default=default, choices=choices, help=help)
+        p.add_argument(flag, type=type(default), default=default, choices=knob.choices, help=knob.help)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastforward.model import Model
-from fastforward.recipes.pipeline import Decoders, Recipe, RecipeOptions, register, setting
+from fastforward.options import AT_LEAST_ONE, NON_NEGATIVE, option
+from fastforward.recipes.pipeline import Decoders, Recipe, RecipeOptions, register
 from fastforward.training.data import Example
 from fastforward.training.objectives import JacobiForcing
 from fastforward.training.objectives.jacobi_forcing import SCHEDULES
@@ -21,9 +22,9 @@ from fastforward.training.trajectories.dataset import TrajectoryData, from_examp
 
 @dataclass(frozen=True)
 class JacobiForcingOptions(RecipeOptions):
-    block_size: int = setting(16, "training block size (and the noise window)")
-    ar_weight: float = setting(10.0, "weight of the AR loss beside the consistency loss (CLLM: 10)")
-    noise_schedule: str = setting("random", "noise within a window", SCHEDULES)
+    block_size: int = option(16, "training block size (and the noise window)", AT_LEAST_ONE)
+    ar_weight: float = option(10.0, "weight of the AR loss beside the consistency loss (CLLM: 10)", NON_NEGATIVE)
+    noise_schedule: str = option("random", "noise within a window", None, SCHEDULES)
 
 
 @register("jacobi-forcing")

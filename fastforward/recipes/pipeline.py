@@ -36,7 +36,7 @@ import shlex
 import shutil
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -46,6 +46,7 @@ from fastforward.decoding.model_defaults import DecodingDefaults, write_decoding
 from fastforward.errors import FastForwardError
 from fastforward.model import Model, adapters, load_model
 from fastforward.model.flatten import flatten
+from fastforward.options import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, PROPER_FRACTION, Bound, check_options, option
 from fastforward.recipes import dev_eval
 from fastforward.recipes.records import Record, parse_budget, read_records, split_dev, write_records
 from fastforward.recipes.targets import TARGETS, reference_examples, self_answers
@@ -64,57 +65,52 @@ from fastforward.training.trainer import TrainConfig, TrainData, default_autocas
 SERVED = {"quantize": "int4", "exact": True}  # the precision `fastforward generate` runs a model at on a CPU
 
 
-def setting(default: Any, help: str, choices: tuple[str, ...] | None = None, *, training: bool = True) -> Any:
-    """A recipe option, offered as a flag with `help`; `training`: it shapes what is trained, so a rerun in
-    the same work folder must keep it (the others only change the evaluation)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "training": training})
+BLOCK_SIZES = Bound("block sizes of at least 1", lambda sizes: bool(sizes) and min(sizes) >= 1)
 
 
 @dataclass(frozen=True)
 class RecipeOptions:
-    """What every recipe's command line sets; a method's options add its own fields."""
+    """What every recipe's command line sets, declared as every option is (`fastforward.options`); a method's
+    options add its own fields. `evaluation_only`: the options that change only the dev-split evaluation,
+    which a rerun in the same work folder may change (the others shape what is trained)."""
 
-    model: str = setting("smollm2-135m", "the base: preset, model directory or .gguf file")
-    budget: str = setting(
+    evaluation_only: ClassVar[frozenset[str]] = frozenset({"blocks", "curve_n", "max_new_tokens"})
+
+    model: str = option("smollm2-135m", "the base: preset, model directory or .gguf file")
+    budget: str = option(
         "1h", "training tokens (3M, 500k) or time (90min, 3h; at 240 tokens/s, 2 quiet AVX-512 cores' rate)"
     )
-    dev: int = setting(100, "records held out as the dev split")
-    seed: int = setting(0, "seed of the dev split and of training")
-    sft: bool = setting(True, "an SFT stage on the records' completions first (when every record has one)")
-    sft_share: float = setting(0.25, "share of the budget for SFT")
-    targets: str = setting(
-        "self", "train toward the start model's own greedy answers (self) or the records' completions", TARGETS
+    dev: int = option(100, "records held out as the dev split", AT_LEAST_ONE)
+    seed: int = option(0, "seed of the dev split and of training", NON_NEGATIVE)
+    sft: bool = option(True, "an SFT stage on the records' completions first (when every record has one)")
+    sft_share: float = option(0.25, "share of the budget for SFT", PROPER_FRACTION)
+    targets: str = option(
+        "self", "train toward the start model's own greedy answers (self) or the records' completions", None, TARGETS
     )
-    answers: int = setting(0, "train prompts the start model answers for --targets self (0: one epoch's worth)")
-    answer_tokens: int = setting(256, "new tokens at most in each of those answers (longer ones are left out)")
-    lora_rank: int = setting(16, "LoRA rank of each stage")
-    lr: float = setting(1e-3, "peak learning rate")
-    seq_len: int = setting(512, "tokens per training row")
-    batch_size: int = setting(8, "rows per step")
-    curve: int = setting(4, "points of the learning curve")
-    control: bool = setting(False, "also train an NTP control (the same start, data and steps) and measure it")
-    blocks: tuple[int, ...] = setting((8, 12, 16), "block sizes measured on the dev split", training=False)
-    curve_n: int = setting(30, "dev records at each curve point", training=False)
-    max_new_tokens: int = setting(256, "new tokens per dev answer at most", training=False)
+    answers: int = option(
+        0, "train prompts the start model answers for --targets self (0: one epoch's worth)", NON_NEGATIVE
+    )
+    answer_tokens: int = option(
+        256, "new tokens at most in each of those answers (longer ones are left out)", AT_LEAST_ONE
+    )
+    lora_rank: int = option(16, "LoRA rank of each stage", AT_LEAST_ONE)
+    lr: float = option(1e-3, "peak learning rate", POSITIVE)
+    seq_len: int = option(512, "tokens per training row", AT_LEAST_ONE)
+    batch_size: int = option(8, "rows per step", AT_LEAST_ONE)
+    curve: int = option(4, "points of the learning curve", AT_LEAST_ONE)
+    control: bool = option(False, "also train an NTP control (the same start, data and steps) and measure it")
+    blocks: tuple[int, ...] = option((8, 12, 16), "block sizes measured on the dev split", BLOCK_SIZES)
+    curve_n: int = option(30, "dev records at each curve point", AT_LEAST_ONE)
+    max_new_tokens: int = option(256, "new tokens per dev answer at most", AT_LEAST_ONE)
 
     def __post_init__(self) -> None:
-        if not 0 < self.sft_share < 1:
-            raise FastForwardError(f"--sft-share must be between 0 and 1, got {self.sft_share}")
-        if self.answers < 0:
-            raise FastForwardError(f"--answers must be 0 (as many as one epoch needs) or more, got {self.answers}")
-        for f in fields(self):
-            if f.type == "int" and f.name not in ("seed", "answers") and getattr(self, f.name) < 1:
-                raise FastForwardError(f"--{f.name.replace('_', '-')} must be at least 1, got {getattr(self, f.name)}")
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise FastForwardError(f"--{f.name.replace('_', '-')}: choose one of {', '.join(choices)}")
-        if not self.blocks or min(self.blocks) < 1:
-            raise FastForwardError(f"--blocks must be block sizes of at least 1, got {list(self.blocks)}")
+        """Refuse values outside their rules, however the options are made (the CLI or Python)."""
+        check_options(self)
         parse_budget(self.budget)
 
     def training(self) -> dict[str, Any]:
         """The options that shape training, by name."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("training", True)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.evaluation_only}
 
 
 def _sha256(path: Path) -> str:
@@ -391,8 +387,8 @@ def command_line(name: str, options: RecipeOptions, data: Path, work: Path, ship
     """The command that runs recipe `name` with `options`, every option that shapes training spelled out
     (what a provenance.json gives to rebuild a model from a fresh work folder)."""
     words = ["fastforward", "recipe", name, "--data", str(data), "--work", str(work)]
-    for option, value in options.training().items():
-        flag = "--" + option.replace("_", "-")
+    for field_name, value in options.training().items():
+        flag = "--" + field_name.replace("_", "-")
         if isinstance(value, bool):
             words.append(flag if value else "--no-" + flag[2:])
         else:

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastforward.model import Model
-from fastforward.recipes.pipeline import Decoders, Recipe, RecipeOptions, register, setting
+from fastforward.options import NON_NEGATIVE, at_least, option
+from fastforward.recipes.pipeline import Decoders, Recipe, RecipeOptions, register
 from fastforward.training.data import Example, PackedData
 from fastforward.training.objectives import make_objective
 from fastforward.training.objectives.base import Objective
@@ -21,8 +22,10 @@ from fastforward.training.objectives.base import Objective
 
 @dataclass(frozen=True)
 class SBDOptions(RecipeOptions):
-    max_block: int = setting(16, "largest SBD block drawn in training (the smallest: 2)")
-    gamma: float = setting(0.35, "entropy bound of the lossy sbd and sbd-slide rows on dev", training=False)
+    evaluation_only = RecipeOptions.evaluation_only | {"gamma"}
+
+    max_block: int = option(16, "largest SBD block drawn in training (the smallest: 2)", at_least(2))
+    gamma: float = option(0.35, "entropy bound of the lossy sbd and sbd-slide rows on dev", NON_NEGATIVE)
 
 
 @register("sbd")
