@@ -7,7 +7,8 @@ import pytest
 
 from fastforward.errors import FastForwardError
 from fastforward.tasks import ArithmeticTask, Example, JsonlTask, PyCodeTask, get_task, parse_options
-from fastforward.tasks.arithmetic import THEMES, parse_answer
+from fastforward.tasks.arithmetic import parse_answer
+from fastforward.tasks.arithmetic_stories import THEMES
 from fastforward.tasks.humaneval import HumanEvalTask, build_program, extract_code
 
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
