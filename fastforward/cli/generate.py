@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="decode in this process even when a warm engine (`fastforward engine start`) could answer",
     )
     add_threads_flag(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, printed=0)  # printed: the prompts a warm engine that died had printed
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,19 +59,27 @@ def run(args: argparse.Namespace) -> int:
         raise FastForwardError(NO_PROMPTS)
     model = load_model(args.model, device=args.device, precision=precision(args))
     encoded = [model.encode_prompt(p, chat_template=not args.no_chat_template) for p in prompts]
-    for start in range(0, len(encoded), args.batch_size):
+    # After a warm engine that died, decoding resumes at the batch of its first prompt not printed, the
+    # batch it would have been decoded in: its printed prompts are not printed twice.
+    resumed = args.printed - args.printed % args.batch_size
+    for start in range(resumed, len(encoded), args.batch_size):
         batch = encoded[start : start + args.batch_size]
         try:
             gens = decoder.generate(model, batch, args.max_new_tokens)
         except KeyboardInterrupt as interrupt:  # print what the batch in flight had so far, then stop
             partial = interrupt.generations if isinstance(interrupt, GenerationInterrupted) else []
-            for prompt, gen in zip(prompts[start:], partial, strict=False):
-                report(args, prompt, gen)
-            say_interrupted(start, len(prompts))
+            report_batch(args, prompts, start, partial)
+            say_interrupted(max(start, args.printed), len(prompts))
             raise
-        for prompt, gen in zip(prompts[start:], gens, strict=False):
-            report(args, prompt, gen)
+        report_batch(args, prompts, start, gens)
     return 0
+
+
+def report_batch(args: argparse.Namespace, prompts: list[str], start: int, gens: list[Generation]) -> None:
+    """Report the generations of the prompts from `start` on, but for those a warm engine printed."""
+    for index, gen in enumerate(gens, start):
+        if index >= args.printed:
+            report(args, prompts[index], gen)
 
 
 def report(args: argparse.Namespace, prompt: str, gen: Generation) -> None:
