@@ -1,7 +1,10 @@
-"""`fastforward engine` and `generate` as its client: an engine (a tiny model, eager steps) starts, says
-when it is ready, answers `generate` with exactly what `generate` prints in process (across decoders,
-text and --json) without importing torch, leaves what it cannot serve to the client's process, cancels a
-request whose client is interrupted, and stops cleanly; a killed engine's leftovers are cleaned."""
+"""`fastforward engine` and `generate` as its client: the client parses `generate`'s flags as `generate`
+does and computes the key of the one engine that serves them without torch; its typed request survives
+JSON and a bad one is refused; an engine (a tiny model, eager steps) starts, says when it is ready,
+answers `generate` with exactly what `generate` prints in process (across decoders, text and --json)
+without importing torch, leaves what it does not serve to the client's process, cancels a request whose
+client is interrupted, and stops cleanly; an engine killed while it answers leaves `generate` to print
+in its own process what `--no-engine` prints, and its leftovers are cleaned."""
 
 from __future__ import annotations
 
@@ -14,14 +17,20 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from fastforward.cli import main
+from fastforward.cli import build_parser, main, resolve_precision
+from fastforward.cli.engine import action_parser
 from fastforward.model.tiny import tiny_model
-from fastforward.serving import engines
+from fastforward.warm.flags import GenerateFlags
+from fastforward.warm.folder import EngineFolder
+from fastforward.warm.protocol import Request
+from fastforward.warm.server import generate_flags
+from fastforward.warm.spec import Serves
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISION = ("--quantize", "none")  # the CPU's other defaults (float32, --exact) as generate's
@@ -127,11 +136,82 @@ def without_timings(out: str, err: str, as_json: bool) -> tuple[list, str]:
     return records, figures
 
 
+ARGVS = [
+    ["hi"],
+    ["--mod", "m", "--dec", "jacobi", "--block-size=4", "a", "b"],  # abbreviations, --flag=value
+    ["--device", "cuda", "--no-exact", "--temperature", "0.5", "--json", "x"],  # a GPU's precision defaults
+    ["--first-token-from-ntp", "--decoder", "sbd", "--max-new", "3", "--adapter", "a", "p"],
+    ["--static", "--threads", "2", "--dtype", "bfloat16", "--batch-size", "2", "q", "r"],
+]
+
+
+@pytest.mark.parametrize("argv", ARGVS, ids=range(len(ARGVS)))
+def test_the_client_parses_generates_flags_as_generate_does(argv):
+    """The flags an engine publishes, through JSON, parse a command line into generate's own namespace
+    (less its defaults that are no flags, and --compile, which generate resolves later and no engine asks)."""
+    flags = GenerateFlags.from_json(json.loads(json.dumps(generate_flags().as_json())))
+    own = build_parser("generate").parse_args(["generate", *argv])
+    resolve_precision(own)
+    parsed = vars(flags.parse(argv))
+    unflagged = ("command", "run", "cpu_precision", "cpu_compile", "printed", "compile")
+    assert {k: v for k, v in parsed.items() if k != "compile"} == {
+        k: v for k, v in vars(own).items() if k not in unflagged
+    }
+    assert flags.options(flags.parse(argv)) == {k: v for k, v in parsed.items() if k in generate_flags().knobs}
+
+
+@pytest.mark.parametrize(
+    "argv", [["--decoder", "nope"], ["--max-new-tokens", "x"], ["--batch-size", "0"], ["a", "--json", "b"]]
+)
+def test_a_command_line_generate_refuses_the_client_refuses_too(argv):
+    flags = GenerateFlags.from_json(json.loads(json.dumps(generate_flags().as_json())))
+    with pytest.raises(SystemExit):
+        build_parser("generate").parse_args(["generate", *argv])
+    with pytest.raises(ValueError):
+        flags.parse(argv)
+
+
+def test_a_request_round_trips_through_json_and_a_bad_one_is_refused():
+    serves = Serves("/m", "float32", "int4", True, "sdpa", None, "cpu")
+    request = Request(serves, ("hi", "ho"), 12, 2, "jacobi", {"block_size": 4, "temperature": 0.5}, True, False)
+    assert Request.from_json(json.loads(json.dumps(request.as_json()))) == request
+    good = request.as_json()
+    bad = [
+        {k: v for k, v in good.items() if k != "json"},
+        {**good, "max_new_tokens": "12"},
+        {**good, "batch_size": 0},
+        {**good, "prompts": "hi"},
+        {**good, "options": {"block_size": [4]}},
+        {**good, "decoder": 3},
+        {**good, "serves": {**good["serves"], "exact": "yes"}},
+        {**good, "serves": {k: v for k, v in good["serves"].items() if k != "device"}},
+    ]
+    for data in bad:
+        with pytest.raises(ValueError, match="bad request|what an engine serves"):
+            Request.from_json(json.loads(json.dumps(data)))
+
+
 def test_status_says_what_runs_and_a_second_engine_of_the_same_is_refused(engine, home, model_dir, in_home, capsys):
     said = wait_ready(home)
     assert said.startswith("ready: ") and model_dir in said and "(float32, none, exact, sdpa) on cpu" in said
     assert main(["engine", "start", "--model", model_dir, *PRECISION, "--no-compile"]) == 2
     assert "runs already" in capsys.readouterr().err
+
+
+def test_the_client_computes_the_engines_key_without_torch(engine, home, model_dir):
+    """The key the client computes from generate's command line, in a process without torch, is the key
+    the engine computes from its own flags: the running engine's folder."""
+    flags = action_parser("run").parse_args(["--model", model_dir, *PRECISION, "--no-compile"])
+    resolve_precision(flags)
+    engines_key = Serves.of(flags, os.getcwd()).key
+    code = (
+        "import os, sys\nfrom fastforward.warm.client import choose\n"
+        f"chosen = choose(['generate', '--model', {model_dir!r}, '--quantize', 'none', 'hi'], os.getcwd())\n"
+        "print(chosen.serves.key, chosen.folder.key, any(m.startswith('torch') for m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, env=environment(home), timeout=60)
+    assert done.stdout.decode().split() == [engines_key, engines_key, "False"], done.stderr.decode()
+    assert (home / "engines" / engines_key / "socket").exists()
 
 
 CASES = {
@@ -141,6 +221,7 @@ CASES = {
     "sbd-verified": ["--decoder", "sbd-verified", "--block-size", "4"],
     "ar sampling": ["--decoder", "ar", "--temperature", "0.8", "--seed", "3"],
     "jacobi in batches of 2": ["--decoder", "jacobi", "--batch-size", "2"],
+    "ar with stop strings": ["--decoder", "ar", "--stop", "e", "--stop", "a"],
 }
 
 
@@ -183,11 +264,11 @@ def test_prompts_from_stdin_and_the_chat_template_off(engine, home, model_dir, c
 def test_what_the_engine_cannot_serve_runs_in_process(engine, home, model_dir, in_home, tmp_path, capsys):
     base = ["generate", "--model", model_dir, *PRECISION, "--max-new-tokens", "4", "--threads", "1"]
     assert main([*base, "--no-exact", "hi"]) == 0  # another precision
-    assert "decoding in process: the engine serves" in capsys.readouterr().err
+    assert "decoding in process: no engine serves " in capsys.readouterr().err
     other = shutil.copytree(model_dir, tmp_path / "other")
     assert main(["generate", "--model", str(other), *base[3:], "hi"]) == 0  # another model
     said = capsys.readouterr().err
-    assert "decoding in process" in said and str(other) in said
+    assert f"decoding in process: no engine serves {other} (float32, none, exact, sdpa) on cpu" in said
     with pytest.raises(SystemExit):  # the process's own argparse says what is wrong
         main([*base, "--decoder", "nope", "hi"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
@@ -212,14 +293,91 @@ def test_engines_of_two_models_coexist_and_stop_one_at_a_time(engine, home, mode
 
 def test_a_killed_engines_socket_is_cleaned_and_generate_runs_in_process(tmp_path, monkeypatch, capsys, model_dir):
     monkeypatch.setenv("FASTFORWARD_HOME", str(tmp_path))
-    serving = {"model": model_dir, "dtype": "float32", "quantize": "none", "exact": True, "attention": "sdpa"}
-    folder = engines.EngineFolder.of({**serving, "adapter": None, "device": "cpu"})
-    folder.write_state({"pid": 1, "serves": serving, "state": "ready"})
+    serving = Serves(model_dir, "float32", "none", True, "sdpa", None, "cpu")
+    folder = EngineFolder.of(serving)
+    folder.write_state({"pid": 1, "serves": serving.as_json(), "state": "ready"})
     dead = socket.socket(socket.AF_UNIX)
     dead.bind(str(folder.socket))  # what a killed engine leaves: a socket file nobody listens on
     dead.close()
     assert main(["generate", "--model", model_dir, *PRECISION, "--max-new-tokens", "4", "--threads", "1", "hi"]) == 0
     assert not folder.socket.exists() and folder.state() is None
+    assert main(["engine", "status"]) == 1 and "none runs" in capsys.readouterr().out
+
+
+def test_an_engine_killed_mid_answer_leaves_generate_to_print_what_no_engine_prints(
+    tmp_path, model_dir, capsys, monkeypatch
+):
+    """An engine killed (SIGKILL) once the client printed its first prompt: `generate` decodes the rest in
+    its own process, from the first prompt's batch on, and prints what `--no-engine` prints; its folder is
+    cleaned, and `engine status` says none runs."""
+    flags = ["--model", model_dir, *PRECISION, "--no-compile", "--threads", "1"]
+    argv = ["--model", model_dir, *PRECISION, "--decoder", "ar", "--max-new-tokens", "100", "--batch-size", "2"]
+    engine = subprocess.Popen(  # what `engine start` starts, without the seconds of its own process
+        [sys.executable, "-m", "fastforward", "engine", "run", *flags],
+        env=environment(tmp_path),
+        stdout=subprocess.DEVNULL,
+    )
+    client = None
+    try:
+        wait_ready(tmp_path)
+        command = [sys.executable, "-m", "fastforward", "generate", *argv, *PROMPTS]
+        client = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment(tmp_path))
+        first = client.stdout.readline()  # the third prompt ("0") takes 100 tokens in a batch of its own
+        engine.kill()
+        out, err = client.communicate(timeout=240)
+    finally:
+        for process in (engine, client):
+            if process is not None:
+                process.kill()
+                process.wait()
+    assert client.returncode == 0, err.decode()
+    note = rf"^fastforward generate: the engine \(pid {engine.pid}\) .*; decoding in process$"
+    assert re.search(note, err.decode(), re.M), err.decode()
+    assert (first + out).decode() == in_process(capsys, monkeypatch, ["generate", *argv, *PROMPTS])[0]
+    status = cli(tmp_path, "engine", "status")
+    assert status.returncode == 1 and "none runs" in status.stdout.decode()
+
+
+def test_an_engine_that_dies_before_it_answers_leaves_generate_to_decode_in_process(
+    tmp_path, model_dir, monkeypatch, capsys
+):
+    """An engine that takes the request and dies (its lock released, its connection closed) before any
+    answer: `generate` prints what `--no-engine` prints and removes the dead engine's folder. The engine
+    here is a stand-in in a thread of this process, which also sees the typed request as it came."""
+    monkeypatch.setenv("FASTFORWARD_HOME", str(tmp_path))
+    argv = ["--model", model_dir, *PRECISION, "--max-new-tokens", "8", *PROMPTS]
+    serving = Serves(model_dir, "float32", "none", True, "sdpa", None, "cpu")
+    folder = EngineFolder.of(serving)
+    lock = folder.claim()
+    state = {"pid": os.getpid(), "serves": serving.as_json(), "flags": generate_flags().as_json(), "state": "ready"}
+    folder.write_state(state)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(folder.socket))
+    listener.listen()
+    requests = []
+
+    def die_at_the_first_request() -> None:
+        connection, _ = listener.accept()
+        with connection, connection.makefile("rb") as lines:
+            requests.append(Request.from_json(json.loads(next(lines))["request"]))
+            connection.sendall(b'{"accepted": true}\n')
+            os.close(lock)  # as the kernel does for a killed engine: its lock, then its connection
+
+    engine = threading.Thread(target=die_at_the_first_request, daemon=True)
+    engine.start()
+    try:
+        assert main(["generate", *argv, "--threads", "1"]) == 0
+    finally:
+        engine.join(10)
+        listener.close()
+    said = capsys.readouterr()
+    assert requests == [Request(serving, tuple(PROMPTS), 8, 1, None, {}, True, False)]
+    assert said.err.startswith(
+        f"fastforward generate: the engine (pid {os.getpid()}) closed the connection before it answered; "
+        "decoding in process\n"
+    )
+    assert said.out == in_process(capsys, monkeypatch, ["generate", *argv])[0]
+    assert folder.state() is None and not folder.socket.exists()
     assert main(["engine", "status"]) == 1 and "none runs" in capsys.readouterr().out
 
 
@@ -250,8 +408,6 @@ def test_ctrl_c_in_the_client_cancels_its_request_in_the_engine(engine, home, mo
 def test_the_readmes_engine_commands_parse():
     """`fastforward engine ACTION` parses its options itself (`status` and `stop` import no torch): the
     README's examples must parse there too, as test_docs checks every other command's."""
-    from fastforward.cli.engine import action_parser
-
     examples = re.findall(r"^\.venv/bin/fastforward engine (\w+)([^#\n]*)", (ROOT / "README.md").read_text(), re.M)
     assert {action for action, _ in examples} == {"start", "status", "stop"}
     for action, options in examples:

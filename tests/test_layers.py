@@ -16,7 +16,7 @@ LAYERS = [
     {"api"},
     {"training", "evaluation"},
     {"demo", "serving", "recipes"},  # recipes: training, then measuring with decoders
-    {"cli", "__init__", "__main__"},
+    {"cli", "warm", "__init__", "__main__"},  # warm: the engine behind `generate`, which prints as generate does
 ]
 RANK = {part: rank for rank, layer in enumerate(LAYERS) for part in layer}
 

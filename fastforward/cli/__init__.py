@@ -6,6 +6,7 @@ import argparse
 import gc
 import importlib
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from fastforward.errors import FastForwardError
@@ -200,15 +201,28 @@ DEVICE_DEFAULTS = ("dtype", "quantize", "exact")
 def resolve_precision(args: argparse.Namespace) -> None:
     """Fill the precision flags left unset: the command's CPU defaults, or on a CUDA --device ON_GPU's
     (bfloat16 weights without quantization, a CPU kernel, or --exact, a CPU attention)."""
-    from fastforward.model import ON_GPU
-
-    on_gpu = str(getattr(args, "device", None) or "").startswith("cuda")
-    defaults = ON_GPU if on_gpu else args.cpu_precision
-    for name in DEVICE_DEFAULTS:
-        if getattr(args, name) is None:
-            setattr(args, name, getattr(defaults, name))
+    on_gpu = fill_device_defaults(args, device_defaults(args.cpu_precision))
     if "cpu_compile" in vars(args) and args.compile is None:
         args.compile = not on_gpu and args.cpu_compile and _compiles_here(args.command)
+
+
+def device_defaults(cpu: Precision) -> dict[str, dict[str, Any]]:
+    """What the DEVICE_DEFAULTS flags take when left unset: on "cpu" the command's own (`cpu`), on "cuda" ON_GPU's."""
+    from fastforward.model import ON_GPU
+
+    return {
+        device: {name: getattr(p, name) for name in DEVICE_DEFAULTS} for device, p in (("cpu", cpu), ("cuda", ON_GPU))
+    }
+
+
+def fill_device_defaults(args: argparse.Namespace, defaults: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Set the DEVICE_DEFAULTS flags left unset to `defaults` of the --device's kind (`device_defaults`;
+    free of torch: the warm engine's client resolves its flags so); whether the device is a CUDA one."""
+    on_gpu = str(getattr(args, "device", None) or "").startswith("cuda")
+    for name in DEVICE_DEFAULTS:
+        if getattr(args, name) is None:
+            setattr(args, name, defaults["cuda" if on_gpu else "cpu"][name])
+    return on_gpu
 
 
 def _compiles_here(command: str) -> bool:
@@ -242,15 +256,19 @@ def main(argv: list[str] | None = None) -> int:
         # Building the parser imports torch and transformers (seconds): Ctrl-C there is an interrupt too.
         the_process = argv is None  # the `fastforward` command itself, not a caller in a longer process
         argv = sys.argv[1:] if argv is None else argv
+        resume = None
         if named_command(argv) == "generate":  # a warm engine answers without importing torch here
-            from fastforward.cli.engine_client import answer
+            from fastforward.warm.client import answer
 
             command = "fastforward generate"  # the client's errors and Ctrl-C read as in process
             answered = answer(argv)
-            if answered is not None:
+            if isinstance(answered, int):
                 return answered
+            resume = answered
             command = "fastforward"
         args = build_parser(named_command(argv)).parse_args(argv)
+        if resume is not None:  # the engine died or declined: this process decodes what it had not printed
+            args.prompts, args.printed = resume.prompts, resume.printed
         if the_process:
             # The imports' objects (torch, transformers) live as long as the process, yet every full
             # collection walks them again, and loading a tokenizer and a model sets off several: frozen,

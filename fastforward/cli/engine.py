@@ -5,18 +5,13 @@ decoding steps compiled, as `serve` compiles them) and returns; `status` says wh
 once every engine is ready to answer; `stop` stops them (SIGTERM: the rows in flight finish first). While
 an engine for the same model and precision runs, `generate` is its client: the same output, without the
 seconds of importing torch and loading the model. Engines for other models or precisions run beside it.
-Their sockets, states and logs live under $FASTFORWARD_HOME/engines (owner-only).
+Their sockets, states and logs live under $FASTFORWARD_HOME/engines (owner-only). The engine, its
+client and its folders: `fastforward.warm`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 
 from fastforward.cli import (
@@ -28,11 +23,7 @@ from fastforward.cli import (
     add_threads_flag,
     resolve_precision,
 )
-from fastforward.errors import FastForwardError
-from fastforward.serving.engines import EngineFolder, ask, describe, folders, model_name, serves
-
-WAIT_SECONDS = 60.0  # for an engine to take its folder at start, or to exit at stop
-POLL_SECONDS = 0.1
+from fastforward.warm import control
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -70,102 +61,23 @@ def run(args: argparse.Namespace) -> int:
     return ACTIONS[args.action](options, args.options)
 
 
-def start(args: argparse.Namespace, argv: list[str]) -> int:
+def _start(args: argparse.Namespace, argv: list[str]) -> int:
     resolve_precision(args)
-    serving = serves(args, os.getcwd())
-    folder = EngineFolder.of(serving)
-    if folder.alive():
-        pid = (folder.state() or {}).get("pid", "?")
-        raise FastForwardError(
-            f"an engine for {describe(serving)} runs already (pid {pid}); `fastforward engine stop` stops it"
-        )
-    command = [sys.executable, "-m", "fastforward", "engine", "run", *(a for a in argv if a != "--wait")]
-    with open(os.open(folder.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as log:
-        process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    if not _until(lambda: process.poll() is not None or (folder.state() or {}).get("pid") == process.pid):
-        raise FastForwardError(f"the engine did not start within {WAIT_SECONDS:.0f} s; see {folder.log}")
-    if process.poll() is not None:
-        raise FastForwardError(f"the engine exited as it started: {_last_line(folder)} (log: {folder.log})")
-    print(f"fastforward engine: starting {describe(serving)} (pid {process.pid}); log: {folder.log}")
-    if not args.wait:
-        print("fastforward engine: `fastforward engine status` says when it is ready")
-        return 0
-    while (folder.state() or {}).get("state") != "ready":
-        if process.poll() is not None:
-            raise FastForwardError(f"the engine exited before it was ready: {_last_line(folder)} (log: {folder.log})")
-        time.sleep(POLL_SECONDS)
-    print("fastforward engine: ready")
-    return 0
-
-
-def status(args: argparse.Namespace, argv: list[str]) -> int:
-    running = folders()
-    if not running:
-        print("fastforward engine: none runs; `fastforward engine start --model MODEL` starts one")
-        return 1
-    ready = 0
-    for folder in running:
-        state = folder.state() or {}
-        answer = ask(folder, {"op": "ping"}) if state.get("state") == "ready" else None
-        if answer is None:
-            print(f"warming up: {describe(state['serves'])} (pid {state.get('pid')}); log: {folder.log}")
-            continue
-        steps = "compiled steps" if answer["compiled"] else "eager steps"
-        print(
-            f"ready: {describe(answer['serves'])} (pid {answer['pid']}, {steps}, {answer['requests']} requests "
-            f"in flight); log: {folder.log}"
-        )
-        ready += 1
-    return 0 if ready == len(running) else 1
-
-
-def stop(args: argparse.Namespace, argv: list[str]) -> int:
-    model = model_name(args.model, os.getcwd())
-    targets = [f for f in folders() if model is None or (f.state() or {}).get("serves", {}).get("model") == model]
-    if not targets:
-        print("fastforward engine: none runs" + (f" for {model}" if model else ""))
-        return 0
-    states = [folder.state() or {} for folder in targets]
-    for state in states:
-        with contextlib.suppress(KeyError, ProcessLookupError):  # it exited meanwhile
-            os.kill(state["pid"], signal.SIGTERM)
-    for folder, state in zip(targets, states, strict=True):
-        if not _until(lambda f=folder: not f.alive()):
-            pid = state.get("pid", "?")
-            raise FastForwardError(f"the engine (pid {pid}) did not stop within {WAIT_SECONDS:.0f} s; kill {pid}")
-        print(f"fastforward engine: stopped {describe(state['serves']) if state else folder.path.name}")
-    return 0
-
-
-def _until(done: Callable[[], bool]) -> bool:
-    """Poll `done` until it holds (True) or WAIT_SECONDS pass (False)."""
-    deadline = time.monotonic() + WAIT_SECONDS
-    while not done():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(POLL_SECONDS)
-    return True
-
-
-def _last_line(folder: EngineFolder) -> str:
-    lines = folder.log.read_text(errors="replace").strip().splitlines()
-    return lines[-1] if lines else "(its log is empty)"
+    return control.start(args, argv)
 
 
 def _run_engine(args: argparse.Namespace, argv: list[str]) -> int:
-    from fastforward.cli import engine_server
     from fastforward.cpu.threads import use_threads
+    from fastforward.warm import server
 
     resolve_precision(args)
     use_threads(args.threads)
-    return engine_server.run(args)
+    return server.run(args)
 
 
 ACTIONS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
-    "start": start,
-    "status": status,
-    "stop": stop,
+    "start": _start,
+    "status": lambda args, argv: control.status(),
+    "stop": lambda args, argv: control.stop(args.model),
     "run": _run_engine,
 }

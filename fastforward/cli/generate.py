@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="decode in this process even when a warm engine (`fastforward engine start`) could answer",
     )
     add_threads_flag(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, printed=0)  # printed: the prompts a warm engine that died had printed
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,9 +68,10 @@ def run(args: argparse.Namespace) -> int:
         raise FastForwardError(NO_PROMPTS)
     model = load_model(args.model, device=args.device, precision=precision(args))
     encoded = [model.encode_prompt(p, chat_template=not args.no_chat_template) for p in prompts]
-    done = 0  # prompts reported
+    # After a warm engine that died, the prompts it printed are not decoded or printed again.
+    done = args.printed  # prompts reported
     try:
-        for gen in in_order(model, decoder, encoded, args.max_new_tokens, args.batch_size, args.stop):
+        for gen in in_order(model, decoder, encoded[done:], args.max_new_tokens, args.batch_size, args.stop):
             report(args, prompts[done], gen)
             done += 1
     except KeyboardInterrupt as interrupt:  # print what the prompts in flight had so far, then stop

@@ -1,21 +1,15 @@
-"""The warm local engine (`fastforward engine run`, what `fastforward engine start` starts): one model
-loaded, its steps compiled, answering `fastforward generate` over a unix socket as `generate` would in
-its own process.
+"""The warm engine process (`fastforward engine run`, what `fastforward engine start` starts): one
+model loaded, its steps compiled, answering `generate`'s clients on its folder's socket as `generate`
+would in their own process (messages: `fastforward.warm.protocol`).
 
-A request is `generate`'s own argument list (and the client's working directory): the engine parses it
-with `generate`'s parser, so every decoder and option means what it means in process. It declines what
-it cannot answer as in process (another model, precision or device, or arguments that do not parse: the
-client then decodes in process, where argparse says what is wrong). An accepted request's prompts are
-encoded as `generate` encodes them and decoded `--batch-size` at a time, as jobs of the serving `Engine`
-(rows of its sessions, so they equal a decode alone: `fastforward.serving.engine`); each prompt's text
-deltas stream back as they come, then its `generate` report (JSON record, figures line, warning), built
-by `generate`'s own functions. A client that leaves (Ctrl-C) has its jobs cancelled.
-
-Messages, one JSON object a line: client `{"op": "ping"}` → `{"pid", "serves", "compiled", "requests"}`;
-client `{"op": "generate", "argv", "cwd"}` → `{"decline": why}` or `{"accept": {"need_prompts"}}`
-(then client `{"prompts": [...]}` when it read them from its stdin) → `{"error": message}` or
-`{"started": prompts, "json": --json}`, then `{"prompt": i, "delta"}` and `{"prompt": i, "record",
-"summary", "warning"}` → `{"done": true}` (or `{"error": message}` when decoding fails).
+A request is typed (`Request`): it names what it asks the engine to serve, checked against what the
+engine serves, and `generate`'s decoding and output flags, parsed by the client from `generate`'s own
+flags (which the engine publishes in its state: `fastforward.warm.flags`). The engine chooses the
+decoder as `generate` does (`--decoder`, else the model's decoding.json read at that request, else
+generate's default), encodes the prompts as `generate` encodes them and decodes them `--batch-size` at
+a time as jobs of the serving `Engine` (rows of its sessions, so they equal a decode alone); each
+prompt's report (JSON record, figures line, warning) is built by `generate`'s own functions. A client
+that leaves (Ctrl-C) has its jobs cancelled.
 """
 
 from __future__ import annotations
@@ -29,38 +23,39 @@ import time
 from typing import Any
 
 from fastforward.api import build_decoder
-from fastforward.cli import DEFAULT_DECODER, build_parser, precision, resolve_precision
-from fastforward.cli.decoding import chosen_decoder, decoder_knobs, default_decoder
+from fastforward.cli import DEFAULT_DECODER, device_defaults, precision
+from fastforward.cli import generate as generate_command
+from fastforward.cli.decoding import chosen_decoder, default_decoder
 from fastforward.cli.generate import record, summary, warning
 from fastforward.cli.generate_io import NO_PROMPTS
 from fastforward.decoding.decoders import registry
 from fastforward.decoding.model_defaults import model_decoding_defaults
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
-from fastforward.serving.engine import Engine, Job, QueueFull
-from fastforward.serving.engines import EngineFolder, describe, serves
+from fastforward.serving.engine import Engine, Job
 from fastforward.serving.warm_up import load_ready
-
-
-class Declined(Exception):
-    """A request the engine leaves to the client's own process."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """`generate`'s parser, raising instead of printing usage and exiting."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise Declined(f"its arguments do not parse here ({message})")
+from fastforward.warm.flags import GenerateFlags
+from fastforward.warm.folder import EngineFolder
+from fastforward.warm.protocol import Request
+from fastforward.warm.spec import Serves
 
 
 class _ClientLeft(Exception):
     """The client closed its connection (Ctrl-C) before its prompts were decoded."""
 
 
+def generate_flags() -> GenerateFlags:
+    """`generate`'s flags as the engine publishes them to its clients."""
+    parser = argparse.ArgumentParser().add_subparsers()
+    generate_command.register(parser)
+    own = parser.choices["generate"]
+    return GenerateFlags.of(own, tuple(registry.all_knobs()), device_defaults(own.get_default("cpu_precision")))
+
+
 class LocalServer:
     """The model, its `Engine`, and the socket's request handler."""
 
-    def __init__(self, model: Model, serving: dict[str, Any], compiled: bool):
+    def __init__(self, model: Model, serving: Serves, compiled: bool):
         self.model, self.serving, self.compiled = model, serving, compiled
         self.engine: Engine | None = None
         self.requests = 0  # in flight
@@ -85,13 +80,13 @@ class LocalServer:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request = json.loads(await reader.readline() or "{}")
-            if request.get("op") == "ping":
+            message = json.loads(await reader.readline() or "{}")
+            if message.get("op") == "ping":
                 await _write(writer, self.status())
-            elif request.get("op") == "generate":
+            elif message.get("op") == "generate":
                 self.requests += 1
                 try:
-                    await self.generate(request, reader, writer)
+                    await self.answer(message.get("request"), reader, writer)
                 finally:
                     self.requests -= 1
         except (ConnectionError, ValueError):  # a client gone, or one that speaks no JSON
@@ -102,53 +97,54 @@ class LocalServer:
             writer.close()
 
     def status(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "serves": self.serving, "compiled": self.compiled, "requests": self.requests}
+        return {
+            "pid": os.getpid(),
+            "serves": self.serving.as_json(),
+            "compiled": self.compiled,
+            "requests": self.requests,
+        }
 
-    async def generate(self, request: dict[str, Any], reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    async def answer(self, data: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            args = self.parse(request["argv"], request["cwd"])
-        except Declined as why:
-            await _write(writer, {"decline": str(why)})
+            request = Request.from_json(data)
+        except (TypeError, ValueError) as exc:
+            await _write(writer, {"decline": str(exc)})
             return
-        await _write(writer, {"accept": {"need_prompts": not args.prompts}})
-        prompts = args.prompts or json.loads(await reader.readline())["prompts"]
+        if request.serves != self.serving:
+            why = f"the engine serves {self.serving.describe()}, not {request.serves.describe()}"
+            await _write(writer, {"decline": why})
+            return
+        await _write(writer, {"accepted": True})
         try:
-            if not prompts:
-                raise FastForwardError(NO_PROMPTS)
-            # The decoder the client's own process would choose: relative paths lead from its directory.
-            name, knobs = chosen_decoder(args, decoder_knobs(args), DEFAULT_DECODER, request["cwd"])
-            decoder = build_decoder(name, **knobs)
-            if registry.spec(name).needs_mask:
-                self.model.require_mask_token(name)
-            encoded = [self.model.encode_prompt(p, chat_template=not args.no_chat_template) for p in prompts]
+            name, decoder, encoded = self.prepare(request)
         except FastForwardError as exc:
             await _write(writer, {"error": str(exc)})
             return
-        await _write(writer, {"started": len(prompts), "json": args.json})
         left = asyncio.ensure_future(reader.read())  # the client sends nothing more: this ends when it leaves
         loop = asyncio.get_running_loop()
         try:
-            for start in range(0, len(encoded), args.batch_size):
-                jobs = [
-                    Job(ids, decoder, args.max_new_tokens, [], loop) for ids in encoded[start : start + args.batch_size]
-                ]
-                relays = [
-                    self.relay(start + i, prompts[start + i], job, writer, name, args) for i, job in enumerate(jobs)
-                ]
+            for start in range(0, len(encoded), request.batch_size):
+                batch = encoded[start : start + request.batch_size]
+                jobs = [Job(ids, decoder, request.max_new_tokens, list(request.stop), loop) for ids in batch]
+                relays = [self.relay(start + i, job, writer, name, request) for i, job in enumerate(jobs)]
                 if not await self.decode(jobs, relays, left, writer):
                     return
             await _write(writer, {"done": True})
         finally:
             left.cancel()
 
-    def parse(self, argv: list[str], cwd: str) -> argparse.Namespace:
-        """`generate`'s arguments, when this engine answers them as the client's own process would."""
-        args = build_parser("generate", parser_class=_Parser).parse_args(argv)
-        resolve_precision(args)
-        asked = serves(args, cwd)
-        if asked != self.serving:
-            raise Declined(f"the engine serves {describe(self.serving)}, not {describe(asked)}")
-        return args
+    def prepare(self, request: Request) -> tuple[str, Any, list[list[int]]]:
+        """The decoder the client's own process would choose (its name and itself), and the prompts
+        encoded; what `generate` would fail with raises, in its order."""
+        asked = argparse.Namespace(decoder=request.decoder, model=self.serving.model, adapter=self.serving.adapter)
+        name, knobs = chosen_decoder(asked, dict(request.options), DEFAULT_DECODER)
+        decoder = build_decoder(name, **knobs)
+        if not request.prompts:
+            raise FastForwardError(NO_PROMPTS)
+        if registry.spec(name).needs_mask:
+            self.model.require_mask_token(name)
+        encoded = [self.model.encode_prompt(p, chat_template=request.chat_template) for p in request.prompts]
+        return name, decoder, encoded
 
     async def decode(self, jobs: list[Job], relays: list, left: asyncio.Future, writer: asyncio.StreamWriter) -> bool:
         """Run a batch's jobs, relaying their events; False when it ended early (an error, or the client
@@ -157,7 +153,7 @@ class LocalServer:
         try:
             for job in jobs:
                 self.engine.submit(job)
-        except (QueueFull, RuntimeError) as exc:  # full, or shutting down
+        except RuntimeError as exc:  # its queue full, or shutting down
             for job in jobs:
                 self.engine.cancel(job)
             await _write(writer, {"error": f"the engine cannot take the request now: {exc}"})
@@ -171,22 +167,18 @@ class LocalServer:
         relaying.cancel()
         raise _ClientLeft
 
-    async def relay(
-        self, index: int, prompt: str, job: Job, writer: asyncio.StreamWriter, decoder: str, args: argparse.Namespace
-    ) -> bool:
-        """One prompt's events to the client: its text deltas, then its report. False on a decoding error."""
+    async def relay(self, index: int, job: Job, writer: asyncio.StreamWriter, decoder: str, request: Request) -> bool:
+        """One prompt's report to the client, once its row ends. False on a decoding error."""
         while True:
             event = await job.events.get()
             if event.error is not None:
                 await _write(writer, {"error": event.error})
                 return False
-            if event.delta:
-                await _write(writer, {"prompt": index, "delta": event.delta})
             if event.finish_reason is not None:
                 gen = event.generation
-                assert gen is not None  # a job without stop strings ends with its row's generation
-                report = {"record": record(prompt, decoder, gen), "summary": summary(decoder, gen)}
-                await _write(writer, {"prompt": index, **report, "warning": warning(gen, args.max_new_tokens)})
+                assert gen is not None  # a job that ends without an error ends with its generation
+                report = {"record": record(request.prompts[index], decoder, gen), "summary": summary(decoder, gen)}
+                await _write(writer, {"prompt": index, **report, "warning": warning(gen, request.max_new_tokens)})
                 return True
 
 
@@ -204,17 +196,24 @@ def _stop_loading(signum: int, frame: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The engine in this process, until SIGTERM or SIGINT; its folder holds its lock, state and socket."""
-    serving = serves(args, os.getcwd())
+    """The engine in this process (`engine run`'s flags, resolved), until SIGTERM or SIGINT; its folder
+    holds its lock, state and socket."""
+    serving = Serves.of(args, os.getcwd())
     folder = EngineFolder.of(serving)
     lock = folder.claim()
     os.umask(0o077)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop_loading)
-    state = {"pid": os.getpid(), "serves": serving, "log": str(folder.log), "started": time.time()}
+    state = {
+        "pid": os.getpid(),
+        "serves": serving.as_json(),
+        "flags": generate_flags().as_json(),
+        "log": str(folder.log),
+        "started": time.time(),
+    }
     try:
         folder.write_state({**state, "state": "loading"})
-        print(f"fastforward engine: loading {describe(serving)} (pid {os.getpid()})", flush=True)
+        print(f"fastforward engine: loading {serving.describe()} (pid {os.getpid()})", flush=True)
         # Warmed up too, with the decoder a `generate` of this model gets by default (the warm-up adds the
         # kinds of step of ar and jacobi): the first forwards of a process are slow (eager steps too), and
         # "ready" promises a quick answer.

@@ -1,14 +1,13 @@
-"""Where the warm local engines live and whether each one is alive: free of torch, so that `fastforward
+"""Where the warm engines live and whether each one is alive: free of torch, so that `fastforward
 engine status` and `generate`'s client answer in a blink.
 
-Each engine has a folder `$FASTFORWARD_HOME/engines/<key>` (owner-only), named by what it serves (model,
-precision, device: `engine_key`), so engines of different models or precisions coexist and a second
-engine of the same is refused. In it: `lock`, held (flock) by the engine process for its whole life, so a
-killed engine is known at once, whatever became of its pid; `state.json`, what it serves and whether it
-is "loading" or "ready"; `socket`, the unix socket it answers on once ready (owner-only); `engine.log`.
-A folder whose lock nobody holds is stale: its socket and state are removed on sight (the log stays).
-
-The protocol on the socket is JSON lines, one request per connection (`fastforward.cli.engine_server`).
+Each engine has a folder `$FASTFORWARD_HOME/engines/<key>` (owner-only), named by what it serves
+(`Serves.key`), so engines of different models or precisions coexist and a second engine of the same
+is refused. In it: `lock`, held (flock) by the engine process for its whole life, so a killed engine is
+known at once, whatever became of its pid; `state.json`, what it serves, whether it is "loading" or
+"ready", and `generate`'s flags (`fastforward.warm.flags`); `socket`, the unix socket it answers on once
+ready (owner-only); `engine.log`. A folder whose lock nobody holds is stale: its socket and state are
+removed on sight (the log stays).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import socket
@@ -28,49 +26,24 @@ from typing import Any
 
 from fastforward.errors import FastForwardError
 from fastforward.home import fastforward_home
+from fastforward.warm.protocol import messages, send
+from fastforward.warm.spec import Serves
 
 SOCKET_PATH_BYTES = 107  # the longest unix socket path Linux takes (sun_path, less its NUL)
-# The precision fields that change what a model answers: compile and CUDA graphs change only how fast.
 CLAIM_TRIES = 40  # 50 ms apart: a status check holds the lock for microseconds
-TOKEN_FIELDS = ("dtype", "quantize", "exact", "attention", "adapter")
 
 
 def root() -> Path:
     return fastforward_home() / "engines"
 
 
-def model_name(name_or_path: str | None, cwd: str) -> str | None:
-    """A --model or --adapter as an engine compares it: a path that exists, absolute; else the name (a preset)."""
-    if name_or_path is None:
-        return None
-    path = Path(cwd, name_or_path)
-    return str(path.resolve()) if path.exists() else name_or_path
-
-
-def serves(args: Any, cwd: str) -> dict[str, Any]:
-    """What a command's parsed flags ask an engine to serve (its precision flags resolved): the model, the
-    precision fields that change tokens, the device. `engine start` and a `generate` request compare so."""
-    asked = {name: getattr(args, name) for name in TOKEN_FIELDS}
-    asked["adapter"] = model_name(asked["adapter"], cwd)
-    return {"model": model_name(args.model, cwd), **asked, "device": args.device or "cpu"}
-
-
-def describe(serving: dict[str, Any]) -> str:
-    """One line of what an engine serves, e.g. `smollm2-135m (float32, int4, exact, sdpa) on cpu`."""
-    exact = "exact" if serving["exact"] else "not exact"
-    adapter = f", adapter {serving['adapter']}" if serving["adapter"] else ""
-    fields = f"{serving['dtype']}, {serving['quantize']}, {exact}, {serving['attention']}{adapter}"
-    return f"{serving['model']} ({fields}) on {serving['device']}"
-
-
-def engine_key(serves: dict[str, Any]) -> str:
-    """The folder name of an engine serving `serves` (model, token precision, device)."""
-    return hashlib.sha256(json.dumps(serves, sort_keys=True).encode()).hexdigest()[:12]
-
-
 @dataclass(frozen=True)
 class EngineFolder:
     path: Path
+
+    @property
+    def key(self) -> str:
+        return self.path.name
 
     @property
     def socket(self) -> Path:
@@ -85,9 +58,9 @@ class EngineFolder:
         return self.path / "engine.log"
 
     @classmethod
-    def of(cls, serves: dict[str, Any]) -> EngineFolder:
+    def of(cls, serves: Serves) -> EngineFolder:
         """The folder of the engine that serves `serves`, made owner-only; its socket path checked."""
-        folder = cls(root() / engine_key(serves))
+        folder = cls(root() / serves.key)
         folder.path.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(root(), 0o700)
         os.chmod(folder.path, 0o700)
@@ -179,17 +152,6 @@ def connect(folder: EngineFolder, timeout: float | None = None) -> socket.socket
     return sock
 
 
-def send(sock: socket.socket, message: dict[str, Any]) -> None:
-    sock.sendall(json.dumps(message).encode() + b"\n")
-
-
-def messages(sock: socket.socket) -> Iterator[dict[str, Any]]:
-    """The JSON lines a connection receives, until it closes."""
-    with sock.makefile("rb") as lines:
-        for line in lines:
-            yield json.loads(line)
-
-
 def ask(folder: EngineFolder, message: dict[str, Any], timeout: float = 5.0) -> dict[str, Any] | None:
     """One request, one answer (None: the engine does not answer)."""
     sock = connect(folder, timeout)
@@ -199,5 +161,5 @@ def ask(folder: EngineFolder, message: dict[str, Any], timeout: float = 5.0) -> 
         try:
             send(sock, message)
             return next(messages(sock), None)
-        except OSError:
+        except (OSError, ValueError):
             return None
