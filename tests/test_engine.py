@@ -142,6 +142,7 @@ ARGVS = [
     ["--device", "cuda", "--no-exact", "--temperature", "0.5", "--json", "x"],  # a GPU's precision defaults
     ["--first-token-from-ntp", "--decoder", "sbd", "--max-new", "3", "--adapter", "a", "p"],
     ["--static", "--threads", "2", "--dtype", "bfloat16", "--batch-size", "2", "q", "r"],
+    ["--stop", "\n\n", "--stop=###", "s"],  # repeated --stop
 ]
 
 

@@ -22,12 +22,14 @@ TYPES = {"int": int, "float": float, "str": str, "positive_int": positive_int}
 KINDS = {
     argparse._HelpAction: "help",
     argparse._StoreAction: "store",
+    argparse._AppendAction: "append",
     argparse._StoreTrueAction: "store_true",
     argparse.BooleanOptionalAction: "boolean",
 }
 ACTIONS = {
     "help": "store_true",
     "store": "store",
+    "append": "append",
     "store_true": "store_true",
     "boolean": argparse.BooleanOptionalAction,
 }
@@ -68,7 +70,7 @@ class GenerateFlags:
         for a in self.actions:
             default = argparse.SUPPRESS if a["suppressed"] else a["default"]
             options: dict[str, Any] = {"action": ACTIONS[a["kind"]], "default": default}
-            if a["kind"] == "store":
+            if a["kind"] in ("store", "append"):
                 options.update(nargs=a["nargs"], type=a["type"] and TYPES[a["type"]], choices=a["choices"])
             if a["flags"]:
                 p.add_argument(*a["flags"][:1] if a["kind"] == "boolean" else a["flags"], dest=a["dest"], **options)
