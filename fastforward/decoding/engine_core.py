@@ -16,7 +16,9 @@ outputs`, `abort`. A step is
 
 A batch is one `Session` (`fastforward.decoding.runtime`): the rows of one decoder setting
 (`Decoder.batch_key`) and their cache. A request's row (`Row`) has its one status; the core keeps
-nothing beside the rows and the queue. Decoders keep `begin` and `step` and never loop.
+nothing beside the rows and the queue. Decoders keep `begin` and `step` and never loop. (Trajectory
+collection, `training.trajectories.rollout`, drives one session's `begin` and `step` itself: it records
+each row's drafts before every forward, which a core step, admission and forward in one, does not show.)
 
 `isolate_failures`: a failure inside a batch's prefill or step ends only that batch's requests, each
 with an error output (the server goes on); off (in-process `generate`), the error is raised.
@@ -28,7 +30,7 @@ import itertools
 import sys
 import time
 from collections import deque
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import KW_ONLY, dataclass, field
 from functools import cached_property
@@ -87,7 +89,7 @@ class Request:
             return p
         return Prompt(list(p), seed=self.seed, sampler=self.decoder.sampler, ignore_eos=self.ignore_eos)
 
-    def result(self, decode) -> Generation:
+    def result(self, decode: Callable[[list[int]], str]) -> Generation:
         """Its generation: the finished one, else what its row has so far ("interrupted"; nothing before
         it was admitted)."""
         if self.generation is not None:
