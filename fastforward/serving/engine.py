@@ -83,7 +83,8 @@ class Engine:
     ):
         self.model = model
         limits = scheduler.Limits(max_batch_size, max_batch_tokens, max_prefill_tokens)
-        self.core = EngineCore(model, limits, max_step_tokens, isolate_failures=True)
+        # finished rows leave at a quarter of a batch: measured faster than at once for a server (engine_core)
+        self.core = EngineCore(model, limits, max_step_tokens, isolate_failures=True, leave_share=0.25)
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self._inbox: list[Job] = []  # jobs submitted since the worker last took them into the core
