@@ -46,12 +46,15 @@ class LowRank:
     @staticmethod
     def side_by_side(updates: list[LowRank | None], widths: list[int]) -> LowRank:
         """The update of layers that read one input, fused into one of `widths` outputs (`fastforward.cpu.fusion`):
-        their first factors stacked, their second ones block-diagonal (None: a layer without an update)."""
-        kept = [u for u in updates if u is not None]
+        their first factors stacked, each padded to whole groups (`padded`), so that each layer's part of
+        A·x is quantized in blocks of its own, as it would be apart (the same bits); their second ones
+        block-diagonal (None: a layer without an update)."""
+        padded = [None if u is None else u.padded() for u in updates]
+        kept = [u for u in padded if u is not None]
         rank, at = sum(u.down.shape[0] for u in kept), 0
         up = torch.zeros(sum(widths), rank)
         row = 0
-        for update, width in zip(updates, widths, strict=True):
+        for update, width in zip(padded, widths, strict=True):
             if update is not None:
                 r = update.down.shape[0]
                 up[row : row + width, at : at + r] = update.up
