@@ -14,10 +14,11 @@ so a token's result still does not depend on what shares its forward (`--exact`)
 
 Where both products take the native int4 kernel, `W4A8LowRankLinear` makes them one call
 (`fastforward::w4a8_lowrank`), which gives the two calls' bits (float32 inputs). The second call, the
-slice and the addition had made an adapted SmolLM2-135M decode at 0.68-0.85 times the base's tokens/s;
-and B read on its own cost far more than its bytes (a tenth of W's time for a twentieth of its
-groups), so each tile of outputs keeps B's groups right after W's, and only those it reads (a fused
-group's B is block-diagonal).
+slice and the addition had made an adapted SmolLM2-135M decode at 0.68-0.85 times the base's tokens/s.
+B read apart from W also cost far more than its bytes (a 576 x 32 B a quarter of the time of the
+576 x 576 W it updates, both read from memory; 1 thread, AVX2), so each tile of outputs keeps B's
+groups right after W's, read in one stream, and only those it reads (a fused group's B is
+block-diagonal).
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@ from fastforward.errors import FastForwardError
 GROUP = 32  # inputs per scale, in weights and activations alike
 TILE = native.TILE  # output columns per kernel register: out_features must be a multiple
 _KERNEL = torch.ops.fastforward.w4a8_linear.default  # the overload itself: no lookup per call
-GROUP_BYTES = TILE * GROUP // 2  # the codes of one tile and one group
 
 
 def fits(in_features: int, out_features: int) -> bool:
