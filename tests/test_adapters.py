@@ -10,12 +10,14 @@ from peft import LoraConfig, get_peft_model
 
 from fastforward.api import build_decoder
 from fastforward.cli import main
+from fastforward.cpu import native
 from fastforward.cpu.fusion import FusedMember
-from fastforward.cpu.low_rank import LowRankLinear
+from fastforward.cpu.low_rank import LowRankLinear, W4A8LowRankLinear
 from fastforward.errors import FastForwardError
 from fastforward.model import Layout, Model, load_model, visibility
 from fastforward.model.adapters import ADAPTER_CONFIG, PROVENANCE
 from fastforward.model.flatten import flatten
+from fastforward.model.precision import Precision
 from fastforward.model.tiny import tiny_model
 from fastforward.training.data import PackedData, encode_record
 from fastforward.training.objectives import NTP, SBD
@@ -244,10 +246,15 @@ def beside(module):
     return module.group.fused if isinstance(module, FusedMember) else module
 
 
-def test_an_adapter_beside_int4_weights_is_lossless_and_kept_in_the_store(base, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernel", ["native", "pytorch"])
+def test_an_adapter_beside_int4_weights_is_lossless_and_kept_in_the_store(base, tmp_path, monkeypatch, kernel):
     """Row-invariant with the adapter kept apart: jacobi and lookup give ar's tokens at int4 --exact; the
-    quantized store gives back the same model; a chain of two adapters keeps both updates side by side."""
+    quantized store gives back the same model; a chain of two adapters keeps both updates side by side.
+    On the native int4 kernel each projection and its update are one call; on PyTorch's, two layers."""
+    if kernel == "native" and not native.available():
+        pytest.skip("needs the native kernels")
     monkeypatch.setenv("FASTFORWARD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("FASTFORWARD_INT4_KERNEL", kernel)
     grid = on_int4_grid(base, tmp_path / "grid")
     small_adapter(grid, tmp_path / "one")
     load_model(str(grid), adapter=str(tmp_path / "one")).save(tmp_path / "one-merged")
@@ -255,7 +262,8 @@ def test_an_adapter_beside_int4_weights_is_lossless_and_kept_in_the_store(base, 
     (tmp_path / "two" / PROVENANCE).write_text(json.dumps({"base": str(tmp_path / "one")}))
     model = load_model(str(tmp_path / "two"), quantize="int4", exact=True)
     projections = [m for n, m in model.hf.named_modules() if n.endswith("_proj")]
-    assert len(projections) == 2 * 7 and all(isinstance(beside(m), LowRankLinear) for m in projections)
+    kind = W4A8LowRankLinear if kernel == "native" else LowRankLinear
+    assert len(projections) == 2 * 7 and all(isinstance(beside(m), kind) for m in projections)
     error = (logits(model) - logits(load_model(str(tmp_path / "two")))).abs().mean()
     base_error = (logits(load_model(str(grid), quantize="int4", exact=True)) - logits(load_model(str(grid)))).abs()
     assert error < 1.5 * base_error.mean()  # both updates kept (the first left out: 2.5 times the base's error here)
@@ -266,6 +274,26 @@ def test_an_adapter_beside_int4_weights_is_lossless_and_kept_in_the_store(base, 
     for name, options in (("jacobi", {"block_size": 8}), ("lookup", {})):
         out = build_decoder(name, **options).generate(model, prompts, 24)
         assert [g.token_ids for g in out] == [g.token_ids for g in ar], name
+
+
+@pytest.mark.skipif(not native.available(), reason="fused int4 layers need the native kernel")
+def test_fused_adapted_projections_give_the_bits_of_separate_ones_and_trace_whole(base, tmp_path, monkeypatch):
+    """Where projections that read one input are fused (compiled steps), an adapted group is one call of
+    the native kernel with its updates side by side: the same logits as each projection apart (eager),
+    and a graph without a break."""
+    monkeypatch.setenv("FASTFORWARD_HOME", str(tmp_path / "home"))
+    grid = on_int4_grid(base, tmp_path / "grid")
+    small_adapter(grid, tmp_path / "adapter")
+    apart = load_model(str(grid), quantize="int4", adapter=str(tmp_path / "adapter"))
+    monkeypatch.setattr(Precision, "fuse", property(lambda precision: True))
+    fused = load_model(str(grid), quantize="int4", adapter=str(tmp_path / "adapter"))
+    members = [m for m in fused.hf.modules() if isinstance(m, FusedMember)]
+    assert len({id(m.group) for m in members}) == 2 * 2  # query, key, value; gate, up: in each of 2 layers
+    assert all(isinstance(beside(m), W4A8LowRankLinear) for m in members)
+    ids = (5, 17, 42, 9, 3, 88, 120, 7, 61, 200, 33, 14)
+    assert torch.equal(logits(fused, ids), logits(apart, ids))
+    explanation = torch._dynamo.explain(fused.hf)(input_ids=torch.tensor([[3, 4, 5]]))  # not --exact: its hf breaks
+    assert explanation.graph_break_count == 0
 
 
 def test_a_chain_of_adapters_flattens_into_one_that_gives_the_same_model(base, tmp_path):

@@ -93,12 +93,14 @@ def test_fused_projections_run_once_per_step(compiled, cached_step):
     assert calls == len(kernels)
 
 
-def test_repeated_kernel_calls_are_merged_and_others_kept():
+@pytest.mark.parametrize("low_rank", [False, True])
+def test_repeated_kernel_calls_are_merged_and_others_kept(low_rank):
     graph = torch.fx.Graph()
-    x, y, codes, scales = (graph.placeholder(name) for name in ("x", "y", "codes", "scales"))
+    x, y, codes, scales, groups = (graph.placeholder(name) for name in ("x", "y", "codes", "scales", "groups"))
     view = torch.ops.aten.view.default
-    kernel = torch.ops.fastforward.w4a8_linear.default
-    calls = [graph.call_function(kernel, (graph.call_function(view, (t, [-1, 32])), codes, scales)) for t in (x, x, y)]
+    kernel = torch.ops.fastforward.w4a8_lowrank.default if low_rank else torch.ops.fastforward.w4a8_linear.default
+    weights = (codes, scales, groups, 32) if low_rank else (codes, scales)  # an adapted layer's: with its update
+    calls = [graph.call_function(kernel, (graph.call_function(view, (t, [-1, 32])), *weights)) for t in (x, x, y)]
     graph.output(tuple(calls))
     MergeRepeatedCalls()(graph)
     kept = [node for node in graph.nodes if node.target is kernel]

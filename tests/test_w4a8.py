@@ -1,5 +1,6 @@
 """The native int4 x int8 kernel (fastforward.cpu.w4a8): its bits recomputed in PyTorch, its packing, its fallbacks."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import torch
 
 from fastforward.cpu import native, w4a8
 from fastforward.cpu import quantize as quantization
+from fastforward.cpu.low_rank import LowRank, LowRankLinear, W4A8LowRankLinear
 from fastforward.cpu.quantize import Int4Linear, quantize
 from fastforward.model.tiny import tiny_model
 
@@ -71,6 +73,46 @@ def test_layer_takes_any_layout_and_dtype_of_its_input():
     y = bare(half)
     expected = kernel(rows, bare.codes, bare.scales).bfloat16().reshape(2, 3, 32)
     assert y.dtype == torch.bfloat16 and torch.equal(y, expected)
+
+
+@needs_native
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_low_rank_update_in_one_call_gives_the_bits_of_two_calls(bias):
+    """W·x + B·(A·x) by one call (`fastforward::w4a8_lowrank`) against the unfused path: the layer of W's and
+    A's rows, B's layer, a slice and an addition. The same bits at every row count, each row alone as in a
+    block; here a fused group's update, whose B is block-diagonal and whose zero groups the call skips."""
+    torch.manual_seed(0)
+    updates = [  # ranks 8 and 40 (padded to 32 and 64 apart), none, 32: the group's rank is 128
+        LowRank(torch.randn(8, 96) * 0.1, torch.randn(48, 8) * 0.1),
+        LowRank(torch.randn(40, 96) * 0.1, torch.randn(32, 40) * 0.1),
+        None,
+        LowRank(torch.randn(32, 96) * 0.1, torch.randn(16, 32) * 0.1),
+    ]
+    update = LowRank.side_by_side(updates, [48, 32, 16, 16])
+    linear = torch.nn.Linear(96, 112, bias=bias)
+    layer = functools.partial(quantization._quantized, scheme="int4", smoothing=None, dense=False)
+    one, two = W4A8LowRankLinear(linear, update), LowRankLinear(linear, update, layer, layer)
+    assert one.up_groups.tolist() == [[0, 1]] * 3 + [[1, 3]] * 2 + [[0, 0]] + [[3, 4]]  # B's groups each tile reads
+    assert isinstance(two.stacked, w4a8.W4A8Linear) and isinstance(two.up, w4a8.W4A8Linear)
+    for rows in (1, 2, 5, 19):  # 19: every row-count path of the kernel
+        x = torch.randn(rows, 96)
+        y = one(x)
+        assert torch.equal(y, two(x))
+        assert all(torch.equal(one(x[r : r + 1]), y[r : r + 1]) for r in range(rows))
+    x = torch.randn(2, 3, 96).bfloat16()  # other dtypes: computed in float32, rounded once at the end
+    assert one(x).dtype == torch.bfloat16 and torch.equal(one(x), one(x.float()).bfloat16())
+
+
+@needs_native
+def test_the_low_rank_kernel_refuses_weights_that_do_not_match():
+    update = LowRank(torch.randn(32, 64), torch.randn(32, 32))
+    layer = W4A8LowRankLinear(torch.nn.Linear(64, 32, bias=False), update)
+    kernel, x = torch.ops.fastforward.w4a8_lowrank, torch.randn(1, 64)
+    beyond = torch.tensor([[0, 2], [0, 1]], dtype=torch.int32)  # a rank of 32 has one group
+    with pytest.raises(RuntimeError, match="up_groups out of range"):
+        kernel(x, layer.codes, layer.scales, beyond, 32)
+    with pytest.raises(RuntimeError, match="do not match"):
+        kernel(x, layer.codes[:-1], layer.scales, layer.up_groups, 32)
 
 
 def test_pack_keeps_codes_that_dequantize_close_to_the_weights():

@@ -389,7 +389,7 @@ def _buffers(layer: Any) -> list[torch.Tensor]:
 
 
 class MergeRepeatedCalls(CustomGraphPass):
-    """Repeated calls of the native int4 kernel on one input, and the views leading to them, made once.
+    """Repeated calls of the native int4 kernels on one input, and the views leading to them, made once.
 
     A fused layer (`fastforward.cpu.fusion`) is called by each of its members, so a traced step calls its
     kernel two or three times on the very same tensors. Inductor does not merge calls of a custom
@@ -403,6 +403,7 @@ class MergeRepeatedCalls(CustomGraphPass):
             torch.ops.aten.reshape.default,
             torch.ops.aten._unsafe_view.default,
             torch.ops.fastforward.w4a8_linear.default,
+            torch.ops.fastforward.w4a8_lowrank.default,
         }
         first: dict[tuple, torch.fx.Node] = {}
         for node in list(graph.nodes):

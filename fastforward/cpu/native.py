@@ -1,9 +1,11 @@
 """fastforward's own CPU kernels (`csrc/`), compiled once per machine, for x86 CPUs with AVX2 or AVX-512.
 
-Two operators, both computing each row (a token) with the same instructions whatever else shares the
+Three operators, each computing each row (a token) with the same instructions whatever else shares the
 call, which is what makes a block's logits the same bits as its tokens' 1-token logits:
 
 - `fastforward::w4a8_linear`: int4 weights times int8 activations (`w4a8.W4A8Linear`);
+- `fastforward::w4a8_lowrank`: the same with a low-rank update beside the weights, W·x + B·(A·x) in one
+  call (`low_rank.W4A8LowRankLinear`);
 - `fastforward::exact_attention`: attention of each query over its own visible keys, in key order
   (`attention.row_invariant_attention`, the `--exact` path).
 
@@ -209,6 +211,7 @@ def _build_directory(isa: str) -> Path:
 # The schemas and their shape functions live here; csrc/ registers the CPU kernels once built.
 library = torch.library.Library("fastforward", "FRAGMENT")
 library.define("w4a8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor")
+library.define("w4a8_lowrank(Tensor x, Tensor codes, Tensor scales, Tensor up_groups, int rank) -> Tensor")
 library.define("exact_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor")
 
 TILE = 16  # output columns per w4a8 kernel tile
@@ -217,6 +220,11 @@ TILE = 16  # output columns per w4a8 kernel tile
 @torch.library.register_fake("fastforward::w4a8_linear", lib=library)
 def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], codes.shape[0] * TILE)
+
+
+@torch.library.register_fake("fastforward::w4a8_lowrank", lib=library)
+def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, up_groups: torch.Tensor, rank: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], up_groups.shape[0] * TILE)
 
 
 @torch.library.register_fake("fastforward::exact_attention", lib=library)

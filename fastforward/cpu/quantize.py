@@ -38,14 +38,14 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from fastforward.cpu import fusion, padded_prefill, smoothing, w4a8
-from fastforward.cpu.low_rank import LowRank, LowRankLinear
+from fastforward.cpu.low_rank import LowRank, LowRankLinear, W4A8LowRankLinear
 from fastforward.errors import FastForwardError
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -166,6 +166,16 @@ def _quantized(linear: nn.Linear, scheme: str, smoothing: torch.Tensor | None, d
     return w4a8.W4A8Linear(linear) if kind is w4a8.W4A8Linear else Int4Linear(linear, dense)
 
 
+def _beside(linear: nn.Linear, update: LowRank, scheme: str, quantized: Callable, quantized_up: Callable) -> nn.Module:
+    """`linear` quantized with `update` kept beside it (`fastforward.cpu.low_rank`): one native call where
+    both its products take the native int4 kernel, else a `LowRankLinear` of the scheme's layers."""
+    rank = update.padded().down.shape[0]
+    kinds = {_kind(linear.in_features, linear.out_features + rank, scheme), _kind(rank, linear.out_features, scheme)}
+    if kinds == {w4a8.W4A8Linear}:
+        return W4A8LowRankLinear(linear, update)
+    return LowRankLinear(linear, update, quantized, quantized_up)
+
+
 def _fusable(layers: list[nn.Linear], scheme: str) -> bool:
     """Whether layers that read one input may run as one: where they and their concatenation get
     the same kernel (so the same bits), int8 or the native int4 one. PyTorch's int4 kernel measured
@@ -218,19 +228,18 @@ def quantize(
     _untie_output(hf)
     if not uses_int8(hf, scheme):  # int4 throughout: nothing to smooth
         calibration = None
-    groups = fusion.shared_input_groups(hf) if calibration or fuse or low_rank else []
+    groups = fusion.shared_input_groups(hf) if calibration or fuse else []
     factors = smoothing.smoothing_factors(hf, groups, calibration) if calibration else {}
     # an update's second factor reads the first's output: no smoothing, no bfloat16 copy
     up = functools.partial(_quantized, scheme=scheme, smoothing=None, dense=False)
     for members in groups:
         layers = [hf.get_submodule(name) for name in members]
-        adapted = not low_rank.keys().isdisjoint(members)
-        if not (fuse or adapted) or not _fusable(layers, scheme):
+        if not fuse or not _fusable(layers, scheme):
             continue
         build = functools.partial(_quantized, scheme=scheme, smoothing=factors.get(members[0]), dense=False)
-        if adapted:  # one call for the group's weights and updates, one for the updates' second factors
+        if not low_rank.keys().isdisjoint(members):  # the group's weights and updates as one layer (`_beside`)
             update = LowRank.side_by_side([low_rank.get(name) for name in members], [m.out_features for m in layers])
-            build = functools.partial(LowRankLinear, update=update, quantized=build, quantized_up=up)
+            build = functools.partial(_beside, update=update, scheme=scheme, quantized=build, quantized_up=up)
         fusion.fuse(hf, members, build)
     # The output layer reads a prefill's last rows only: its bfloat16 copy would sit unused.
     output, native = hf.get_output_embeddings(), native_bfloat16()
@@ -239,7 +248,7 @@ def quantize(
             parent, _, attribute = name.rpartition(".")
             build = functools.partial(_quantized, scheme=scheme, smoothing=factors.get(name))
             if name in low_rank:
-                layer = LowRankLinear(module, low_rank[name], functools.partial(build, dense=native), up)
+                layer = _beside(module, low_rank[name], scheme, functools.partial(build, dense=native), up)
             else:
                 layer = build(module, dense=native and module is not output)
             setattr(hf.get_submodule(parent), attribute, layer)

@@ -64,6 +64,33 @@ def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return packed, scales, codes.reshape(out_features, in_features)
 
 
+def pack_low_rank(
+    weight: torch.Tensor, down: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scales, B's groups read per tile) of W·x + B·(A·x) for `fastforward::w4a8_lowrank`, with W =
+    weight, A = down, B = up (its input width, the rank, in whole groups): A's tiles, then each tile of
+    outputs' groups of W followed by those of B it reads (`groups_read`), all packed as `pack` packs them."""
+    (a_codes, a_scales, _), (w_codes, w_scales, _), (b_codes, b_scales, _) = pack(down), pack(weight), pack(up)
+    tiles, groups, rank_groups = w_scales.shape[0], w_scales.shape[1], b_scales.shape[1]
+    read = groups_read(b_scales)
+    index = torch.arange(rank_groups)
+    kept = torch.cat([torch.ones(tiles, groups, dtype=torch.bool), (index >= read[:, :1]) & (index < read[:, 1:])], 1)
+    codes = torch.cat([w_codes.reshape(tiles, groups, -1), b_codes.reshape(tiles, rank_groups, -1)], 1)[kept]
+    scales = torch.cat([w_scales, b_scales], 1)[kept]
+    return torch.cat([a_codes.flatten(), codes.flatten()]), torch.cat([a_scales.flatten(), scales.flatten()]), read
+
+
+def groups_read(scales: torch.Tensor) -> torch.Tensor:
+    """For packed `scales` [tiles, groups, 32], each tile's first group and the end past its last with a scale
+    or minimum other than zero, int32 [tiles, 2] ((0, 0): none): the groups a product by these weights must
+    read, the others' weights all being zero."""
+    read = (scales != 0).any(-1)
+    groups = torch.arange(read.shape[1])
+    first = torch.where(read, groups, read.shape[1]).amin(-1)
+    end = torch.where(read, groups + 1, 0).amax(-1)
+    return torch.stack([first.clamp_max(end), end], dim=-1).to(torch.int32).contiguous()
+
+
 def _by_tile(per_group: torch.Tensor) -> torch.Tensor:
     """[out, groups] -> [tiles, groups, 16]: each tile's 16 columns side by side."""
     return per_group.reshape(-1, TILE, per_group.shape[1]).transpose(1, 2)

@@ -64,8 +64,9 @@ constexpr int MAX_ROWS = 8;
 template <int R>
 constexpr int CHAINS = R >= 4 ? 1 : 4 / R;
 
-// R rows times one tile: each group's codes are unpacked once and used for every row.
-template <int R>
+// R rows times one tile: each group's codes are unpacked once and used for every row. ADD: the
+// products are added to what y holds (one float addition per output) instead of replacing it.
+template <int R, bool ADD>
 void tile_rows(const uint8_t* codes, const uint16_t* scales, int64_t groups, const int8_t* q, const float* d,
                const float* dsum, int64_t k, float* y, int64_t n) {
   __m512 acc[R];
@@ -100,7 +101,8 @@ void tile_rows(const uint8_t* codes, const uint16_t* scales, int64_t groups, con
       acc[r] = _mm512_add_ps(acc[r], _mm512_add_ps(u, v));
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, acc[r]);
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(y + r * n, ADD ? _mm512_add_ps(_mm512_loadu_ps(y + r * n), acc[r]) : acc[r]);
 }
 
 #else  // AVX2
@@ -109,8 +111,8 @@ constexpr int MAX_ROWS = 4;  // sixteen registers: 8 of codes, R sums and the re
 
 // R rows times one tile, one half of 8 columns after the other (a tile's codes stay in L1 between
 // them). Products of codes and activations are summed in pairs by VPMADDUBSW into 16 bits, which
-// cannot overflow (8 x 2 x 15 x 127 < 32768), then widened by VPMADDWD against ones.
-template <int R>
+// cannot overflow (8 x 2 x 15 x 127 < 32768), then widened by VPMADDWD against ones. ADD: as above.
+template <int R, bool ADD>
 void tile_rows(const uint8_t* codes, const uint16_t* scales, int64_t groups, const int8_t* q, const float* d,
                const float* dsum, int64_t k, float* y, int64_t n) {
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -142,55 +144,161 @@ void tile_rows(const uint8_t* codes, const uint16_t* scales, int64_t groups, con
         acc[r] = _mm256_add_ps(acc[r], _mm256_add_ps(u, v));
       }
     }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * n + 8 * half, acc[r]);
+    for (int r = 0; r < R; ++r) {
+      float* out = y + r * n + 8 * half;
+      _mm256_storeu_ps(out, ADD ? _mm256_add_ps(_mm256_loadu_ps(out), acc[r]) : acc[r]);
+    }
   }
 }
 
 #endif
 
-// x: [..., in] of any layout and floating dtype, computed in float32; y: [..., out] in x's dtype. The
-// layout and dtype are handled here rather than in the layer's Python forward: an eager one-token step
-// of SmolLM2-135M makes 211 of these calls, and each Python-side view or check costs a dispatcher call.
-at::Tensor w4a8_linear(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales) {
-  TORCH_CHECK(input.dim() >= 1 && at::isFloatingType(input.scalar_type()), "x: floating point [..., in]");
+// Rows of activations quantized per block of 32 (`quantize_row`), `width` inputs a row, kept in the calling
+// thread's scratch, which only grows: a one-token step of SmolLM2-135M makes 211 calls, and its profile
+// showed the tensor allocations (docs/notes/2026-11-avx2-kernels.md).
+struct Quantized {
+  std::vector<int8_t> q;
+  std::vector<float> scales;  // every block's d, then every block's d * sum(q)
+  int64_t width = 0, blocks = 0;
+  const int8_t* rows = nullptr;
+  const float *d = nullptr, *dsum = nullptr;
+
+  void reserve(int64_t count, int64_t row_width) {
+    width = row_width, blocks = row_width / BLOCK;
+    q.resize(std::max<size_t>(q.size(), count * width));
+    scales.resize(std::max<size_t>(scales.size(), 2 * count * blocks));
+    rows = q.data(), d = scales.data(), dsum = scales.data() + count * blocks;
+  }
+
+  // Rows of k inputs at x (one after the other) into the inputs [at, at + k) of this scratch's `count` rows.
+  void fill(const float* x, int64_t count, int64_t k, int64_t at) {
+    int8_t* qp = q.data() + at;
+    float *dp = scales.data() + at / BLOCK, *sump = dp + count * blocks;
+    const int64_t stride = width, per_row = blocks;
+    at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        quantize_row(x + r * k, k / BLOCK, qp + r * stride, dp + r * per_row, sump + r * per_row);
+    });
+  }
+};
+
+// One tile's `groups` groups (codes and scales from the first of them) times the inputs from block `block`
+// on of every row of `a`, into y (ADD: added to it).
+template <bool ADD>
+void tile(const uint8_t* c, const uint16_t* s, int64_t groups, const Quantized& a, int64_t block, int64_t rows, float* y,
+          int64_t n) {
+  const int64_t k = a.width, blocks = a.blocks;
+  const int8_t* q = a.rows + block * BLOCK;
+  const float *d = a.d + block, *dsum = a.dsum + block;
+  int64_t r = 0;
+  if constexpr (MAX_ROWS >= 8)
+    for (; r + 8 <= rows; r += 8) tile_rows<8, ADD>(c, s, groups, q + r * k, d + r * blocks, dsum + r * blocks, k, y + r * n, n);
+  for (; r + 4 <= rows; r += 4) tile_rows<4, ADD>(c, s, groups, q + r * k, d + r * blocks, dsum + r * blocks, k, y + r * n, n);
+  for (; r + 2 <= rows; r += 2) tile_rows<2, ADD>(c, s, groups, q + r * k, d + r * blocks, dsum + r * blocks, k, y + r * n, n);
+  for (; r < rows; ++r) tile_rows<1, ADD>(c, s, groups, q + r * k, d + r * blocks, dsum + r * blocks, k, y + r * n, n);
+}
+
+void check_packed(const at::Tensor& codes, const at::Tensor& scales) {
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes: contiguous uint8");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous(), "scales: contiguous float16");
-  const at::Tensor x = input.scalar_type() == at::kFloat ? input.contiguous() : input.to(at::kFloat).contiguous();
-  const int64_t k = x.size(-1), rows = k > 0 ? x.numel() / k : 0, tiles = codes.size(0), n = tiles * TILE, groups = k / BLOCK;
-  TORCH_CHECK(k % BLOCK == 0 && codes.numel() == tiles * groups * GROUP_BYTES && scales.numel() == tiles * groups * 2 * TILE,
-              "codes and scales do not match an input width of ", k);
-  // The quantized rows live in the calling thread's scratch, which only grows: a one-token step of
-  // SmolLM2-135M calls this 211 times, and its profile showed the tensor allocations
-  // (docs/notes/2026-11-avx2-kernels.md).
-  thread_local std::vector<int8_t> quantized;
-  thread_local std::vector<float> block_scales;
-  quantized.resize(std::max<size_t>(quantized.size(), rows * k));
-  block_scales.resize(std::max<size_t>(block_scales.size(), 2 * rows * groups));
+}
+
+// The input as contiguous float32 rows: any layout and floating dtype is taken here rather than in the
+// layer's Python forward, where each view or check costs a dispatcher call.
+at::Tensor float_rows(const at::Tensor& input) {
+  TORCH_CHECK(input.dim() >= 1 && at::isFloatingType(input.scalar_type()), "x: floating point [..., in]");
+  return input.scalar_type() == at::kFloat ? input.contiguous() : input.to(at::kFloat).contiguous();
+}
+
+// The float32 output [..., n] of a float32 x [..., k].
+at::Tensor output_for(const at::Tensor& x, int64_t n) {
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = n;
-  at::Tensor y = at::empty(shape, x.options());
-  const float* xp = x.data_ptr<float>();
-  int8_t* qp = quantized.data();
-  float *dp = block_scales.data(), *sump = dp + rows * groups, *yp = y.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) quantize_row(xp + r * k, groups, qp + r * k, dp + r * groups, sump + r * groups);
-  });
+  return at::empty(shape, x.options());
+}
+
+// Tiles of `groups * rows` group-tiles each that a thread takes at least: MIN_WORK's worth, since waking the
+// other thread costs more than a small layer's whole product (measured: SmolLM2-135M's 576 -> 192
+// projection for one token).
+int64_t grain(int64_t groups, int64_t rows) {
+  const int64_t work = std::max<int64_t>(1, groups * rows);
+  return std::max<int64_t>(1, (MIN_WORK + work - 1) / work);
+}
+
+// x: [..., in] of any layout and floating dtype, computed in float32; y: [..., out] in x's dtype.
+at::Tensor w4a8_linear(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales) {
+  const at::Tensor x = float_rows(input);
+  const int64_t k = x.size(-1), rows = k > 0 ? x.numel() / k : 0, groups = k / BLOCK;
+  check_packed(codes, scales);
+  const int64_t tiles = codes.size(0), n = tiles * TILE;
+  TORCH_CHECK(k % BLOCK == 0 && codes.numel() == tiles * groups * GROUP_BYTES && scales.numel() == tiles * groups * 2 * TILE,
+              "codes and scales do not match an input width of ", k);
+  thread_local Quantized scratch;
+  const Quantized& activations = scratch;  // the caller's: a thread_local named in a lambda is the running thread's
+  scratch.reserve(rows, k);
+  scratch.fill(x.data_ptr<float>(), rows, k, 0);
+  at::Tensor y = output_for(x, n);
+  float* yp = y.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  // A thread takes at least MIN_WORK group-tiles: waking the other thread costs more than a small
-  // layer's whole product (measured: SmolLM2-135M's 576 -> 192 projection for one token).
-  const int64_t grain = std::max<int64_t>(1, (MIN_WORK + groups * rows - 1) / std::max<int64_t>(1, groups * rows));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tiles, grain(groups, rows), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      tile<false>(cp + t * groups * GROUP_BYTES, sp + t * groups * 2 * TILE, groups, activations, 0, rows, yp + t * TILE, n);
+  });
+  return input.scalar_type() == at::kFloat ? y : y.to(input.scalar_type());
+}
+
+// y = W x + B h with h = A x: a low-rank update beside int4 weights (fastforward/cpu/low_rank.py) in one
+// call, the same bits, for float32 inputs, as w4a8_linear of [W; A], then w4a8_linear of B on the
+// product's last `rank` columns, and their sum. h is quantized per row as that second call would, and
+// each tile of y adds B's product to W's where it was computed, so B costs no call, slice, copy or
+// addition of its own; and B's codes follow W's in each tile's stretch of the weights, which the CPU
+// reads as one stream (read on their own, B's few bytes a tile cost as much as a tenth of W's).
+//
+// codes, scales: A's rank / 16 tiles of k / 32 groups, then for each tile of y's columns W's k / 32
+// groups and B's groups [first, end) (up_groups, int32 [tiles, 2]); B's other groups are zero and left
+// out (a fused group's B is block-diagonal: `LowRank.side_by_side`), which changes no bits.
+at::Tensor w4a8_lowrank(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
+                        const at::Tensor& up_groups, int64_t rank) {
+  const at::Tensor x = float_rows(input);
+  const int64_t k = x.size(-1), rows = k > 0 ? x.numel() / k : 0, groups = k / BLOCK;
+  check_packed(codes, scales);
+  TORCH_CHECK(k % BLOCK == 0 && rank > 0 && rank % BLOCK == 0, "input width and rank: whole blocks of ", BLOCK);
+  TORCH_CHECK(up_groups.scalar_type() == at::kInt && up_groups.is_contiguous() && up_groups.dim() == 2 && up_groups.size(1) == 2,
+              "up_groups: contiguous int32 [tiles, 2]");
+  const int64_t tiles = up_groups.size(0), n = tiles * TILE, rank_blocks = rank / BLOCK;
+  const int32_t* ranges = up_groups.data_ptr<int32_t>();
+  std::vector<int64_t> start(tiles + 1);  // each tile's first group in codes
+  start[0] = rank / TILE * groups;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t first = ranges[2 * t], end = ranges[2 * t + 1];
+    TORCH_CHECK(0 <= first && first <= end && end <= rank_blocks, "up_groups out of range");
+    start[t + 1] = start[t] + groups + end - first;
+  }
+  TORCH_CHECK(codes.numel() == start[tiles] * GROUP_BYTES && scales.numel() == start[tiles] * 2 * TILE,
+              "codes and scales do not match an input width of ", k, ", a rank of ", rank, " and up_groups");
+  thread_local Quantized scratch;  // x's quantized rows, then h's beside them
+  thread_local std::vector<float> scratch_h;
+  const Quantized& inputs = scratch;  // the caller's: a thread_local named in a lambda is the running thread's
+  scratch.reserve(rows, k + rank);
+  scratch.fill(x.data_ptr<float>(), rows, k, 0);
+  scratch_h.resize(std::max<size_t>(scratch_h.size(), rows * rank));
+  float* hp = scratch_h.data();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  at::parallel_for(0, rank / TILE, grain(groups, rows), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      tile<false>(cp + t * groups * GROUP_BYTES, sp + t * groups * 2 * TILE, groups, inputs, 0, rows, hp + t * TILE, rank);
+  });
+  scratch.fill(hp, rows, rank, k);
+  at::Tensor y = output_for(x, n);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, tiles, grain(groups + rank_blocks, rows), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* c = cp + t * groups * GROUP_BYTES;
-      const uint16_t* s = sp + t * groups * 2 * TILE;
-      float* out = yp + t * TILE;
-      int64_t r = 0;
-      if constexpr (MAX_ROWS >= 8)
-        for (; r + 8 <= rows; r += 8) tile_rows<8>(c, s, groups, qp + r * k, dp + r * groups, sump + r * groups, k, out + r * n, n);
-      for (; r + 4 <= rows; r += 4) tile_rows<4>(c, s, groups, qp + r * k, dp + r * groups, sump + r * groups, k, out + r * n, n);
-      for (; r + 2 <= rows; r += 2) tile_rows<2>(c, s, groups, qp + r * k, dp + r * groups, sump + r * groups, k, out + r * n, n);
-      for (; r < rows; ++r) tile_rows<1>(c, s, groups, qp + r * k, dp + r * groups, sump + r * groups, k, out + r * n, n);
+      const int64_t g = start[t], first = ranges[2 * t], used = ranges[2 * t + 1] - first;
+      tile<false>(cp + g * GROUP_BYTES, sp + g * 2 * TILE, groups, inputs, 0, rows, yp + t * TILE, n);
+      if (used > 0)
+        tile<true>(cp + (g + groups) * GROUP_BYTES, sp + (g + groups) * 2 * TILE, used, inputs, groups + first, rows, yp + t * TILE, n);
     }
   });
   return input.scalar_type() == at::kFloat ? y : y.to(input.scalar_type());
@@ -198,5 +306,8 @@ at::Tensor w4a8_linear(const at::Tensor& input, const at::Tensor& codes, const a
 
 }  // namespace
 
-// The schema is defined in fastforward/native.py, beside its shape function for torch.compile.
-TORCH_LIBRARY_IMPL(fastforward, CPU, m) { m.impl("w4a8_linear", &w4a8_linear); }
+// The schemas are defined in fastforward/native.py, beside their shape functions for torch.compile.
+TORCH_LIBRARY_IMPL(fastforward, CPU, m) {
+  m.impl("w4a8_linear", &w4a8_linear);
+  m.impl("w4a8_lowrank", &w4a8_lowrank);
+}
