@@ -138,3 +138,23 @@ def test_bad_requests_are_refused_when_added(tiny, prompts):
         core.add_request(Request(prompts[0], build_decoder("ar"), 0))
     with pytest.raises(FastForwardError, match="no prompts given"):
         generate(tiny, build_decoder("ar"), [], 4)
+
+
+def test_every_step_runs_under_inference_mode_whoever_calls_it(tiny, prompts, monkeypatch):
+    """The server's worker calls `step` from a plain thread: autograd must be off inside (it halved the
+    server's tokens/s when it was not)."""
+    ar = build_decoder("ar")
+    seen = []
+    step = type(ar).step
+
+    def noting(self, session):
+        seen.append(torch.is_inference_mode_enabled())
+        return step(self, session)
+
+    monkeypatch.setattr(type(ar), "step", noting)
+    core = EngineCore(tiny)
+    core.add_request(Request(prompts[0], ar, 4))
+    assert not torch.is_inference_mode_enabled()
+    while core.has_work:
+        core.step()
+    assert seen and all(seen)
