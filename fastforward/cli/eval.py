@@ -23,7 +23,7 @@ from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
 from fastforward.decoding.decoders import registry
 from fastforward.demo import zoo
 from fastforward.evaluation.evaluate import AR, compare, parse_sweep, sweep_label
-from fastforward.evaluation.report import results_table, write_json, write_records
+from fastforward.evaluation.report import how_measured, results_table, write_json, write_records
 from fastforward.model import check_device, load_model, resolve_model_path
 from fastforward.tasks import get_task, parse_options
 from fastforward.training.launch import launched_processes, local_rank, reported_once, share_threads
@@ -115,8 +115,7 @@ def evaluate_command(args: argparse.Namespace, shard: tuple[int, int] = (0, 1)) 
     if shard[0] != 0:
         return 0  # process 0 reports
     ordered = [results[AR]] + [results[label] for label in decoders]
-    timed = f"; TPS and speedup: the first {args.timed} again at batch 1" if args.timed else ""
-    print(f"{task.name}: {ordered[0].n} {args.split} examples, model {args.model}, batch size {args.batch_size}{timed}")
+    print(f"{task.name} ({args.split}), model {args.model}: {how_measured(ordered)}")
     print(results_table(ordered))
     summary = {
         "model": args.model,
