@@ -164,13 +164,17 @@ def test_demo_aup_per_model_and_sweep_hand_computed():
 
 @pytest.mark.skipif(not (SHIPPED_CHECKPOINTS / "sbd").is_dir(), reason="no shipped checkpoints in this tree")
 def test_demo_evaluates_the_shipped_checkpoints(tmp_path, capsys):
-    argv = ["demo", "--n", "2", "--threads", "1", "--quiet", "--out", str(tmp_path), "--json", str(tmp_path / "t.json"),
-            "--real-n", "0"]  # fmt: skip
+    argv = ["demo", "--n", "3", "--threads", "1", "--quiet", "--out", str(tmp_path), "--json", str(tmp_path / "t.json"),
+            "--real-n", "0", "--batch-size", "2", "--timed", "1"]  # fmt: skip
     assert main(argv) == 0
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
     assert {r["model"] for r in rows} == {"NTP", "Jacobi Forcing", "SBD", "MultiTF", "SetDLM"}
     out = capsys.readouterr()
-    assert all(r["n"] == 2 for r in rows) and "provenance" not in out.err
+    assert "provenance" not in out.err
+    # every problem in batches of 2; the first one again at batch 1, which gave the same tokens (float32)
+    assert all((r["n"], r["batch_size"], r["timed_n"], r["timed_same_tokens"]) == (3, 2, 1, 1) for r in rows)
+    assert "accuracy, NFE, TPF: 3 examples at batch 2; TPS and speedup: the first 1 again at batch 1" in out.out
+    assert f"the same tokens at both batch sizes: {len(rows)} of {len(rows)} outputs" in out.out
     aups = json.loads((tmp_path / "t.json").read_text())["aup"]
     methods = {(a["model"], a["method"]) for a in aups}
     assert ("SBD", "AR") in methods and ("MultiTF", "mbd τ=0.9 (block 6 x3)") in methods
@@ -193,7 +197,8 @@ def test_the_real_model_rows_compare_each_model_with_its_own_ar_and_jacobi_is_lo
     monkeypatch.setattr(real_model, "task_options", lambda: {"max_ops": 2, "max_number": 10})
     own = {real_model.JF_PRESET: DecodingDefaults("jacobi", {"block_size": 4})}  # the base has no decoding.json
     monkeypatch.setattr(real_model, "model_decoding_defaults", own.get)
-    rows, results = real_model.evaluate_real_model(real_model.RealSettings(n=3, max_new_tokens=12), False)
+    settings = real_model.RealSettings(n=3, max_new_tokens=12, batch_size=3, timed=2)
+    rows, results = real_model.evaluate_real_model(settings, False)
     assert loaded == [(real_model.JF_PRESET, real_model.SERVED), (real_model.BASE, real_model.SERVED)]
     jf, base = real_model.LABELS[real_model.JF_PRESET], real_model.LABELS[real_model.BASE]
     assert [(r["model"], r["decoder"]) for r in rows] == [
@@ -201,6 +206,7 @@ def test_the_real_model_rows_compare_each_model_with_its_own_ar_and_jacobi_is_lo
     ]  # fmt: skip
     assert all(r["n"] == 3 for r in rows) and {r.label for r in results} == {"ar", "jacobi --block-size 4", "lookup"}
     assert all(r["agree_exact"] == 100.0 for r in rows if r["decoder"] != "AR")  # lossless: AR's tokens
+    assert all((r["batch_size"], r["timed_n"], r["timed_same_tokens"]) == (3, 2, 2) for r in rows)  # --exact
 
 
 def test_the_demo_says_why_it_leaves_the_real_model_rows_out(monkeypatch):

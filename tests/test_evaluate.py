@@ -121,6 +121,57 @@ def test_python_api_figures(model_dir, task_file):
     assert set(both) == {"ar", "a"}
 
 
+def test_a_batched_pass_for_quality_and_a_timed_pass_at_batch_1(model_dir, task_file, tmp_path, monkeypatch):
+    """compare(batch_size=4, timed=2) at the demo's precision (float32): every example's tokens, accuracy,
+    NFE and TPF at batch 4 equal batch 1's for AR and a lossless decoder; TPS and speedup come from the first
+    two examples again, one at a time, AR first."""
+    from fastforward.evaluation import evaluate as module
+
+    model = load_model(str(model_dir))
+    task = get_task(str(task_file))
+    decoders = {"jacobi": build_decoder("jacobi", block_size=4)}
+    alone = compare(model, task, decoders, max_new_tokens=12, progress=False)
+    calls, timed_generate = [], module._timed_generate
+    monkeypatch.setattr(
+        module, "_timed_generate", lambda d, m, p, n: calls.append((d.name, p)) or timed_generate(d, m, p, n)
+    )
+    both = compare(model, task, decoders, max_new_tokens=12, batch_size=4, timed=2, progress=False)
+    prompts = [model.encode_prompt(e.prompt) for e in task.examples()]
+    warm, batched, clocked = calls[:2], calls[2:6], calls[6:]
+    assert [(name, len(p)) for name, p in warm + batched] == [
+        ("ar", 1),
+        ("jacobi", 1),
+        ("ar", 4),
+        ("jacobi", 4),
+        ("ar", 1),
+        ("jacobi", 1),
+    ]
+    assert clocked == [("ar", [prompts[0]]), ("jacobi", [prompts[0]]), ("ar", [prompts[1]]), ("jacobi", [prompts[1]])]
+    for label in ("ar", "jacobi"):
+        one, four = alone[label], both[label]
+        assert [r["token_ids"] for r in four.records] == [r["token_ids"] for r in one.records]
+        assert (four.accuracy, four.nfe, four.tokens, four.batch_size) == (one.accuracy, one.nfe, one.tokens, 4)
+        timing = four.timing
+        assert (timing.n, timing.batch_size, timing.same_tokens) == (2, 1, 2)
+        assert (timing.tokens, timing.nfe) == tuple(sum(r[k] for r in one.records[:2]) for k in ("tokens", "nfe"))
+        assert four.tps == timing.tokens / timing.seconds and one.timing is None
+    assert both["jacobi"].speedup == both["jacobi"].timing.tps / both["ar"].timing.tps
+    assert both["jacobi"].agree_exact == 100.0
+
+    out = tmp_path / "eval"
+    argv = ["eval", "--model", str(model_dir), "--task", str(task_file), "--decoder", "jacobi", "--block-size", "4"]
+    assert (
+        main([*argv, "--max-new-tokens", "12", "--batch-size", "4", "--timed", "2", "--out", str(out), "--quiet"]) == 0
+    )
+    summary = json.loads((out / "results.json").read_text())["results"]
+    assert [(r["batch_size"], r["n"], r["timed"]["n"], r["timed"]["same_tokens"]) for r in summary] == [
+        (4, 5, 2, 2)
+    ] * 2
+    assert all(r["tps"] == r["timed"]["tps"] for r in summary)
+    with pytest.raises(FastForwardError, match="timed"):
+        compare(model, task, {}, timed=0, progress=False)
+
+
 def test_parse_sweep_and_errors():
     assert parse_sweep("gamma=0,0.1,1") == ("gamma", [0.0, 0.1, 1.0])
     assert parse_sweep("block-size=4,8") == ("block_size", [4, 8])

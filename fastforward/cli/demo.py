@@ -2,9 +2,10 @@
 
 By default it evaluates the checkpoints shipped with fastforward (a small llama trained on
 arithmetic word problems with NTP, SBD, MultiTF and SetDLM; see `fastforward/demo/checkpoints/*/provenance.json`)
-on held-out problems and prints one table: accuracy, NFE, TPF, TPS and wall speedup against AR of
-the same model, measured in the same run; then a real model, SmolLM2-135M-Instruct and the Jacobi
-Forcing adapter shipped over it (`smollm2-135m-jf-arithmetic`), at `generate`'s defaults.
+on held-out problems and prints one table: accuracy, NFE, TPF (every problem, in batches), TPS and
+wall speedup against AR of the same model (the first problems again at batch 1, interleaved with it);
+then a real model, SmolLM2-135M-Instruct and the Jacobi Forcing adapter shipped over it
+(`smollm2-135m-jf-arithmetic`), at `generate`'s defaults.
 `--retrain` trains every checkpoint again from scratch with the recorded recipe (the README gives its
 time) and evaluates those; `--quick` runs a short train-and-evaluate pipeline (SBD vs NTP only) to watch
 training happen."""
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fastforward.cli import add_command, add_precision_flags, add_threads_flag
+from fastforward.cli import add_command, add_precision_flags, add_threads_flag, positive_int
 from fastforward.demo import showcase, zoo
 from fastforward.demo.pipeline import PRESETS, DemoConfig, run_demo
 from fastforward.demo.real_model import RealSettings
@@ -33,6 +34,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", dest="json_path", metavar="PATH", help="also write every figure of the table here")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default", help="--quick's budget ('smoke': seconds)")
     p.add_argument("--n", type=int, default=None, help="test problems to evaluate (default 150)")
+    d = DemoConfig()
+    p.add_argument(
+        "--batch-size", type=positive_int, default=d.eval_batch_size, help="rows to a batch for accuracy, NFE, TPF"
+    )
+    p.add_argument(
+        "--timed",
+        type=int,
+        default=d.eval_timed,
+        metavar="M",
+        help="TPS and wall vs AR from the first M problems again at batch 1, interleaved; 0: from the batched pass",
+    )
     p.add_argument(
         "--real-n",
         type=int,
@@ -47,6 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     chosen = {"eval_dtype": args.dtype, "eval_quantize": args.quantize, "eval_exact": args.exact}
+    chosen |= {"eval_batch_size": args.batch_size, "eval_timed": args.timed}
     if args.quick:
         config = PRESETS[args.preset]
         config = replace(config, eval_examples=args.n or config.eval_examples, **chosen)

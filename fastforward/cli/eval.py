@@ -23,7 +23,7 @@ from fastforward.cli.decoding import add_decoder_flags, decoder_knobs
 from fastforward.decoding.decoders import registry
 from fastforward.demo import zoo
 from fastforward.evaluation.evaluate import AR, compare, parse_sweep, sweep_label
-from fastforward.evaluation.report import results_table, write_json, write_records
+from fastforward.evaluation.report import how_measured, results_table, write_json, write_records
 from fastforward.model import check_device, load_model, resolve_model_path
 from fastforward.tasks import get_task, parse_options
 from fastforward.training.launch import launched_processes, local_rank, reported_once, share_threads
@@ -47,6 +47,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's own budget")
     p.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together; timings are per batch")
+    p.add_argument(
+        "--timed",
+        type=positive_int,
+        metavar="M",
+        help="tokens/s and speedup from the first M examples again at batch 1, interleaved; accuracy and TPF "
+        "from all --n at --batch-size",
+    )
     add_precision_flags(p, dtype="float32", quantize="none", exact=False)
     add_compile_flag(p)
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
@@ -100,6 +107,7 @@ def evaluate_command(args: argparse.Namespace, shard: tuple[int, int] = (0, 1)) 
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
+        timed=args.timed,
         chat_template=not args.no_chat_template,
         progress=not args.quiet and shard[0] == 0,
         shard=shard,
@@ -107,7 +115,7 @@ def evaluate_command(args: argparse.Namespace, shard: tuple[int, int] = (0, 1)) 
     if shard[0] != 0:
         return 0  # process 0 reports
     ordered = [results[AR]] + [results[label] for label in decoders]
-    print(f"{task.name}: {ordered[0].n} {args.split} examples, model {args.model}, batch size {args.batch_size}")
+    print(f"{task.name} ({args.split}), model {args.model}: {how_measured(ordered)}")
     print(results_table(ordered))
     summary = {
         "model": args.model,

@@ -29,10 +29,13 @@ LABELS = {JF_PRESET: "SmolLM2-135M JF (int4)", BASE: "SmolLM2-135M (int4)"}
 
 @dataclass(frozen=True)
 class RealSettings:
-    """How many held-out problems, and the longest answer (the base model rambles)."""
+    """How many held-out problems, the longest answer (the base model rambles), and how they are measured
+    (`compare`'s batch size and timed problems)."""
 
     n: int = 10  # the demo's budget: about 70 s for the five rows on 2 cores
     max_new_tokens: int = 128
+    batch_size: int = 1
+    timed: int | None = None
 
 
 def unavailable() -> str | None:
@@ -59,7 +62,8 @@ def evaluate_real_model(settings: RealSettings, progress: bool = True) -> tuple[
         decoders = decoders_of(name)
         model = load_model(name, **SERVED)
         measured = compare(model, task, decoders, examples, max_new_tokens=settings.max_new_tokens,
-                           chat_template=True, progress=progress, desc=f"eval {LABELS[name]}")  # fmt: skip
+                           batch_size=settings.batch_size, timed=settings.timed, chat_template=True,
+                           progress=progress, desc=f"eval {LABELS[name]}")  # fmt: skip
         more, each = labelled_rows(LABELS[name], measured)
         rows, results = rows + more, results + each
     return rows, results

@@ -16,7 +16,11 @@ decoding of itself in the same run (interleaved problem by problem, `evaluate.co
 * a real model (`real_model`): SmolLM2-135M-Instruct with its shipped Jacobi Forcing adapter, AR,
   `jacobi` and `lookup`, and the base's AR and `lookup`, at `generate`'s defaults (int4, `--exact`).
 
-Each row: accuracy, NFE per problem, TPF, TPS and wall speedup against its own model's AR. A second
+Each row: accuracy, NFE per problem, TPF, TPS and wall speedup against its own model's AR. Accuracy,
+NFE and TPF come from every problem decoded in batches (`DemoConfig.eval_batch_size`: the decoders
+give a prompt the same tokens in any batch, docs/precision.md), TPS and wall speedup from the first
+`eval_timed` problems again at batch 1, interleaved with AR; the table's header says so, and on how
+many of those outputs the two batch sizes gave the same tokens. A second
 table gives the AUP (accuracy under parallelism, `fastforward.decoding.metrics.aup`) of every model's
 AR and of each of its decoders or sweeps (the points of a sweep together, any other decoder its one
 point), all on one scale: y_max is the best accuracy among the checkpoints (the SmolLM2 rows, on
@@ -36,10 +40,10 @@ from typing import Any
 from fastforward.api import build_decoder
 from fastforward.decoding.metrics import aup
 from fastforward.demo import real_model
-from fastforward.demo.pipeline import DemoConfig, DemoResult, labelled_rows
+from fastforward.demo.pipeline import DemoConfig, DemoResult, labelled_rows, measure
 from fastforward.evaluation.evaluate import compare
 from fastforward.evaluation.plots import Mark, plot_methods
-from fastforward.evaluation.report import format_table, write_json, write_records
+from fastforward.evaluation.report import format_table, how_measured, write_json, write_records
 from fastforward.model import load_model
 
 
@@ -120,7 +124,7 @@ def evaluate_checkpoints(
     """Rows of the table (and every EvalResult) for the checkpoints in `models` (ntp/, sbd/, ...)."""
     task = config.task()
     examples = task.examples("test", n=config.eval_examples, seed=config.seed)
-    options = dict(max_new_tokens=config.max_new_tokens, chat_template=False, progress=progress)
+    options = dict(max_new_tokens=config.max_new_tokens, chat_template=False, progress=progress, **measure(config))
     rows, results = [], []
     for name, chosen in decoders(settings).items():
         model = load_model(str(models / name), precision=config.precision())
@@ -202,16 +206,17 @@ def show(
     for line in describe_checkpoints(models):
         log(line)
     started = time.perf_counter()
-    rows, results = evaluate_checkpoints(models, config, settings, progress)
+    own, own_results = evaluate_checkpoints(models, config, settings, progress)
     seconds = {"evaluate": time.perf_counter() - started}
     more: list[dict[str, Any]] = []
+    measured: list = []
     if real is not None:
         started = time.perf_counter()
         more, measured = real_model_rows(real, progress, log)
-        rows, results = rows + more, results + measured
         seconds["real model"] = time.perf_counter() - started
+    rows, results = own + more, own_results + measured
     points = [r for r in rows if r["model"] == "SBD" and r["gamma"] is not None]
-    aups = aup_rows(rows[: len(rows) - len(more)], settings)  # the checkpoints' own problems and scale
+    aups = aup_rows(own, settings)  # the checkpoints' own problems and scale
     out.mkdir(parents=True, exist_ok=True)
     tables = {"rows": rows, "aup": aups}
     paths = {
@@ -228,10 +233,11 @@ def show(
     if json_path:
         paths["json"] = str(write_json(json_path, {**tables, "seconds": seconds}))
     log("")
-    real_n = f", the SmolLM2 rows {more[0]['n']} (int4, --exact)" if more else ""
-    log(f"arithmetic test set: {rows[0]['n']} problems{real_n}; speedups against AR of the same model, same run")
+    log(f"the checkpoints, arithmetic test set: {how_measured(own_results)}")
+    if measured:
+        log(f"the SmolLM2 rows (int4, --exact), other problems: {how_measured(measured)}")
     log(format_table(rows, TABLE))
-    y_max = max(a["accuracy"] for a in rows[: len(rows) - len(more)])
+    y_max = max(a["accuracy"] for a in own)
     log(f"\nAUP of the checkpoints (accuracy under parallelism; one scale, y_max = {y_max:.1f} %)")
     log(format_table(aups, AUP_TABLE))
     log(f"\nplot: {paths['plot']}   table: {paths['table']}   per-example records: {paths['records']}")

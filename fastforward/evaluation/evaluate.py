@@ -23,6 +23,11 @@ them alike; each decoder also runs one untimed warm-up batch first. With `batch_
 time of a batch is shared by its rows (a batch runs until its slowest row stops), so TPS and speedup
 are throughput figures at that batch size; TPF and NFE are per row whatever the batch size.
 
+`timed=M` splits the two: accuracy, NFE, TPF and agreement come from every example at `batch_size`
+(a decoder gives a prompt the same tokens in any batch where it is batch invariant: docs/precision.md),
+and TPS and speedup from a second pass over the first M examples at batch 1, interleaved example by
+example (`EvalResult.timing`), which also counts how many of its outputs equal the batched pass's.
+
 The results are `results.EvalResult` and `results.SweepResult`; `report` writes them out.
 
     model = load_model("runs/demo/sbd")
@@ -34,7 +39,7 @@ The results are `results.EvalResult` and `results.SweepResult`; `report` writes 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -44,7 +49,7 @@ from fastforward.api import build_decoder
 from fastforward.decoding import metrics
 from fastforward.decoding.decoders import ARDecoder, Decoder, Generation, Prompt, registry
 from fastforward.errors import FastForwardError
-from fastforward.evaluation.results import EvalResult, SweepResult
+from fastforward.evaluation.results import EvalResult, SweepResult, Timing
 from fastforward.model import Model
 from fastforward.tasks import Example, Task
 
@@ -113,6 +118,7 @@ def compare(
     seed: int = 0,
     max_new_tokens: int | None = None,
     batch_size: int = 1,
+    timed: int | None = None,
     chat_template: bool = True,
     warmup: bool = True,
     progress: bool = True,
@@ -123,12 +129,16 @@ def compare(
     the same examples, interleaved batch by batch; grade, and return one EvalResult per label.
 
     Every result's speedup is against the AR run of this call; agreement is against its outputs.
+    timed=M: TPS and speedup from the first M examples again, at batch 1 (`EvalResult.timing`); the
+    rest from every example at `batch_size` (see the module docstring).
     shard=(k, n): in a process group of n (torch.distributed, initialised), process k decodes every
     n-th batch from the k-th; the generations are gathered, so every process returns the results one
     process would (the seconds are summed over the processes: tokens/s is per process).
     """
     if batch_size < 1:
         raise FastForwardError(f"batch_size must be at least 1, got {batch_size}")
+    if timed is not None and timed < 1:
+        raise FastForwardError(f"timed must be at least 1 example, got {timed}")
     if examples is None:
         examples = task.examples(split, n=n, seed=seed)
     if not examples:
@@ -143,38 +153,75 @@ def compare(
         prompts: list = infill_rows(model, examples)
     else:
         prompts = [model.encode_prompt(e.prompt, chat_template=chat_template) for e in examples]
-    if warmup:  # first calls allocate and pick kernels: keep them out of every timing
+    passes = [(prompts, batch_size)] + ([(prompts[:timed], 1)] if timed else [])
+    if warmup:  # first calls allocate and pick kernels: keep them out of every timing (the last pass's)
         for decoder in runs.values():
-            _timed_generate(decoder, model, prompts[:batch_size], min(max_new_tokens, 32))
-    rank, processes = shard
-    batches = [(i, b) for i, b in enumerate(_batches(prompts, batch_size)) if i % processes == rank]
-    decoded: dict[str, dict[int, list[Generation]]] = {label: {} for label in runs}  # by batch index
-    seconds = dict.fromkeys(runs, 0.0)
-    prefill = dict.fromkeys(runs, 0.0)
+            _timed_generate(decoder, model, prompts[: passes[-1][1]], min(max_new_tokens, 32))
     # disable=None: a bar on a terminal (or notebook), none where stderr is a log (redraws would fill it)
-    total = sum(len(b) for _, b in batches) * len(runs)
+    total = sum(len(b) for rows, size in passes for _, b in _own_batches(rows, size, shard)) * len(runs)
     bar = tqdm(total=total, desc=desc, disable=None if progress else True, dynamic_ncols=True, leave=False)
-    for index, batch in batches:
-        for label, decoder in runs.items():
-            generations, wall = _timed_generate(decoder, model, list(batch), max_new_tokens)
-            decoded[label][index] = generations
-            seconds[label] += wall
-            prefill[label] += generations[0].stats.prefill_seconds
-            bar.update(len(batch))
+    outputs, seconds, prefill = _decode(model, runs, prompts, max_new_tokens, batch_size, shard, bar.update)
+    clocked = _decode(model, runs, prompts[:timed], max_new_tokens, 1, shard, bar.update) if timed else None
     bar.close()
-    if processes > 1:
-        decoded, seconds, prefill = _gather_shards(decoded, seconds, prefill)
-    outputs = {label: [g for i in sorted(parts) for g in parts[i]] for label, parts in decoded.items()}
     results: dict[str, EvalResult] = {}
     ar_gens = outputs[AR]
     for label, decoder in runs.items():
         results[label] = _result(
             label, decoder, task, examples, outputs[label], ar_gens, seconds[label], prefill[label], batch_size
         )
+        if clocked is not None:
+            results[label].timing = _timing(clocked[0][label], outputs[label], clocked[1][label], clocked[2][label])
     ar = results[AR]
     for result in results.values():
         result.ar_tps, result.ar_tpf = ar.tps, ar.tpf
     return results
+
+
+def _own_batches(prompts: list, size: int, shard: tuple[int, int]) -> list[tuple[int, Sequence]]:
+    """The batches of `size` (with their indices) that process `shard[0]` of `shard[1]` decodes."""
+    rank, processes = shard
+    return [(i, b) for i, b in enumerate(_batches(prompts, size)) if i % processes == rank]
+
+
+def _decode(
+    model: Model,
+    runs: dict[str, Decoder],
+    prompts: list,
+    max_new_tokens: int,
+    batch_size: int,
+    shard: tuple[int, int],
+    done: Callable[[int], Any],
+) -> tuple[dict[str, list[Generation]], dict[str, float], dict[str, float]]:
+    """Every decoder of `runs` over `prompts`, interleaved batch by batch (`done(rows)` after each): the
+    generations in order, the wall seconds and the prefill seconds, by label."""
+    decoded: dict[str, dict[int, list[Generation]]] = {label: {} for label in runs}  # by batch index
+    seconds = dict.fromkeys(runs, 0.0)
+    prefill = dict.fromkeys(runs, 0.0)
+    for index, batch in _own_batches(prompts, batch_size, shard):
+        for label, decoder in runs.items():
+            generations, wall = _timed_generate(decoder, model, list(batch), max_new_tokens)
+            decoded[label][index] = generations
+            seconds[label] += wall
+            prefill[label] += generations[0].stats.prefill_seconds
+            done(len(batch))
+    if shard[1] > 1:
+        decoded, seconds, prefill = _gather_shards(decoded, seconds, prefill)
+    outputs = {label: [g for i in sorted(parts) for g in parts[i]] for label, parts in decoded.items()}
+    return outputs, seconds, prefill
+
+
+def _timing(clocked: list[Generation], batched: list[Generation], seconds: float, prefill: float) -> Timing:
+    """The timed pass's figures of one decoder, and how many of its outputs equal the batched pass's."""
+    return Timing(
+        n=len(clocked),
+        batch_size=1,
+        tokens=sum(g.stats.tokens for g in clocked),
+        nfe=sum(g.stats.nfe for g in clocked),
+        seconds=seconds,
+        prefill_seconds=prefill,
+        queries=sum(g.stats.queries for g in clocked),
+        same_tokens=sum(a.token_ids == b.token_ids for a, b in zip(clocked, batched, strict=False)),
+    )
 
 
 def _gather_shards(decoded: dict, seconds: dict, prefill: dict) -> tuple[dict, dict, dict]:

@@ -61,3 +61,16 @@ def results_table(results: Sequence[EvalResult]) -> str:
             ("AR token match", "agree_tokens", lambda x: f"{x:.3f}"),
         ],
     )
+
+
+def how_measured(results: Sequence[EvalResult]) -> str:
+    """How the figures of `results` (of one `compare` setting) were measured, in one line."""
+    first = results[0]
+    where = f"{first.n} examples at batch {first.batch_size}"
+    if first.timing is None:
+        return f"every figure: {where}, interleaved with AR of the same model"
+    same, timed = sum(r.timing.same_tokens for r in results), sum(r.timing.n for r in results)  # type: ignore[union-attr]
+    return (
+        f"accuracy, NFE, TPF: {where}; TPS and speedup: the first {first.timing.n} again at batch 1, interleaved "
+        f"with AR of the same model (the same tokens at both batch sizes: {same} of {timed} outputs)"
+    )

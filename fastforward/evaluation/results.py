@@ -10,8 +10,37 @@ from fastforward.decoding import metrics
 
 
 @dataclass
+class Timing(metrics.Rates):
+    """The timed pass of `compare(timed=M)`: the first M examples again, at batch 1, interleaved with AR;
+    its tokens per wall second are the result's TPS. same_tokens: how many of its M outputs equal the
+    batched pass's (all of them where the decoder is batch invariant)."""
+
+    n: int
+    batch_size: int
+    tokens: int
+    nfe: int
+    seconds: float
+    prefill_seconds: float
+    queries: int
+    same_tokens: int
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "n": self.n,
+            "batch_size": self.batch_size,
+            "tokens": self.tokens,
+            "nfe": self.nfe,
+            "seconds": round(self.seconds, 4),
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "tps": round(self.tps, 3),
+            "same_tokens": self.same_tokens,
+        }
+
+
+@dataclass
 class EvalResult(metrics.Rates):
-    """The figures of one decoder over a task's examples (defined in `evaluate`'s docstring)."""
+    """The figures of one decoder over a task's examples (defined in `evaluate`'s docstring). With a
+    `timing` (a separate timed pass), TPS and speedup are that pass's; `seconds` stay this run's."""
 
     label: str
     decoder: str
@@ -31,6 +60,12 @@ class EvalResult(metrics.Rates):
     tokens_per_step: dict[int, int] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list, repr=False)
     queries: int = 0  # tokens the decoding forwards ran, summed over examples (`runtime.Stats`)
+    timing: Timing | None = None
+
+    @property
+    def tps(self) -> float:
+        """Generated tokens per wall second: of the timed pass where there was one, else of this run."""
+        return self.timing.tps if self.timing is not None else super().tps
 
     @property
     def nfe_mean(self) -> float:
@@ -73,6 +108,7 @@ class EvalResult(metrics.Rates):
             "agree_exact": r(self.agree_exact, 3),
             "agree_tokens": r(self.agree_tokens),
             "tokens_per_step": {str(k): v for k, v in sorted(self.tokens_per_step.items())},
+            "timed": None if self.timing is None else self.timing.summary(),
         }
 
 
