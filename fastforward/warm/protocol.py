@@ -17,7 +17,7 @@ from typing import Any
 
 from fastforward.warm.spec import Serves
 
-OPTION_TYPES = (bool, int, float, str)  # a decoder option's value (`fastforward.decoding.options.Knob`)
+OPTION_TYPES = (bool, int, float, str)  # a decoder option's value (`fastforward.options.Knob`)
 
 
 @dataclass(frozen=True)
