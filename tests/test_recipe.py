@@ -13,7 +13,7 @@ from fastforward.errors import FastForwardError
 from fastforward.model import load_model
 from fastforward.model.tiny import tiny_model
 from fastforward.recipes import dev_eval
-from fastforward.recipes.records import Record, parse_budget, parse_record, read_records, split_dev
+from fastforward.recipes.records import Budget, Record, parse_budget, parse_record, read_records, split_dev
 from fastforward.recipes.targets import self_answers
 from fastforward.tasks.jsonl import grade_answer
 
@@ -62,8 +62,9 @@ def test_the_dev_split_is_seeded_disjoint_and_keeps_the_order():
 
 
 def test_a_budget_is_tokens_or_time():
-    assert parse_budget("3M") == 3_000_000 and parse_budget("500k") == 500_000 and parse_budget("1200") == 1200
-    assert parse_budget("90min") == parse_budget("1.5h") > 0
+    assert parse_budget("3M") == Budget(tokens=3_000_000) and parse_budget("500k").tokens == 500_000
+    assert parse_budget("1200") == Budget(tokens=1200)
+    assert parse_budget("90min") == parse_budget("1.5h") == Budget(seconds=5400.0)
     for bad in ("", "3 apples", "-1M", "0"):
         with pytest.raises(FastForwardError, match="--budget"):
             parse_budget(bad)
@@ -130,6 +131,7 @@ def test_the_recipe_makes_a_preset_that_carries_its_defaults_and_resumes(tmp_pat
     provenance = json.loads((preset / "provenance.json").read_text())
     assert provenance["command"].startswith("fastforward recipe jacobi-forcing --data ")
     assert "--ar-weight 10.0" in provenance["command"] and provenance["data"]["file"] == "gsm8k.jsonl"
+    assert "--budget 3000 " in provenance["command"]  # the tokens the budget came to, whatever it was given in
     assert "Jacobi Forcing" in provenance["description"]
     model = load_model(str(preset))  # the flattened adapter over the base
     prompt = [model.encode_prompt("Tom has 3 apples")]
@@ -162,6 +164,19 @@ def test_the_sbd_recipe_ships_an_sbd_model_whose_default_is_lossless(tmp_path, c
     )
     provenance = json.loads((tmp_path / "preset" / "provenance.json").read_text())
     assert provenance["command"].startswith("fastforward recipe sbd ") and "--max-block 4" in provenance["command"]
+
+
+def test_a_budget_in_time_is_converted_at_the_rate_measured_here(tmp_path):
+    from fastforward.recipes.jacobi_forcing import JacobiForcingRecipe
+
+    tiny_model(init_std=0.5).save(tmp_path / "m")
+    data = write_lines(tmp_path / "gsm8k.jsonl", GSM8K_LINES)
+    options = JacobiForcingRecipe.options_class(model=str(tmp_path / "m"), budget="0.01min", dev=2, seq_len=64)
+    recipe = JacobiForcingRecipe(data, tmp_path / "w", options, log=lambda line: None)
+    rate = recipe.plan["measured_tokens_per_s"]
+    assert rate > 0 and abs(recipe.plan["budget_tokens"] - 0.6 * rate) <= 1
+    again = JacobiForcingRecipe(data, tmp_path / "w", options, log=lambda line: None)  # resumed: not measured again
+    assert again.plan == recipe.plan
 
 
 def test_the_recipe_refuses_what_it_cannot_do(tmp_path, capsys):

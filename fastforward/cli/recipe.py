@@ -55,13 +55,12 @@ def add_option_flag(p: argparse.ArgumentParser, name: str, knob: Knob) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fastforward.recipes.pipeline import RECIPES, command_line
+    from fastforward.recipes.pipeline import RECIPES
 
     recipe_class = RECIPES[args.recipe]
     given = {f.name: getattr(args, f.name) for f in fields(recipe_class.options_class)}
     options = recipe_class.options_class(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
-    command = command_line(args.recipe, options, args.data, args.work, args.ship_to)
-    recipe = recipe_class(args.data, args.work, options, log=lambda line: print(line, flush=True), command=command)
+    recipe = recipe_class(args.data, args.work, options, log=lambda line: print(line, flush=True))
     record = recipe.run(ship_to=args.ship_to, evaluate=not args.no_eval)
     if record is not None:
         defaults = record["defaults"]

@@ -35,8 +35,9 @@ import os
 import shlex
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -51,7 +52,7 @@ from fastforward.recipes import dev_eval
 from fastforward.recipes.records import Record, parse_budget, read_records, split_dev, write_records
 from fastforward.recipes.targets import TARGETS, reference_examples, self_answers
 from fastforward.registry import Registry
-from fastforward.training.data import Example, PackedData
+from fastforward.training.data import Example, PackedData, encode_record
 from fastforward.training.objectives import Objective, make_objective
 from fastforward.training.run_dir import (
     finished_run,
@@ -78,7 +79,7 @@ class RecipeOptions:
 
     model: str = option("smollm2-135m", "the base: preset, model directory or .gguf file")
     budget: str = option(
-        "1h", "training tokens (3M, 500k) or time (90min, 3h; at 240 tokens/s, 2 quiet AVX-512 cores' rate)"
+        "1h", "training tokens (3M, 500k) or time (90min, 3h; converted at the rate measured here at the start)"
     )
     dev: int = option(100, "records held out as the dev split", AT_LEAST_ONE)
     seed: int = option(0, "seed of the dev split and of training", NON_NEGATIVE)
@@ -131,11 +132,8 @@ class Recipe:
     method: ClassVar[str]  # what the shipped adapter is, for its description: "a Jacobi Forcing LoRA adapter"
     options_class: ClassVar[type[RecipeOptions]] = RecipeOptions
 
-    def __init__(
-        self, data: Path, work: Path, options: RecipeOptions, log: Callable[[str], None] = print, command: str = ""
-    ):
+    def __init__(self, data: Path, work: Path, options: RecipeOptions, log: Callable[[str], None] = print):
         self.data, self.work, self.options, self.log = Path(data), Path(work), options, log
-        self.command = command or command_line(self.name, options, data, work)
         self.work.mkdir(parents=True, exist_ok=True)
         self.plan = self._plan()
         self.train_records = read_records(self.work / "train.jsonl")
@@ -187,9 +185,12 @@ class Recipe:
             raise FastForwardError("--control trains on the records' completions: every record needs one")
         write_records(self.work / "train.jsonl", train_records)
         write_records(self.work / "dev.jsonl", dev)
-        budget = parse_budget(self.options.budget)
+        budget, rate = parse_budget(self.options.budget), None
+        if budget.seconds is not None:
+            rate = self._training_rate(train_records)
+        tokens = budget.tokens if budget.tokens is not None else int(budget.seconds * rate)
         sft = self.options.sft and completions
-        sft_tokens = int(budget * self.options.sft_share) if sft else 0
+        sft_tokens = int(tokens * self.options.sft_share) if sft else 0
         row = self.options.batch_size * self.options.seq_len
         plan = {
             "recipe": self.name,
@@ -197,29 +198,43 @@ class Recipe:
             "data": self.data.name,
             "data_sha256": data_sha,
             "records": {"train": len(train_records), "dev": len(dev)},
-            "budget_tokens": budget,
+            "budget_tokens": tokens,
+            **({"measured_tokens_per_s": round(rate, 1)} if rate else {}),
             "sft_steps": max(1, sft_tokens // row) if sft else 0,
             "mixed_precision": default_autocast(),
-            f"{self.stage}_tokens": budget - sft_tokens,
+            f"{self.stage}_tokens": tokens - sft_tokens,
         }
         write_json_atomic(path, plan)
         self.log(
-            f"plan: {budget:,} training tokens; {len(train_records)} train and {len(dev)} dev records; "
+            f"plan: {tokens:,} training tokens{f' ({rate:.0f} tokens/s measured here)' if rate else ''}; "
+            f"{len(train_records)} train and {len(dev)} dev records; "
             f"SFT {plan['sft_steps']} steps of {self.options.batch_size} rows of {self.options.seq_len}"
         )
         return plan
+
+    def _training_rate(self, records: list[Record]) -> float:
+        """Training tokens per second on this machine, what a budget in time is converted with: three steps
+        of `ntp` with the recipe's LoRA settings on the first records, the first (warm-up) step left out."""
+        model = load_model(self.options.model)
+        text = [{"text": r.prompt + ("\n" + r.completion if r.completion else "")} for r in records[:64]]
+        rows = PackedData([encode_record(t, model.tokenizer) for t in text], self.options.seq_len, model.pad_token_id)
+        self.log("measuring this machine's training rate (three steps), to convert --budget to tokens")
+        with tempfile.TemporaryDirectory() as tmp:
+            history = train(model, make_objective("ntp"), rows, self._config(3, default_autocast()), Path(tmp) / "run")
+        rates = [entry["tokens_per_s"] for entry in history if entry["split"] == "train"][1:]
+        return sum(rates) / len(rates)
 
     def _save_plan(self, **values: Any) -> None:
         self.plan.update(values)
         write_json_atomic(self.work / "plan.json", self.plan)
 
     # ---- training stages ----------------------------------------------------------------------------
-    def _config(self, steps: int) -> TrainConfig:
+    def _config(self, steps: int, mixed_precision: str | None = None) -> TrainConfig:
         o = self.options
         return TrainConfig(
             steps=steps, seq_len=o.seq_len, batch_size=o.batch_size, lr=o.lr, warmup=min(10, max(steps // 10, 1)),
-            mixed_precision=self.plan["mixed_precision"], save_every=25, eval_every=0, keep_checkpoints=1,
-            lora_rank=o.lora_rank, seed=o.seed,
+            mixed_precision=mixed_precision or self.plan["mixed_precision"], save_every=25, eval_every=0,
+            keep_checkpoints=1, lora_rank=o.lora_rank, seed=o.seed,
         )  # fmt: skip
 
     def _ntp(self, start: str, records: list[Record], run: Path, steps: int) -> None:
@@ -348,7 +363,10 @@ class Recipe:
             "description": f"{o.model} + {self.method} made by `fastforward recipe {self.name}` from {self.data.name}",
             "base": o.model,
             "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-            "command": self.command,
+            # a budget in time becomes the tokens it was converted to: the same steps on any machine
+            "command": command_line(
+                self.name, replace(o, budget=str(self.plan["budget_tokens"])), self.data, self.work, dest
+            ),
             "data": {"file": self.data.name, "sha256": self.plan["data_sha256"], **self.plan["records"]},
             "plan": {k: v for k, v in self.plan.items() if k not in ("data", "data_sha256", "records")},
             "dev": record,

@@ -102,16 +102,21 @@ def write_records(path: Path, records: list[Record]) -> None:
 
 
 # ---- the budget -------------------------------------------------------------------------------------------
-# Training tokens per second of SmolLM2-135M with LoRA and bf16 autocast on 2 quiet cores (docs/results.md,
-# "Jacobi Forcing on SmolLM2-135M"): what a budget in minutes is converted with. A budget in tokens is exact.
-TOKENS_PER_SECOND = 240.0
 _BUDGET = re.compile(r"(?i)^\s*([0-9]*\.?[0-9]+)\s*(k|m|b|min|h)?\s*$")
 _SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9}
 
 
-def parse_budget(text: str) -> int:
-    """Training tokens from `--budget`: a token count (`3M`, `500k`, `200000`) or a time (`90min`, `3h`,
-    converted at `TOKENS_PER_SECOND`)."""
+@dataclass(frozen=True)
+class Budget:
+    """`--budget` read: training tokens, or seconds of training that the recipe converts to tokens at the
+    rate it measures on the machine it runs on (training speed differs tenfold between a CPU and a GPU)."""
+
+    tokens: int | None = None
+    seconds: float | None = None
+
+
+def parse_budget(text: str) -> Budget:
+    """`--budget`: a token count (`3M`, `500k`, `200000`) or a time (`90min`, `3h`)."""
     match = _BUDGET.match(text)
     if match is None or float(match.group(1)) <= 0:
         raise FastForwardError(
@@ -119,5 +124,5 @@ def parse_budget(text: str) -> int:
         )
     value, unit = float(match.group(1)), (match.group(2) or "").lower()
     if unit in ("min", "h"):
-        return int(value * (60 if unit == "min" else 3600) * TOKENS_PER_SECOND)
-    return int(value * _SCALE[unit])
+        return Budget(seconds=value * (60 if unit == "min" else 3600))
+    return Budget(tokens=int(value * _SCALE[unit]))
