@@ -130,7 +130,7 @@ def test_the_recipe_makes_a_preset_that_carries_its_defaults_and_resumes(tmp_pat
     assert defaults == dev["defaults"]
     provenance = json.loads((preset / "provenance.json").read_text())
     assert provenance["command"].startswith("fastforward recipe jacobi-forcing --data ")
-    assert "--ar-weight 10.0" in provenance["command"] and provenance["data"]["file"] == "gsm8k.jsonl"
+    assert "--ar-weight 10.0" in provenance["command"] and provenance["data"]["source"] == "gsm8k.jsonl"
     assert "--budget 3000 " in provenance["command"]  # the tokens the budget came to, whatever it was given in
     assert "Jacobi Forcing" in provenance["description"]
     model = load_model(str(preset))  # the flattened adapter over the base
@@ -177,6 +177,28 @@ def test_a_budget_in_time_is_converted_at_the_rate_measured_here(tmp_path):
     assert rate > 0 and abs(recipe.plan["budget_tokens"] - 0.6 * rate) <= 1
     again = JacobiForcingRecipe(data, tmp_path / "w", options, log=lambda line: None)  # resumed: not measured again
     assert again.plan == recipe.plan
+
+
+def test_a_task_train_split_is_data_too_and_its_command_names_it(tmp_path, capsys):
+    from fastforward.recipes.pipeline import RECIPES, command_line
+    from fastforward.recipes.records import TaskData
+
+    tiny_model(init_std=0.5).save(tmp_path / "m")
+    data = TaskData("arithmetic", 8, (("max_number", "20"),))
+    recipe_class = RECIPES["jacobi-forcing"]
+    options = recipe_class.options_class(model=str(tmp_path / "m"), budget="2k", dev=2, seq_len=64)
+    recipe = recipe_class(data, tmp_path / "w", options, log=lambda line: None)
+    train = recipe.train_records
+    assert len(train) == 6 and all(r.completion.endswith("#### " + r.answer) for r in train)
+    assert recipe.plan["data"] == data.name and recipe.plan["data_sha256"] == data.sha256()
+    command = command_line("jacobi-forcing", options, data, tmp_path / "w")
+    assert "--task arithmetic --task-option max_number=20 --problems 8 --work" in command
+    args = ["recipe", "jacobi-forcing", "--model", str(tmp_path / "m"), "--work", str(tmp_path / "w2"), "--dev", "2"]
+    assert main([*args, "--task", "arithmetic", "--problems", "1"]) == 2
+    assert "--problems 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one or the other, as argparse refuses
+        main([*args, "--task", "arithmetic", "--data", "x.jsonl"])
+    assert "not allowed with" in capsys.readouterr().err
 
 
 def test_the_recipe_refuses_what_it_cannot_do(tmp_path, capsys):

@@ -12,9 +12,14 @@ import argparse
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastforward.cli import DefaultsShown, add_command, add_threads_flag
+from fastforward.errors import FastForwardError
 from fastforward.options import Knob, options_of
+
+if TYPE_CHECKING:
+    from fastforward.recipes.records import DataFile, TaskData
 
 
 class DocstringAndDefaults(argparse.RawDescriptionHelpFormatter, DefaultsShown):
@@ -29,10 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name, recipe in RECIPES.items():
         doc = sys.modules[recipe.__module__].__doc__
         q = methods.add_parser(name, help=recipe.summary, description=doc, formatter_class=DocstringAndDefaults)
-        q.add_argument(
-            "--data", type=Path, required=True,
+        source = q.add_mutually_exclusive_group(required=True)
+        source.add_argument(
+            "--data", type=Path,
             help='JSONL of {"prompt", "completion"?, "answer"?} or GSM8K {"question", "answer"} lines',
         )  # fmt: skip
+        source.add_argument("--task", help="or a built-in task's train split with worked solutions (arithmetic)")
+        q.add_argument("--problems", type=int, default=2000, help="problems drawn from --task's train split")
+        q.add_argument("--task-option", action="append", default=[], metavar="K=V", help="--task's knob (repeat)")
         q.add_argument("--work", type=Path, required=True, help="the work folder (rerun with it to resume)")
         q.add_argument("--ship-to", type=Path, help="write the finished model here as a preset folder")
         for option_name, knob in options_of(recipe.options_class).items():
@@ -54,13 +63,25 @@ def add_option_flag(p: argparse.ArgumentParser, name: str, knob: Knob) -> None:
         p.add_argument(flag, type=type(default), default=default, choices=knob.choices, help=knob.help)
 
 
+def data_source(args: argparse.Namespace) -> DataFile | TaskData:
+    """`--data FILE`, or `--task NAME` with its options and problem count."""
+    from fastforward.recipes.records import DataFile, TaskData
+    from fastforward.tasks import parse_options
+
+    if args.data is not None:
+        return DataFile(args.data)
+    if args.problems < 2:
+        raise FastForwardError(f"--problems {args.problems}: draw at least 2 (some train, some dev)")
+    return TaskData(args.task, args.problems, tuple(parse_options(args.task_option).items()))
+
+
 def run(args: argparse.Namespace) -> int:
     from fastforward.recipes.pipeline import RECIPES
 
     recipe_class = RECIPES[args.recipe]
     given = {f.name: getattr(args, f.name) for f in fields(recipe_class.options_class)}
     options = recipe_class.options_class(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
-    recipe = recipe_class(args.data, args.work, options, log=lambda line: print(line, flush=True))
+    recipe = recipe_class(data_source(args), args.work, options, log=lambda line: print(line, flush=True))
     record = recipe.run(ship_to=args.ship_to, evaluate=not args.no_eval)
     if record is not None:
         defaults = record["defaults"]

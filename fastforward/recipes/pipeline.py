@@ -28,7 +28,6 @@ every registered one, its flags made from its options' fields.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -49,7 +48,15 @@ from fastforward.model import Model, adapters, load_model
 from fastforward.model.flatten import flatten
 from fastforward.options import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, PROPER_FRACTION, Bound, check_options, option
 from fastforward.recipes import dev_eval
-from fastforward.recipes.records import Record, parse_budget, read_records, split_dev, write_records
+from fastforward.recipes.records import (
+    DataFile,
+    Record,
+    TaskData,
+    parse_budget,
+    read_records,
+    split_dev,
+    write_records,
+)
 from fastforward.recipes.targets import TARGETS, reference_examples, self_answers
 from fastforward.registry import Registry
 from fastforward.training.data import Example, PackedData, encode_record
@@ -114,9 +121,7 @@ class RecipeOptions:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.evaluation_only}
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
+Data = DataFile | TaskData  # where a recipe's records come from
 
 # A dev-split row: a decoder and its options, by label.
 Decoders = dict[str, tuple[str, dict[str, Any]]]
@@ -132,8 +137,9 @@ class Recipe:
     method: ClassVar[str]  # what the shipped adapter is, for its description: "a Jacobi Forcing LoRA adapter"
     options_class: ClassVar[type[RecipeOptions]] = RecipeOptions
 
-    def __init__(self, data: Path, work: Path, options: RecipeOptions, log: Callable[[str], None] = print):
-        self.data, self.work, self.options, self.log = Path(data), Path(work), options, log
+    def __init__(self, data: Data | Path | str, work: Path, options: RecipeOptions, log: Callable[[str], None] = print):
+        self.data = data if isinstance(data, DataFile | TaskData) else DataFile(Path(data))
+        self.work, self.options, self.log = Path(work), options, log
         self.work.mkdir(parents=True, exist_ok=True)
         self.plan = self._plan()
         self.train_records = read_records(self.work / "train.jsonl")
@@ -164,7 +170,7 @@ class Recipe:
     def _plan(self) -> dict[str, Any]:
         path = self.work / "plan.json"
         wanted = self.options.training()
-        data_sha = _sha256(self.data)
+        data_sha = self.data.sha256()
         if path.exists():
             plan = json.loads(path.read_text())
             changed = [k for k, v in wanted.items() if plan["options"].get(k) != v]
@@ -178,7 +184,7 @@ class Recipe:
                     "same ones to resume it, or give a new --work"
                 )
             return plan
-        records = read_records(self.data)
+        records = self.data.records()
         train_records, dev = split_dev(records, self.options.dev, self.options.seed)
         completions = all(r.completion is not None for r in train_records)
         if self.options.control and not completions:
@@ -367,7 +373,7 @@ class Recipe:
             "command": command_line(
                 self.name, replace(o, budget=str(self.plan["budget_tokens"])), self.data, self.work, dest
             ),
-            "data": {"file": self.data.name, "sha256": self.plan["data_sha256"], **self.plan["records"]},
+            "data": {"source": self.data.name, "sha256": self.plan["data_sha256"], **self.plan["records"]},
             "plan": {k: v for k, v in self.plan.items() if k not in ("data", "data_sha256", "records")},
             "dev": record,
         }
@@ -401,10 +407,10 @@ RECIPES: Registry[type[Recipe]] = Registry("recipe", "fastforward.recipes")
 register = RECIPES.named
 
 
-def command_line(name: str, options: RecipeOptions, data: Path, work: Path, ship_to: Path | None = None) -> str:
+def command_line(name: str, options: RecipeOptions, data: Data, work: Path, ship_to: Path | None = None) -> str:
     """The command that runs recipe `name` with `options`, every option that shapes training spelled out
     (what a provenance.json gives to rebuild a model from a fresh work folder)."""
-    words = ["fastforward", "recipe", name, "--data", str(data), "--work", str(work)]
+    words = ["fastforward", "recipe", name, *data.words(), "--work", str(work)]
     for field_name, value in options.training().items():
         flag = "--" + field_name.replace("_", "-")
         if isinstance(value, bool):

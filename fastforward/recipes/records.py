@@ -1,5 +1,5 @@
 """The recipe's data: prompts with or without a worked completion and a final answer, read from JSONL,
-split once into train and dev, and sized by a budget.
+split once into train and dev, and sized by a budget; or a built-in task's train split.
 
 Accepted lines (other keys are ignored):
 
@@ -12,6 +12,7 @@ Accepted lines (other keys are ignored):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import torch
 
 from fastforward.errors import FastForwardError
 from fastforward.jsonl import read_jsonl
+from fastforward.tasks import get_task
 from fastforward.training.data import derive_seed
 
 CALCULATOR_MARK = re.compile(r"<<[^<>]*>>")
@@ -99,6 +101,58 @@ def write_records(path: Path, records: list[Record]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(json.dumps({k: v for k, v in asdict(r).items() if v is not None}) + "\n" for r in records))
     os.replace(tmp, path)
+
+
+# ---- where the records come from --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DataFile:
+    """Records read from a JSONL file (`--data FILE`)."""
+
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def words(self) -> list[str]:
+        """The command-line words that give this data."""
+        return ["--data", str(self.path)]
+
+    def records(self) -> list[Record]:
+        return read_records(self.path)
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class TaskData:
+    """The train split of a built-in task that has worked solutions (`--task arithmetic --problems N
+    --task-option K=V`): its problems with their solutions and final answers, made by the task's seeded
+    generator, so the same words give the same records on any machine."""
+
+    task: str
+    problems: int
+    options: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def name(self) -> str:
+        given = ", ".join(f"{k}={v}" for k, v in self.options)
+        return f"the {self.task} task's train split ({self.problems} problems{'; ' + given if given else ''})"
+
+    def words(self) -> list[str]:
+        options = [word for k, v in self.options for word in ("--task-option", f"{k}={v}")]
+        return ["--task", self.task, *options, "--problems", str(self.problems)]
+
+    def records(self) -> list[Record]:
+        examples = get_task(self.task, **dict(self.options)).examples("train", n=self.problems, seed=0)
+        if not examples or any(e.completion is None for e in examples):
+            raise FastForwardError(f"task {self.task!r} has no worked solutions to train on; give --data FILE")
+        return [Record(e.prompt, e.completion, e.reference) for e in examples]
+
+    def sha256(self) -> str:
+        lines = "".join(json.dumps(asdict(r)) + "\n" for r in self.records())
+        return hashlib.sha256(lines.encode()).hexdigest()
 
 
 # ---- the budget -------------------------------------------------------------------------------------------
