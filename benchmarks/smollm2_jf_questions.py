@@ -1,15 +1,15 @@
-"""The shipped Jacobi Forcing adapter on grade-school questions written by hand, asked as a user would.
+"""A shipped preset on grade-school questions written by hand, asked as a user would.
 
 `smollm2-135m-jf-arithmetic` was trained on the `arithmetic` task's generated problems, and its
 figures in docs/results.md are on held-out problems from the same generator. These twelve questions
 were written by hand in other words (the numbers in its range: at most 20, factors up to 5, two or
-three steps), to show what it does with a question phrased as a person would phrase it. Each is
+three steps), to show what a preset does with a question phrased as a person would phrase it. Each is
 asked with `generate`'s defaults for the preset (int4 `--exact`, greedy, batch 1, the chat
-template): `ar` and `jacobi --block-size 8` on the adapter, and `ar` on the base model without it.
-The answer read is the number after `####`, else the last number of the reply.
+template): `ar` and the preset's own decoding defaults (`decoding.json`) on the adapter, and `ar` on
+the base model without it. The answer read is the number after `####`, else the last number of the reply.
 
     python benchmarks/smollm2_jf_questions.py
-    python benchmarks/smollm2_jf_questions.py --show     # every reply in full
+    python benchmarks/smollm2_jf_questions.py --model DIR --show     # another preset; every reply in full
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ from decimal import Decimal
 from pathlib import Path
 
 from common import RESULTS, load_average, log, set_threads, write_report
-from smollm2_jf_arithmetic import BASE, SERVED, interleaved
 
+from fastforward.decoding.model_defaults import model_decoding_defaults
 from fastforward.model import load_model
+from fastforward.recipes.dev_eval import decode_interleaved
+from fastforward.recipes.pipeline import SERVED
 from fastforward.tasks.arithmetic import parse_answer
 
-PRESET = "smollm2-135m-jf-arithmetic"
+BASE = "smollm2-135m"
 QUESTIONS = (  # (question, answer); worked out by hand
     ("A baker made 12 muffins in the morning and 8 more in the afternoon. He sold 14 of them. "
      "How many muffins are left?", 6),
@@ -50,6 +52,7 @@ QUESTIONS = (  # (question, answer); worked out by hand
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-jf-arithmetic", help="a preset with decoding defaults")
     p.add_argument("--max-new-tokens", type=int, default=192, help="the arithmetic task's budget")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--show", action="store_true", help="print every reply in full")
@@ -57,15 +60,18 @@ def main() -> None:
     args = p.parse_args()
     threads = set_threads(args.threads)
     load_before = load_average()
-    adapted, base = load_model(PRESET, **SERVED), load_model(BASE, **SERVED)
+    adapted, base = load_model(args.model, **SERVED), load_model(BASE, **SERVED)
+    defaults = model_decoding_defaults(args.model)
+    default = (defaults.decoder, dict(defaults.options)) if defaults is not None else ("ar", {})
+    fast = "adapter, " + " ".join([default[0], *(str(v) for v in default[1].values())])
     contenders = {  # label: (model, decoder, options)
         "adapter, ar": (adapted, "ar", {}),
-        "adapter, jacobi 8": (adapted, "jacobi", {"block_size": 8}),
+        fast: (adapted, *default),
         "base, ar": (base, "ar", {}),
     }
     # As the task asks (a question, then a new line); the base shares the adapter's tokenizer.
     prompts = [adapted.encode_prompt(question + "\n") for question, _ in QUESTIONS]
-    generations = interleaved(contenders, prompts, args)
+    generations = decode_interleaved(contenders, prompts, args.max_new_tokens, desc="questions")
     rows = []
     for i, (question, answer) in enumerate(QUESTIONS):
         row = {"question": question, "answer": answer}
@@ -81,28 +87,26 @@ def main() -> None:
             }
             if args.show:
                 log(f"--- {label}: {question}\n{g.text}")
-        row["jacobi equals ar"] = (
-            generations["adapter, jacobi 8"][i].token_ids == generations["adapter, ar"][i].token_ids
-        )
+        row["defaults equal ar"] = generations[fast][i].token_ids == generations["adapter, ar"][i].token_ids
         rows.append(row)
-        ar, jacobi, plain = row["adapter, ar"], row["adapter, jacobi 8"], row["base, ar"]
+        ar, fastest, plain = row["adapter, ar"], row[fast], row["base, ar"]
         log(
             f"{question[:60]:60}  expected {answer:>3}  adapter {ar['read']!s:>5} {'ok ' if ar['correct'] else 'NO '}"
-            f" forwards ar {ar['forwards']:3} jacobi {jacobi['forwards']:3}"
-            f" {'same tokens' if row['jacobi equals ar'] else 'DIFFERENT tokens'}"
+            f" forwards ar {ar['forwards']:3} defaults {fastest['forwards']:3}"
+            f" {'same tokens' if row['defaults equal ar'] else 'DIFFERENT tokens'}"
             f"  base {plain['read']!s:>5} {'ok' if plain['correct'] else 'NO'}"
         )
     totals = {label: sum(r[label]["correct"] for r in rows) for label in contenders}
     forwards = {label: sum(r[label]["forwards"] for r in rows) for label in contenders}
-    tokens = sum(r["adapter, jacobi 8"]["tokens"] for r in rows)
+    tokens = sum(r[fast]["tokens"] for r in rows)
     log(
-        f"\ncorrect of {len(rows)}: adapter {totals['adapter, ar']} (jacobi {totals['adapter, jacobi 8']}), "
-        f"base {totals['base, ar']}; jacobi = ar on {sum(r['jacobi equals ar'] for r in rows)} of {len(rows)}; "
-        f"forwards ar {forwards['adapter, ar']}, jacobi {forwards['adapter, jacobi 8']} "
-        f"(TPF {tokens / max(forwards['adapter, jacobi 8'], 1):.2f})"
+        f"\ncorrect of {len(rows)}: adapter {totals['adapter, ar']} ({fast}: {totals[fast]}), "
+        f"base {totals['base, ar']}; the defaults = ar on {sum(r['defaults equal ar'] for r in rows)} of {len(rows)}; "
+        f"forwards ar {forwards['adapter, ar']}, the defaults {forwards[fast]} "
+        f"(TPF {tokens / max(forwards[fast], 1):.2f})"
     )
-    write_report(args.out, load_before, threads, model=PRESET, base=BASE, served=SERVED, correct=totals,
-                 forwards=forwards, rows=rows)  # fmt: skip
+    write_report(args.out, load_before, threads, model=args.model, defaults=fast, base=BASE, served=SERVED,
+                 correct=totals, forwards=forwards, rows=rows)  # fmt: skip
 
 
 if __name__ == "__main__":
