@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu/kit.sh stage K         # there: keep part K of the GGUF on the warm machine
 #   bash benchmarks/gpu/kit.sh run [SECONDS]   # there: reassemble, install, run; results under $OUT (default 480 s)
 #   bash benchmarks/gpu/kit.sh smoke           # anywhere (CI): the same steps at toy sizes on the CPU
+#   bash benchmarks/gpu/kit.sh unpack DIR      # here, after a run: its work folder into runs/ (then resume the recipe)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CARRY=.gpu-carry
@@ -23,10 +24,15 @@ prepare() {
   # pure-Python wheels (py3-none-any): they install on the GPU's Python 3.12 as on ours
   $PY -m pip wheel --quiet --no-deps -w "$CARRY/wheels" $WHEELS
   split -b "$PART_BYTES" -d "$src" "$CARRY/gguf/part-"
+  # GSM8K's train split, where this checkout has it (docs/recipes.md#gsm8k: fetched, never committed)
+  if [ -f data/gsm8k/train.jsonl ]; then
+    mkdir -p "$CARRY/data" && cp data/gsm8k/train.jsonl "$CARRY/data/train.jsonl"
+    echo "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465  $CARRY/data/train.jsonl" | sha256sum -c --quiet
+  fi
   (cd "$CARRY/gguf" && sha256sum "$src" | awk '{print $1}' > SHA256)
   say "prepared $(ls "$CARRY/gguf" | grep -c part-) GGUF parts and $(ls "$CARRY/wheels" | wc -l) wheels in $CARRY"
   say "calls: for each part K but the last: carry [\"$CARRY/gguf/part-0K\"], command 'bash benchmarks/gpu/kit.sh stage K';"
-  say "then carry [\"$CARRY/wheels\", \"$CARRY/gguf/SHA256\", \"$CARRY/gguf/part-0LAST\"], command 'bash benchmarks/gpu/kit.sh run'"
+  say "then carry [\"$CARRY/wheels\", \"$CARRY/gguf/SHA256\", \"$CARRY/gguf/part-0LAST\", \"$CARRY/data\"], command 'bash benchmarks/gpu/kit.sh run 580'"
   say "(each within the 30 s a machine stays warm after a call)"
 }
 
@@ -47,50 +53,77 @@ install_there() {
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" FASTFORWARD_HOME=$STAGE/home
 }
 
-# The recipe at GPU scale (benchmarks/smollm2_jf.py: trajectories, then LoRA training), then the GPU targets
-# still open (benchmarks/gpu_check.py). Sizes: $1 "gpu" or "smoke".
+# The work folder as tarballs under $OUT (at most 8 files come back, 16 MiB each, 64 MiB in all): one per
+# finished adapter (sft, jf, control, the curve's snapshots: 6 at most, about 9.5 MB each for SmolLM2 at rank
+# 16 with the weights cast to bfloat16, as shipped adapters are) and, last, one of the rest (plan, splits,
+# answers, metrics, the logs); checkpoints (optimizer state) stay behind.
+bring_back() {
+  local work=$1 out=$2 n=0 parent
+  [ -d "$work" ] || return 0
+  parent=$(dirname "$work")
+  for adapter in "$work"/sft "$work"/jf "$work"/control "$work"/curve/step-*; do
+    [ -f "$adapter/adapter_config.json" ] && [ $n -lt 6 ] || continue
+    $PY - "$adapter" <<'PYEOF'
+import sys
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+path = Path(sys.argv[1]) / "adapter_model.safetensors"
+save_file({k: v.bfloat16().contiguous() for k, v in load_file(path).items()}, path)
+PYEOF
+    tar -czf "$out/adapter-$(basename "$adapter").tar.gz" --exclude=checkpoints -C "$parent" "${adapter#"$parent"/}"
+    n=$((n + 1))
+  done
+  say "bringing back $n adapters of $work"
+}
+
+records_back() {
+  local work=$1 out=$2
+  mkdir -p "$work" && mv "$out"/*.log "$out"/*.json "$work"/ 2>/dev/null || true
+  tar -czf "$out/work.tar.gz" --exclude=checkpoints --exclude="adapter_*" -C "$(dirname "$work")" \
+    "$(basename "$work")"
+  say "the logs and the work folder's records are in $out/work.tar.gz"
+}
+
+# Here, after a run: the tarballs from the device's files folder unpacked into runs/, so that the recipe
+# (the same command without --no-eval and with --threads 2) resumes there with its dev evaluation on this CPU.
+unpack() {
+  local from=${1:?the folder the files of the device call came back to}
+  for f in "$from"/work.tar.gz "$from"/adapter-*.tar.gz; do [ -f "$f" ] && tar -xzf "$f" -C runs; done
+  say "unpacked into runs/gpu-kit-jf; resume: fastforward recipe jacobi-forcing <the recipe's flags in recipe.log's plan> --work runs/gpu-kit-jf"
+}
+
+# The recipe at GPU scale (`fastforward recipe jacobi-forcing`: SFT, the SFT model's own answers, Jacobi Forcing
+# and an NTP control, --no-eval), then the GPU targets still open (benchmarks/gpu_check.py). Its data: GSM8K's
+# train split where `prepare` found it (.gpu-carry/data/train.jsonl), else the arithmetic task's 3,000 problems.
+# The work folder comes back (adapters in bfloat16) and the dev evaluation runs here: `bash kit.sh unpack`.
 measure() {
-  local out=$1 sizes=$2 budget=$3 started=$SECONDS failed=0
+  local out=$1 sizes=$2 budget=$3 started=$SECONDS failed=0 work=runs/gpu-kit-jf
   mkdir -p "$out"
   export PYTHONUNBUFFERED=1
-  local work=runs/gpu-kit-jf
+  local source=(--task arithmetic --problems 3000 --task-option min_ops=2 --task-option max_ops=3
+                --task-option max_number=20 --task-option max_factor=5)
+  [ -f "$CARRY/data/train.jsonl" ] && source=(--data "$CARRY/data/train.jsonl")
   if [ "$sizes" = gpu ]; then
-    recipe=(--device cuda --code 1000 --chat 1000 --collect-batch-size 64 --steps 600 --batch-size 16 --save-every 0
-            --curve 100,200,400)
+    recipe=("${source[@]}" --budget 3M --control --answers 1000 --threads 16)
     check=(--device cuda)
   else
     work=$out/jf-smoke
-    recipe=(--device cpu --code 2 --chat 2 --max-new-tokens 16 --steps 2 --batch-size 2 --curve 1 --save-every 0)
+    # reference targets: a 1-step SFT model's own answers rarely end within a smoke-sized budget
+    recipe=(--task arithmetic --problems 8 --dev 2 --budget 600 --seq-len 64 --batch-size 2 --targets reference
+            --curve 1 --lora-rank 2 --control --threads 2)
     check=(--device cpu --smoke)
   fi
   # the recipe gets the budget less what gpu_check's three parts took on an H200 (about 200 s, plus a margin);
-  # past it the recipe stops, and the newest adapter snapshot comes back instead of the final one
-  timeout --signal=INT $(( budget > 400 ? budget - 220 : budget / 2 )) $PY benchmarks/smollm2_jf.py --work "$work" "${recipe[@]}" --skip-eval 2>&1 \
+  # past it the recipe stops, and what it finished comes back (a rerun here resumes the rest)
+  timeout --signal=INT $(( budget > 400 ? budget - 220 : budget / 2 )) \
+    $PY -m fastforward recipe jacobi-forcing "${recipe[@]}" --work "$work" --no-eval 2>&1 \
     | tee "$out/recipe.log" || { failed=1; say "the recipe failed or ran out of time (see recipe.log)"; }
-  local adapter=$work/train
-  [ -f "$adapter/adapter_config.json" ] || adapter=$(ls -d "$work"/curve/step-* 2>/dev/null | tail -1)
-  if [ -n "$adapter" ] && [ -f "$adapter/adapter_config.json" ]; then
-    say "bringing back the adapter in $adapter"
-    # the adapter in bfloat16 (a file that comes back is at most 16 MiB), its provenance, the training record
-    $PY - "$adapter" "$out/adapter" <<'PYEOF'
-import shutil, sys
-from pathlib import Path
-from safetensors.torch import load_file, save_file
-src, dst = Path(sys.argv[1]), Path(sys.argv[2])
-dst.mkdir(parents=True, exist_ok=True)
-for name in ("adapter_config.json", "fastforward_adapter.json"):
-    shutil.copy(src / name, dst / name)
-weights = load_file(src / "adapter_model.safetensors")
-save_file({k: v.bfloat16().contiguous() for k, v in weights.items()}, dst / "adapter_model.safetensors")
-PYEOF
-    cp "$work/train/metrics.jsonl" "$out/train_metrics.jsonl"
-  fi
-  # the trajectories, whole or as far as collection got: they train on any machine
-  [ -f "$work/trajectories.jsonl" ] && gzip -c "$work/trajectories.jsonl" > "$out/trajectories.jsonl.gz"
+  bring_back "$work" "$out"
   local left=$(( budget - (SECONDS - started) ))
   say "recipe took $(( SECONDS - started )) s; gpu_check gets ${left} s"
   $PY benchmarks/gpu_check.py "${check[@]}" --parts train decode roofline --deadline "$left" --json "$out/gpu_check.json" \
     2>&1 | tee "$out/gpu_check.log" || { failed=1; say "gpu_check failed (see gpu_check.log)"; }
+  records_back "$work" "$out"
   say "done in $(( SECONDS - started )) s; results in $out"
   return $failed  # a failed part keeps the other's figures; the call still says it failed
 }
@@ -99,6 +132,7 @@ case "${1:-}" in
   prepare) prepare ;;
   stage) stage "${2:?which part}" ;;
   run) install_there; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true; measure "${OUT:?run on the device: \$OUT is unset}" gpu "${2:-480}" ;;
-  smoke) measure "${OUT:-runs/gpu-kit-smoke}" smoke 300 ;;
-  *) sed -n '2,9p' "$0"; exit 2 ;;
+  smoke) measure "${OUT:-runs/gpu-kit-smoke}" smoke 900 ;;
+  unpack) unpack "${2:-}" ;;
+  *) sed -n '2,10p' "$0"; exit 2 ;;
 esac
