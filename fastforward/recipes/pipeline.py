@@ -82,7 +82,7 @@ class RecipeOptions:
     options add its own fields. `evaluation_only`: the options that change only the dev-split evaluation,
     which a rerun in the same work folder may change (the others shape what is trained)."""
 
-    evaluation_only: ClassVar[frozenset[str]] = frozenset({"blocks", "curve_n", "max_new_tokens"})
+    evaluation_only: ClassVar[frozenset[str]] = frozenset({"blocks", "curve_n", "final_n", "max_new_tokens"})
 
     model: str = option("smollm2-135m", "the base: preset, model directory or .gguf file")
     budget: str = option(
@@ -109,6 +109,9 @@ class RecipeOptions:
     control: bool = option(False, "also train an NTP control (the same start, data and steps) and measure it")
     blocks: tuple[int, ...] = option((8, 12, 16), "block sizes measured on the dev split", BLOCK_SIZES)
     curve_n: int = option(30, "dev records at each curve point", AT_LEAST_ONE)
+    final_n: int = option(
+        0, "dev records for the final table and the choice of defaults (0: all; fewer to fit the time)", NON_NEGATIVE
+    )
     max_new_tokens: int = option(256, "new tokens per dev answer at most", AT_LEAST_ONE)
 
     def __post_init__(self) -> None:
@@ -310,7 +313,7 @@ class Recipe:
     def _dev(self, points: list[int]) -> dict[str, Any]:
         path, o = self.work / "dev.json", self.options
         record = json.loads(path.read_text()) if path.exists() else {}
-        records = self.dev_records
+        records = self.dev_records[: o.final_n or None]
         base = load_model(o.model, **SERVED)
         prompts = [base.encode_prompt(r.prompt) for r in records]
         few, few_prompts = records[: o.curve_n], prompts[: o.curve_n]
