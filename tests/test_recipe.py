@@ -148,12 +148,13 @@ def test_the_recipe_makes_a_preset_that_carries_its_defaults_and_resumes(tmp_pat
 def test_the_sbd_recipe_ships_an_sbd_model_whose_default_is_lossless(tmp_path, capsys):
     tiny_model(init_std=0.5).save(tmp_path / "m")
     args = recipe_args(tmp_path, write_lines(tmp_path / "gsm8k.jsonl", GSM8K_LINES), "sbd")
-    assert main([*args, "--ship-to", str(tmp_path / "preset")]) == 0
+    assert main([*args, "--final-n", "1", "--ship-to", str(tmp_path / "preset")]) == 0
     dev = json.loads((tmp_path / "w" / "dev.json").read_text())
+    assert {row["n"] for row in dev["final"].values()} == {1} and dev["base"]["n"] == 1  # --final-n: the first 1
     assert set(dev["curve"][0]) == {"step", "tokens", "ar"}  # the SFT start has no mask token yet
     assert set(dev["curve"][-1]) == {"step", "tokens", "ar", "sbd-verified"}
     assert {"sbd-verified-2", "sbd-verified-4", "sbd gamma 0.35", "sbd-slide gamma 0.35"} <= set(dev["final"])
-    assert all(dev["final"][f"sbd-verified-{b}"]["equal_ar"] == 2 for b in (2, 4))  # lossless on dev
+    assert all(dev["final"][f"sbd-verified-{b}"]["equal_ar"] == 1 for b in (2, 4))  # lossless on dev
     assert dev["defaults"]["decoder"] in ("ar", "lookup", "sbd-verified")  # never a lossy one
     model = load_model(str(tmp_path / "preset"))
     assert model.mask_token_id is not None  # the shipped adapter brings SBD's mask token
