@@ -151,6 +151,8 @@ def test_the_sbd_recipe_ships_an_sbd_model_whose_default_is_lossless(tmp_path, c
     assert main([*args, "--final-n", "1", "--ship-to", str(tmp_path / "preset")]) == 0
     dev = json.loads((tmp_path / "w" / "dev.json").read_text())
     assert {row["n"] for row in dev["final"].values()} == {1} and dev["base"]["n"] == 1  # --final-n: the first 1
+    plan = json.loads((tmp_path / "w" / "plan.json").read_text())
+    assert plan["sbd_steps"] == round(plan["sbd_tokens"] / (2 * 64 * 2))  # a row read twice: clean and masked copy
     assert set(dev["curve"][0]) == {"step", "tokens", "ar"}  # the SFT start has no mask token yet
     assert set(dev["curve"][-1]) == {"step", "tokens", "ar", "sbd-verified"}
     assert {"sbd-verified-2", "sbd-verified-4", "sbd gamma 0.35", "sbd-slide gamma 0.35"} <= set(dev["final"])
@@ -197,6 +199,8 @@ def test_a_task_train_split_is_data_too_and_its_command_names_it(tmp_path, capsy
     args = ["recipe", "jacobi-forcing", "--model", str(tmp_path / "m"), "--work", str(tmp_path / "w2"), "--dev", "2"]
     assert main([*args, "--task", "arithmetic", "--problems", "1"]) == 2
     assert "--problems 1" in capsys.readouterr().err
+    assert main([*args, "--data", "x.jsonl", "--problems", "5"]) == 2  # not silently ignored
+    assert "--data FILE takes neither" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one or the other, as argparse refuses
         main([*args, "--task", "arithmetic", "--data", "x.jsonl"])
     assert "not allowed with" in capsys.readouterr().err

@@ -63,6 +63,17 @@ def test_loss_falls_on_a_tiny_task(tmp_path, objective):
         assert sum(r[term] for r in steps[-5:]) / 5 < 0.7 * steps[0][term], term
 
 
+def test_a_step_counts_the_tokens_the_model_reads(tmp_path):
+    """A budget in tokens means equal compute across methods: SBD and SetDLM read each row twice (the clean
+    row and its masked copy), so a step of theirs counts twice NTP's tokens on the same rows."""
+    counted = {}
+    for objective in (NTP(), SBD(min_block=2, max_block=4), SetDLM()):
+        model = tiny_model(TEXTS)
+        history = train(model, objective, packed(model), config(steps=1, save_every=0), tmp_path / objective.name)
+        counted[objective.name] = history[0]["tokens"]
+    assert counted["sbd"] == counted["setdlm"] == 2 * counted["ntp"] == 2 * 2 * 32
+
+
 def test_one_process_trains_twice_at_two_precisions(tmp_path):
     """accelerate keeps one state per process; a second `train` at another mixed precision (the CLI's
     bf16 default on a GPU after a library call's "no") gets its own instead of an error."""

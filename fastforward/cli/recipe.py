@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             help='JSONL of {"prompt", "completion"?, "answer"?} or GSM8K {"question", "answer"} lines',
         )  # fmt: skip
         source.add_argument("--task", help="or a built-in task's train split with worked solutions (arithmetic)")
-        q.add_argument("--problems", type=int, default=2000, help="problems drawn from --task's train split")
+        q.add_argument("--problems", type=int, help="problems drawn from --task's train split (default: 2000)")
         q.add_argument("--task-option", action="append", default=[], metavar="K=V", help="--task's knob (repeat)")
         q.add_argument("--work", type=Path, required=True, help="the work folder (rerun with it to resume)")
         q.add_argument("--ship-to", type=Path, help="write the finished model here as a preset folder")
@@ -69,7 +69,10 @@ def data_source(args: argparse.Namespace) -> DataFile | TaskData:
     from fastforward.tasks import parse_options
 
     if args.data is not None:
+        if args.problems is not None or args.task_option:
+            raise FastForwardError("--problems and --task-option shape --task's problems; --data FILE takes neither")
         return DataFile(args.data)
+    args.problems = 2000 if args.problems is None else args.problems
     if args.problems < 2:
         raise FastForwardError(f"--problems {args.problems}: draw at least 2 (some train, some dev)")
     return TaskData(args.task, args.problems, tuple(parse_options(args.task_option).items()))

@@ -158,8 +158,8 @@ class Recipe:
         raise NotImplementedError
 
     def row_tokens(self, rows: TrainData) -> float:
-        """Tokens a row of `rows` holds on average (what the budget counts)."""
-        return float(self.options.seq_len)
+        """Tokens the model reads for a row of `rows` on average (what the budget counts, as the trainer does)."""
+        return float(self.options.seq_len * self.objective().copies)
 
     def curve_decoders(self) -> Decoders:
         """The rows measured at each curve point (`ar` among them)."""

@@ -17,6 +17,7 @@ import json
 import os
 import re
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -145,13 +146,18 @@ class TaskData:
         return ["--task", self.task, *options, "--problems", str(self.problems)]
 
     def records(self) -> list[Record]:
+        return list(self._records)
+
+    @cached_property
+    def _records(self) -> tuple[Record, ...]:
+        """Made once per instance: the plan checks the checksum and then splits the same records."""
         examples = get_task(self.task, **dict(self.options)).examples("train", n=self.problems, seed=0)
         if not examples or any(e.completion is None for e in examples):
             raise FastForwardError(f"task {self.task!r} has no worked solutions to train on; give --data FILE")
-        return [Record(e.prompt, e.completion, e.reference) for e in examples]
+        return tuple(Record(e.prompt, e.completion, e.reference) for e in examples)
 
     def sha256(self) -> str:
-        lines = "".join(json.dumps(asdict(r)) + "\n" for r in self.records())
+        lines = "".join(json.dumps(asdict(r)) + "\n" for r in self._records)
         return hashlib.sha256(lines.encode()).hexdigest()
 
 

@@ -241,7 +241,8 @@ def _train_step(run: _Run, data: TrainData, step: int) -> dict:
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    metrics = _mean_over_processes(accelerator, {**totals, "tokens": float(sum(b.n_tokens for b in batches))})
+    read = unwrapped.objective.copies * sum(b.n_tokens for b in batches)  # tokens the model read
+    metrics = _mean_over_processes(accelerator, {**totals, "tokens": float(read)})
     metrics["tokens"] *= processes  # the mean over processes times their number: the step's tokens
     metrics["tokens_per_s"] = metrics["tokens"] / (time.perf_counter() - started)
     return metrics

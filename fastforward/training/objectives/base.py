@@ -35,6 +35,9 @@ class Objective:
     """Base of the training objectives; subclasses are dataclasses whose fields are their options."""
 
     name: ClassVar[str]  # given by `objectives.registry.register`
+    # Copies of each data row the training layout reads (SBD and SetDLM: the clean row and its masked copy):
+    # the trainer counts the tokens the model reads, so budgets in tokens mean equal compute across methods.
+    copies: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         """Refuse option values outside their bounds, however the objective is made (`fastforward train`,

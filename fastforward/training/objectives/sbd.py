@@ -124,6 +124,8 @@ class Masking:
 class SBD(Objective):
     """NTP on the clean half plus masked-token prediction on the block-masked copy."""
 
+    copies = 2  # the clean row and its masked copy
+
     min_block: int = option(2, "smallest block size drawn", AT_LEAST_ONE)
     max_block: int = option(16, "largest block size drawn", AT_LEAST_ONE)
     ntp_weight: float = option(1.0, "weight of the NTP term", NON_NEGATIVE)

@@ -114,6 +114,8 @@ def setdlm_layout(
 class SetDLM(Objective):
     """Every target predicted once, as a singleton set, from the tokens revealed before it."""
 
+    copies = 2  # the clean row and its masked copy
+
     set_size: float = option(4.0, "desired tokens per reveal set", POSITIVE)
     max_set: float = option(8.0, "reveal window width s_max", AT_LEAST_ONE)
     ntp_weight: float = option(1.0, "weight of the NTP term", NON_NEGATIVE)
