@@ -101,7 +101,7 @@ def test_own_answers_are_the_models_greedy_output_and_resume_after_a_torn_line(t
 
 # ---- the command ------------------------------------------------------------------------------------------
 def recipe_args(tmp_path, data: str, method: str = "jacobi-forcing") -> list[str]:
-    own = ["--block-size", "4"] if method == "jacobi-forcing" else ["--max-block", "4"]
+    own = {"jacobi-forcing": ["--block-size", "4"], "setdlm": ["--max-set", "4"]}.get(method, ["--max-block", "4"])
     return [
         "recipe", method, "--model", str(tmp_path / "m"), "--data", data, "--work", str(tmp_path / "w"), *own,
         "--budget", "3k", "--dev", "2", "--seq-len", "64", "--batch-size", "2", "--blocks", "2", "4",
@@ -167,6 +167,40 @@ def test_the_sbd_recipe_ships_an_sbd_model_whose_default_is_lossless(tmp_path, c
     )
     provenance = json.loads((tmp_path / "preset" / "provenance.json").read_text())
     assert provenance["command"].startswith("fastforward recipe sbd ") and "--max-block 4" in provenance["command"]
+
+
+def test_multitf_post_trains_the_sbd_recipes_model_on_its_dev_split(tmp_path, capsys):
+    tiny_model(init_std=0.5).save(tmp_path / "m")
+    data = write_lines(tmp_path / "gsm8k.jsonl", GSM8K_LINES)
+    assert main([*recipe_args(tmp_path, data, "sbd"), "--final-n", "1", "--curve", "1"]) == 0
+    args = recipe_args(tmp_path, data, "multitf")
+    args[args.index("--work") + 1] = str(tmp_path / "mtf")
+    assert main(args) == 2 and "--start" in capsys.readouterr().err  # it needs the SBD model
+    start = ["--start", str(tmp_path / "w" / "shipped"), "--block", "2", "--buffer", "2", "--final-n", "1"]
+    assert main([*args, *start, "--ship-to", str(tmp_path / "preset")]) == 0
+    work = tmp_path / "mtf"
+    plan, dev = (json.loads((work / f).read_text()) for f in ("plan.json", "dev.json"))
+    assert plan["sft_steps"] == 0 and not (work / "sft").exists()
+    assert read_records(work / "dev.jsonl") == read_records(tmp_path / "w" / "dev.jsonl")  # SBD's dev split
+    assert set(dev["curve"][0]) == {"step", "tokens", "ar", "SingleBD", "mbd"}  # step 0: training-free on SBD
+    assert dev["final"]["sbd-verified"]["equal_ar"] == 1 and dev["defaults"]["decoder"] != "mbd"
+    provenance = json.loads((tmp_path / "preset" / "provenance.json").read_text())
+    assert "--start " in provenance["command"] and "--no-sft" in provenance["command"]
+    model = load_model(str(tmp_path / "preset"))  # SFT, SBD and MultiTF flattened over the base
+    prompt = [model.encode_prompt("Tom has 3 apples")]
+    ar = build_decoder("ar").generate(model, prompt, 10)[0].token_ids
+    verified = build_decoder("sbd-verified", block_size=2, gamma=float("inf"))
+    assert verified.generate(model, prompt, 10)[0].token_ids == ar
+
+
+def test_the_setdlm_recipe_measures_its_rows_against_ar_and_keeps_a_lossless_default(tmp_path):
+    tiny_model(init_std=0.5).save(tmp_path / "m")
+    args = recipe_args(tmp_path, write_lines(tmp_path / "gsm8k.jsonl", GSM8K_LINES), "setdlm")
+    assert main([*args, "--final-n", "1", "--window", "2"]) == 0
+    dev = json.loads((tmp_path / "w" / "dev.json").read_text())
+    assert set(dev["curve"][-1]) == {"step", "tokens", "ar", "setdlm ntp-first"}
+    assert {"ar", "lookup", "setdlm", "setdlm ntp-first"} == set(dev["final"])
+    assert dev["defaults"]["decoder"] in ("ar", "lookup")  # setdlm is lossy: never the default
 
 
 def test_a_budget_in_time_is_converted_at_the_rate_measured_here(tmp_path):

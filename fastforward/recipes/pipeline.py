@@ -254,10 +254,16 @@ class Recipe:
         self.log(f"ntp from {start}: {steps} steps → {run}")
         train(model, make_objective("ntp"), rows, self._config(steps), run)
 
+    def start_chain(self) -> list[Path]:
+        """The adapters from the base to the model the method starts from: the SFT stage's, or none. A method
+        that post-trains another's model (MultiTF from SBD) names that model's adapter instead."""
+        return [self.work / "sft"] if self.plan["sft_steps"] else []
+
     @property
     def start(self) -> str:
-        """The model the method starts from: the SFT adapter, or the base without an SFT stage."""
-        return str(self.work / "sft") if self.plan["sft_steps"] else self.options.model
+        """The model the method starts from: the last adapter of `start_chain`, or the base."""
+        chain = self.start_chain()
+        return str(chain[-1]) if chain else self.options.model
 
     @property
     def steps(self) -> int:
@@ -360,8 +366,7 @@ class Recipe:
         """The adapters from the base to the method's model flattened into one bfloat16 adapter (WORK/shipped)."""
         shipped = self.work / "shipped"
         if not (shipped / adapters.ADAPTER_CONFIG).exists():
-            chain = [self.work / "sft"] if self.plan["sft_steps"] else []
-            flatten([*chain, self.work / self.stage], shipped, self.options.model)
+            flatten([*self.start_chain(), self.work / self.stage], shipped, self.options.model)
         return shipped
 
     def ship(self, dest: Path, record: dict[str, Any]) -> None:
