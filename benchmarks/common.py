@@ -195,6 +195,27 @@ def write_report(path: Path, load_before: list[float], threads: int, **figures) 
     log(f"wrote {path}")
 
 
+# The arithmetic presets' task (2-3 operations, numbers to 20, factors to 5) and its training draw.
+ARITHMETIC = {"min_ops": 2, "max_ops": 3, "max_number": 20, "max_factor": 5}
+ARITHMETIC_TRAIN = 3000
+
+
+def held_out_records(data: Path | None, n: int, clean: bool = False) -> list:
+    """The first `n` records of a test JSONL, or else of the arithmetic task's test split (seed 1, as its
+    preset's figures were measured); with `clean`, of those apart from its 3,000 train problems (seed 0):
+    no test problem that equals a train problem once names and items are masked, or shares its solution."""
+    from fastforward.recipes.records import Record, read_records
+    from fastforward.tasks.arithmetic import apart_from
+
+    if data is not None:
+        return read_records(data)[:n]
+    task = get_task("arithmetic", **ARITHMETIC)
+    examples = task.examples("test", n=2 * n if clean else n, seed=1)
+    if clean:
+        examples = apart_from(examples, task.examples("train", n=ARITHMETIC_TRAIN, seed=0))[:n]
+    return [Record(e.prompt, None, e.reference) for e in examples]
+
+
 class HFGenerate(Decoder):
     """`model.hf.generate(..., do_sample=False, **options)`, one prompt at a time, as a Decoder.
 

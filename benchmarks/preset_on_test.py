@@ -18,30 +18,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import RESULTS, load_average, log, set_threads, write_report
+from common import RESULTS, held_out_records, load_average, log, set_threads, write_report
 
 from fastforward.decoding.model_defaults import model_decoding_defaults
 from fastforward.model import load_model
 from fastforward.recipes.dev_eval import table
-from fastforward.recipes.records import Record, read_records
-from fastforward.tasks import get_task
-from fastforward.tasks.arithmetic import apart_from
 
 BASE = "smollm2-135m"
 SERVED = {"quantize": "int4", "exact": True}
-ARITHMETIC = {"min_ops": 2, "max_ops": 3, "max_number": 20, "max_factor": 5}  # the arithmetic preset's task
-
-
-def test_records(args: argparse.Namespace) -> list[Record]:
-    """The first --n records of the test file, or of the arithmetic task's test split (seed 1, as its
-    preset's figures were measured); with --clean, of those apart from its 3,000 train problems (seed 0)."""
-    if args.data:
-        return read_records(args.data)[: args.n]
-    task = get_task("arithmetic", **ARITHMETIC)
-    examples = task.examples("test", n=2 * args.n if args.clean else args.n, seed=1)
-    if args.clean:
-        examples = apart_from(examples, task.examples("train", n=3000, seed=0))[: args.n]
-    return [Record(e.prompt, None, e.reference) for e in examples]
 
 
 def main() -> None:
@@ -60,7 +44,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     threads, before = set_threads(args.threads), load_average()
-    records = test_records(args)
+    records = held_out_records(args.data, args.n, args.clean)
     defaults = model_decoding_defaults(args.model)
     if defaults is None:
         raise SystemExit(f"{args.model} has no decoding.json: nothing to measure its defaults by")

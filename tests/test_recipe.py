@@ -173,6 +173,12 @@ def test_multitf_post_trains_the_sbd_recipes_model_on_its_dev_split(tmp_path, ca
     tiny_model(init_std=0.5).save(tmp_path / "m")
     data = write_lines(tmp_path / "gsm8k.jsonl", GSM8K_LINES)
     assert main([*recipe_args(tmp_path, data, "sbd"), "--final-n", "1", "--curve", "1"]) == 0
+    from fastforward.recipes.pipeline import reopen
+
+    sbd = reopen(tmp_path / "w", log=lambda line: None)  # from its plan alone, to measure what it trained
+    assert sbd.name == "sbd" and sbd.options.max_block == 4 and "sbd-verified-8" in sbd.final_decoders()
+    with pytest.raises(FastForwardError, match="no recipe run"):
+        reopen(tmp_path / "nothing")
     args = recipe_args(tmp_path, data, "multitf")
     args[args.index("--work") + 1] = str(tmp_path / "mtf")
     assert main(args) == 2 and "--start" in capsys.readouterr().err  # it needs the SBD model

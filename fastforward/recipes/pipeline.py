@@ -140,8 +140,11 @@ class Recipe:
     method: ClassVar[str]  # what the shipped adapter is, for its description: "a Jacobi Forcing LoRA adapter"
     options_class: ClassVar[type[RecipeOptions]] = RecipeOptions
 
-    def __init__(self, data: Data | Path | str, work: Path, options: RecipeOptions, log: Callable[[str], None] = print):
-        self.data = data if isinstance(data, DataFile | TaskData) else DataFile(Path(data))
+    def __init__(
+        self, data: Data | Path | str | None, work: Path, options: RecipeOptions, log: Callable[[str], None] = print
+    ):
+        """`data` None: the run already planned in `work`, as it is (`reopen`), to measure what it trained."""
+        self.data = data if data is None or isinstance(data, DataFile | TaskData) else DataFile(Path(data))
         self.work, self.options, self.log = Path(work), options, log
         self.work.mkdir(parents=True, exist_ok=True)
         self.plan = self._plan()
@@ -173,6 +176,10 @@ class Recipe:
     def _plan(self) -> dict[str, Any]:
         path = self.work / "plan.json"
         wanted = self.options.training()
+        if self.data is None:
+            if not path.exists():
+                raise FastForwardError(f"{self.work} holds no recipe run (no plan.json): give its --data or --task")
+            return json.loads(path.read_text())
         data_sha = self.data.sha256()
         if path.exists():
             plan = json.loads(path.read_text())
@@ -350,7 +357,7 @@ class Recipe:
             self.log(f"dev curve point: {json.dumps(point)}")
         if "final" not in record:
             decoders = self.final_decoders()
-            rows = measure(load_model(str(self._flattened()), **SERVED), decoders, records, prompts)
+            rows = measure(load_model(str(self.flattened()), **SERVED), decoders, records, prompts)
             keep("final", rows)
             where = f"{len(records)} dev prompts, int4 --exact, batch 1, greedy, interleaved, {cpu_model()}"
             keep("defaults", dev_eval.choose_defaults(rows, decoders, where).as_json())
@@ -362,7 +369,7 @@ class Recipe:
         return record
 
     # ---- stage 7: ship ------------------------------------------------------------------------------
-    def _flattened(self) -> Path:
+    def flattened(self) -> Path:
         """The adapters from the base to the method's model flattened into one bfloat16 adapter (WORK/shipped)."""
         shipped = self.work / "shipped"
         if not (shipped / adapters.ADAPTER_CONFIG).exists():
@@ -372,6 +379,8 @@ class Recipe:
     def ship(self, dest: Path, record: dict[str, Any]) -> None:
         """The shipped adapter, its decoding defaults and its provenance, written beside `dest` and renamed."""
         o = self.options
+        if self.data is None:
+            raise FastForwardError("a reopened recipe run cannot ship: rerun its command with --data or --task")
         provenance = {
             "name": dest.name,
             "description": f"{o.model} + {self.method} made by `fastforward recipe {self.name}` from {self.data.name}",
@@ -387,7 +396,7 @@ class Recipe:
         }
         tmp = dest.with_name(f".{dest.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(self._flattened(), tmp)
+        shutil.copytree(self.flattened(), tmp)
         write_decoding_defaults(tmp, DecodingDefaults(**record["defaults"]))
         write_json_atomic(tmp / "provenance.json", provenance)
         shutil.rmtree(dest, ignore_errors=True)
@@ -404,7 +413,7 @@ class Recipe:
         if not evaluate:
             return None
         record = self._dev(points)
-        write_decoding_defaults(self._flattened(), DecodingDefaults(**record["defaults"]))
+        write_decoding_defaults(self.flattened(), DecodingDefaults(**record["defaults"]))
         if ship_to is not None:
             self.ship(ship_to, record)
         return record
@@ -413,6 +422,18 @@ class Recipe:
 RECIPES: Registry[type[Recipe]] = Registry("recipe", "fastforward.recipes")
 # `@register(name)` on a `Recipe` subclass declares it as `fastforward recipe NAME`.
 register = RECIPES.named
+
+
+def reopen(work: Path, log: Callable[[str], None] = print) -> Recipe:
+    """The recipe run in `work`, from its plan alone (the recipe and its training options; evaluation options at
+    their defaults): what a benchmark measures a finished run's model and decoders with."""
+    path = Path(work) / "plan.json"
+    if not path.exists():
+        raise FastForwardError(f"{work} holds no recipe run (no plan.json)")
+    plan = json.loads(path.read_text())
+    recipe_class = RECIPES[plan["recipe"]]
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in plan["options"].items()}
+    return recipe_class(None, Path(work), recipe_class.options_class(**given), log=log)
 
 
 def command_line(name: str, options: RecipeOptions, data: Data, work: Path, ship_to: Path | None = None) -> str:
