@@ -4,8 +4,9 @@
 #
 #   bash benchmarks/gpu/kit.sh prepare         # here: wheels and the GGUF in parts, under .gpu-carry/ (git-ignored)
 #   bash benchmarks/gpu/kit.sh stage K         # there: keep part K of the GGUF on the warm machine
-#   bash benchmarks/gpu/kit.sh run [SECONDS]   # there: reassemble, install, run; results under $OUT (default 480 s)
-#   bash benchmarks/gpu/kit.sh smoke           # anywhere (CI): the same steps at toy sizes on the CPU
+#   bash benchmarks/gpu/kit.sh run [SECONDS] [RECIPE]  # there: reassemble, install, run RECIPE (jacobi-forcing,
+#                                              # sbd or setdlm); results under $OUT (default 480 s, jacobi-forcing)
+#   bash benchmarks/gpu/kit.sh smoke [RECIPE]  # anywhere (CI): the same steps at toy sizes on the CPU
 #   bash benchmarks/gpu/kit.sh unpack DIR      # here, after a run: its work folder into runs/ (then resume the recipe)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -61,7 +62,7 @@ bring_back() {
   local work=$1 out=$2 n=0 parent
   [ -d "$work" ] || return 0
   parent=$(dirname "$work")
-  for adapter in "$work"/sft "$work"/jf "$work"/control "$work"/curve/step-*; do
+  for adapter in "$work"/sft "$work"/jf "$work"/sbd "$work"/setdlm "$work"/control "$work"/curve/step-*; do
     [ -f "$adapter/adapter_config.json" ] && [ $n -lt 6 ] || continue
     $PY - "$adapter" <<'PYEOF'
 import sys
@@ -87,27 +88,33 @@ records_back() {
 # Here, after a run: the tarballs from the device's files folder unpacked into runs/, so that the recipe
 # (the same command without --no-eval and with --threads 2) resumes there with its dev evaluation on this CPU.
 unpack() {
-  local from=${1:?the folder the files of the device call came back to}
+  local from=${1:?the folder the files of the device call came back to} work
   for f in "$from"/work.tar.gz "$from"/adapter-*.tar.gz; do [ -f "$f" ] && tar -xzf "$f" -C runs; done
-  say "unpacked into runs/gpu-kit-jf; resume: fastforward recipe jacobi-forcing <the recipe's flags in recipe.log's plan> --work runs/gpu-kit-jf"
+  work=$(tar -tzf "$from/work.tar.gz" | head -1 | cut -d/ -f1)
+  say "unpacked into runs/$work; resume: the recipe's command in runs/$work/recipe.log with --work runs/$work"
 }
 
-# The recipe at GPU scale (`fastforward recipe jacobi-forcing`: SFT, the SFT model's own answers, Jacobi Forcing
-# and an NTP control, --no-eval), then the GPU targets still open (benchmarks/gpu_check.py). Its data: GSM8K's
-# train split where `prepare` found it (.gpu-carry/data/train.jsonl), else the arithmetic task's 3,000 problems.
-# The work folder comes back (adapters in bfloat16) and the dev evaluation runs here: `bash kit.sh unpack`.
+# A recipe at GPU scale (`fastforward recipe RECIPE`: SFT, the SFT model's own answers, the method and an NTP
+# control, --no-eval), then the GPU targets still open (benchmarks/gpu_check.py). Its data: for jacobi-forcing
+# GSM8K's train split where `prepare` found it (.gpu-carry/data/train.jsonl), else (and for sbd and setdlm, issue
+# 70's shared start) the arithmetic task's 3,000 problems. The work folder comes back (adapters in bfloat16) and
+# the dev evaluation runs here: `bash kit.sh unpack`.
 measure() {
-  local out=$1 sizes=$2 budget=$3 started=$SECONDS failed=0 work=runs/gpu-kit-jf
+  local out=$1 sizes=$2 budget=$3 method=${4:-jacobi-forcing} started=$SECONDS failed=0
+  local work=runs/gpu-kit-$method
+  case "$method" in jacobi-forcing|sbd|setdlm) ;; *) say "unknown recipe $method (jacobi-forcing, sbd, setdlm)"; return 2 ;; esac
   mkdir -p "$out"
   export PYTHONUNBUFFERED=1
   local source=(--task arithmetic --problems 3000 --task-option min_ops=2 --task-option max_ops=3
                 --task-option max_number=20 --task-option max_factor=5)
-  [ -f "$CARRY/data/train.jsonl" ] && source=(--data "$CARRY/data/train.jsonl")
+  [ "$method" = jacobi-forcing ] && [ -f "$CARRY/data/train.jsonl" ] && source=(--data "$CARRY/data/train.jsonl")
   if [ "$sizes" = gpu ]; then
-    recipe=("${source[@]}" --budget 3M --control --answers 1000 --threads 16)
+    # GSM8K: 1,000 own answers (about 14 min on 2 cores here); arithmetic: one epoch's worth (short answers)
+    recipe=("${source[@]}" --budget 3M --control --threads 16)
+    [ "${source[0]}" = --data ] && recipe+=(--answers 1000)
     check=(--device cuda)
   else
-    work=$out/jf-smoke
+    work=$out/$method-smoke
     # reference targets: a 1-step SFT model's own answers rarely end within a smoke-sized budget
     recipe=(--task arithmetic --problems 8 --dev 2 --budget 600 --seq-len 64 --batch-size 2 --targets reference
             --curve 1 --lora-rank 2 --control --threads 2)
@@ -116,7 +123,7 @@ measure() {
   # the recipe gets the budget less what gpu_check's three parts took on an H200 (about 200 s, plus a margin);
   # past it the recipe stops, and what it finished comes back (a rerun here resumes the rest)
   timeout --signal=INT $(( budget > 400 ? budget - 220 : budget / 2 )) \
-    $PY -m fastforward recipe jacobi-forcing "${recipe[@]}" --work "$work" --no-eval 2>&1 \
+    $PY -m fastforward recipe "$method" "${recipe[@]}" --work "$work" --no-eval 2>&1 \
     | tee "$out/recipe.log" || { failed=1; say "the recipe failed or ran out of time (see recipe.log)"; }
   bring_back "$work" "$out"
   local left=$(( budget - (SECONDS - started) ))
@@ -131,8 +138,8 @@ measure() {
 case "${1:-}" in
   prepare) prepare ;;
   stage) stage "${2:?which part}" ;;
-  run) install_there; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true; measure "${OUT:?run on the device: \$OUT is unset}" gpu "${2:-480}" ;;
-  smoke) measure "${OUT:-runs/gpu-kit-smoke}" smoke 900 ;;
+  run) install_there; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true; measure "${OUT:?run on the device: \$OUT is unset}" gpu "${2:-480}" "${3:-}" ;;
+  smoke) measure "${OUT:-runs/gpu-kit-smoke}" smoke 900 "${2:-}" ;;
   unpack) unpack "${2:-}" ;;
   *) sed -n '2,10p' "$0"; exit 2 ;;
 esac
