@@ -20,8 +20,8 @@ varied` draws each row's prompt (48-96 tokens) and block count (2-8) and ends it
 token inside the last block, as real responses do, so that the rows of a batch differ in length.
 tokens/s counts the tokens the model reads in a step, the trainer's own measure (padding not counted):
 `jacobi_forcing` the prompt and both copies of every block; `sbd`, `multitf` and `setdlm` each row twice, the
-clean row and its masked copy (since 2026-12-02; figures from before counted those rows once). The first step of each run is left out
-(allocations, one-time set-up).
+clean row and its masked copy (since 2026-12-02; figures from before counted those rows once). The first
+step of each run is left out (allocations, one-time set-up).
 
     python benchmarks/train_speed.py                       # SmolLM2-135M, every objective, 3 rounds
     python benchmarks/train_speed.py --objectives jacobi_forcing --rounds 5
