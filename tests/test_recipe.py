@@ -172,7 +172,8 @@ def test_the_sbd_recipe_ships_an_sbd_model_whose_default_is_lossless(tmp_path, c
 def test_multitf_post_trains_the_sbd_recipes_model_on_its_dev_split(tmp_path, capsys):
     tiny_model(init_std=0.5).save(tmp_path / "m")
     data = write_lines(tmp_path / "gsm8k.jsonl", GSM8K_LINES)
-    assert main([*recipe_args(tmp_path, data, "sbd"), "--final-n", "1", "--curve", "1"]) == 0
+    sbd_preset = str(tmp_path / "sbd-preset")
+    assert main([*recipe_args(tmp_path, data, "sbd"), "--final-n", "1", "--curve", "1", "--ship-to", sbd_preset]) == 0
     from fastforward.recipes.pipeline import reopen
 
     sbd = reopen(tmp_path / "w", log=lambda line: None)  # from its plan alone, to measure what it trained
@@ -182,7 +183,7 @@ def test_multitf_post_trains_the_sbd_recipes_model_on_its_dev_split(tmp_path, ca
     args = recipe_args(tmp_path, data, "multitf")
     args[args.index("--work") + 1] = str(tmp_path / "mtf")
     assert main(args) == 2 and "--start" in capsys.readouterr().err  # it needs the SBD model
-    start = ["--start", str(tmp_path / "w" / "shipped"), "--block", "2", "--buffer", "2", "--final-n", "1"]
+    start = ["--start", sbd_preset, "--block", "2", "--buffer", "2", "--final-n", "1"]
     assert main([*args, *start, "--ship-to", str(tmp_path / "preset")]) == 0
     work = tmp_path / "mtf"
     plan, dev = (json.loads((work / f).read_text()) for f in ("plan.json", "dev.json"))
@@ -192,6 +193,7 @@ def test_multitf_post_trains_the_sbd_recipes_model_on_its_dev_split(tmp_path, ca
     assert dev["final"]["sbd-verified"]["equal_ar"] == 1 and dev["defaults"]["decoder"] != "mbd"
     provenance = json.loads((tmp_path / "preset" / "provenance.json").read_text())
     assert "--start " in provenance["command"] and "--no-sft" in provenance["command"]
+    assert provenance["start"]["command"].startswith("fastforward recipe sbd ")  # how its start was made
     model = load_model(str(tmp_path / "preset"))  # SFT, SBD and MultiTF flattened over the base
     prompt = [model.encode_prompt("Tom has 3 apples")]
     ar = build_decoder("ar").generate(model, prompt, 10)[0].token_ids

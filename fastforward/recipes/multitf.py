@@ -1,7 +1,8 @@
 """`fastforward recipe multitf`: Multi-Block Diffusion post-training (MultiTF) of an SBD model.
 
 MultiTF starts where `fastforward recipe sbd` ended: `--start` names that model's adapter over `--model`
-(an sbd recipe's WORK/shipped, or a preset folder made by it), and no SFT stage runs. Give the same data
+(the preset folder an sbd recipe's `--ship-to` wrote, whose provenance the new one then carries, or its
+WORK/shipped), and no SFT stage runs. Give the same data
 and seed as the SBD run, so the dev split is the one SBD was measured on. The method's stage
 (`fastforward.recipes.pipeline` has the rest): the `multitf` objective (SBD's dual stream with noise-groups
 of consecutive blocks, the `fresh-tail` mask ratios by default) as a LoRA adapter over the start.
@@ -30,7 +31,7 @@ from fastforward.training.objectives.multitf import SCHEDULES
 class MultiTFOptions(RecipeOptions):
     evaluation_only = RecipeOptions.evaluation_only | {"block", "buffer", "accept"}
 
-    start: str = option("", "the SBD model's adapter over --model (an sbd recipe's WORK/shipped)")
+    start: str = option("", "the SBD model's adapter over --model (an sbd recipe's --ship-to folder)")
     sft: bool = option(False, "MultiTF post-trains --start: no SFT stage")
     lr: float = option(1e-4, "peak learning rate (the demo's MultiTF: 1e-4)", POSITIVE)
     max_block: int = option(16, "largest block drawn in training (the smallest: 2)", AT_LEAST_ONE)
@@ -43,7 +44,7 @@ class MultiTFOptions(RecipeOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.start:
-            raise FastForwardError("--start: name the SBD model MultiTF post-trains (an sbd recipe's WORK/shipped)")
+            raise FastForwardError("--start: name the SBD model MultiTF post-trains (an sbd recipe's --ship-to folder)")
         if self.sft:
             raise FastForwardError("MultiTF post-trains --start as it is: leave out --sft")
 
@@ -59,7 +60,7 @@ class MultiTFRecipe(Recipe):
     def start_chain(self) -> list[Path]:
         start = Path(self.options.start)
         if not (start / adapters.ADAPTER_CONFIG).exists():
-            raise FastForwardError(f"--start {start}: not an adapter folder; give an sbd recipe's WORK/shipped")
+            raise FastForwardError(f"--start {start}: not an adapter folder; give an sbd recipe's --ship-to folder")
         return [start]
 
     def objective(self) -> Objective:

@@ -394,6 +394,9 @@ class Recipe:
             "plan": {k: v for k, v in self.plan.items() if k not in ("data", "data_sha256", "records")},
             "dev": record,
         }
+        start = Path(self.start) / "provenance.json"
+        if start.exists():  # a model made elsewhere (MultiTF's SBD preset): how that one was made
+            provenance["start"] = json.loads(start.read_text())
         tmp = dest.with_name(f".{dest.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(self.flattened(), tmp)
