@@ -2,8 +2,8 @@
 
 MultiTF starts where `fastforward recipe sbd` ended: `--start` names that model's adapter over `--model`
 (the preset folder an sbd recipe's `--ship-to` wrote, whose provenance the new one then carries, or its
-WORK/shipped), and no SFT stage runs. Give the same data
-and seed as the SBD run, so the dev split is the one SBD was measured on. The method's stage
+WORK/shipped), and no SFT stage runs. Give the same data and seed as the SBD run, so the dev split is the
+one SBD was measured on. The method's stage
 (`fastforward.recipes.pipeline` has the rest): the `multitf` objective (SBD's dual stream with noise-groups
 of consecutive blocks, the `fresh-tail` mask ratios by default) as a LoRA adapter over the start.
 
