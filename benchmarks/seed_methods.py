@@ -1,7 +1,8 @@
 """The seed methods side by side on one base, one data set and one budget: each recipe run's model on held-out
 problems with its method's rows, against its own `ar`, beside the base's and the NTP control's `ar`.
 
-    python benchmarks/seed_methods.py --work runs/jf-arith runs/sbd-arith runs/mtf-arith runs/setdlm-arith \\
+    python benchmarks/seed_methods.py --work runs/sbd-arith runs/mtf-arith runs/setdlm-arith \\
+        --preset smollm2-135m-jf-arithmetic \\
         --control runs/sbd-arith/control --task arithmetic --clean --n 300
 
 Each --work is a finished recipe run (`fastforward recipe NAME ... --work DIR`; its plan names the method);
@@ -20,8 +21,10 @@ from pathlib import Path
 
 from common import RESULTS, held_out_records, load_average, log, set_threads, write_report
 
+from fastforward.decoding.model_defaults import model_decoding_defaults
 from fastforward.evaluation.plots import Mark, plot_methods
 from fastforward.model import load_model
+from fastforward.model.presets import resolve_model_path
 from fastforward.recipes.dev_eval import table
 from fastforward.recipes.pipeline import SERVED, Recipe, reopen
 from fastforward.training.run_dir import METRICS
@@ -42,9 +45,22 @@ def training(recipe: Recipe) -> dict:
     return {"tokens": tokens, "minutes": seconds / 60, "adapter_mb": size / 1e6, **({"from": start} if start else {})}
 
 
+def preset_base(name: str) -> str:
+    """The base a shipped adapter is over (its provenance's `base`), or the name itself for a whole model."""
+    provenance = resolve_model_path(name) / "provenance.json"
+    return json.loads(provenance.read_text()).get("base", name) if provenance.exists() else name
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--work", nargs="+", type=Path, required=True, help="finished recipe runs (work folders)")
+    p.add_argument("--work", nargs="+", type=Path, default=[], help="finished recipe runs (work folders)")
+    p.add_argument(
+        "--preset",
+        nargs="+",
+        default=[],
+        help="shipped models made otherwise (e.g. smollm2-135m-jf-arithmetic): "
+        "their ar, lookup and decoding defaults; their training as their provenance.json says",
+    )
     p.add_argument("--control", help="an NTP control model (e.g. a run's WORK/control) whose ar is measured")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", type=Path, help="a test JSONL (GSM8K lines, or prompt/answer)")
@@ -58,7 +74,9 @@ def main() -> None:
     threads, before = set_threads(args.threads), load_average()
     records = held_out_records(args.data, args.n, args.clean)
     recipes = [reopen(work, log=log) for work in args.work]
-    bases = {recipe.options.model for recipe in recipes}
+    if not recipes and not args.preset:
+        raise SystemExit("nothing to compare: give --work folders and/or --preset models")
+    bases = {recipe.options.model for recipe in recipes} | {preset_base(name) for name in args.preset}
     if len(bases) > 1:
         raise SystemExit(f"the runs start from different bases ({', '.join(sorted(bases))}): compare one base")
     base = load_model(bases.pop(), **SERVED)
@@ -72,6 +90,16 @@ def main() -> None:
         rows = table(contenders, records, prompts, args.max_new_tokens)
         decoders = {row: name for row, (name, _) in recipe.final_decoders().items()}
         methods[label] = {"training": training(recipe), "decoders": decoders, "rows": rows}
+    for name in args.preset:
+        model, defaults = load_model(name, **SERVED), model_decoding_defaults(name)
+        decoders = {"ar": ("ar", {}), "lookup": ("lookup", {})}
+        if defaults is not None and defaults.decoder not in ("ar", "lookup"):
+            decoders[defaults.describe()] = (defaults.decoder, dict(defaults.options))
+        log(f"{name}: {', '.join(decoders)} on {len(records)} records, interleaved")
+        rows = table({row: (model, d, o) for row, (d, o) in decoders.items()}, records, prompts, args.max_new_tokens)
+        size = sum(f.stat().st_size for f in resolve_model_path(name).glob("*.safetensors"))
+        trained = {"adapter_mb": size / 1e6}  # its training: its provenance.json
+        methods[name] = {"training": trained, "decoders": {k: d for k, (d, _) in decoders.items()}, "rows": rows}
     baselines = {"base": (base, "ar", {})}
     if args.control:
         baselines["control"] = (load_model(args.control, **SERVED), "ar", {})
@@ -85,9 +113,8 @@ def main() -> None:
     marks = []
     for label, method in methods.items():
         own, t = method["rows"]["ar"], method["training"]
-        trained = f"{t['tokens'] / 1e6:.2f}M tokens, {t['minutes']:.0f} min" + (
-            f" from {t['from']}" if "from" in t else ""
-        )
+        trained = f"{t['tokens'] / 1e6:.2f}M tokens, {t['minutes']:.0f} min" if "tokens" in t else "its provenance"
+        trained += f" from {t['from']}" if "from" in t else ""
         for row_label, row in method["rows"].items():
             equal = f"{row['equal_ar']} of {row['n']}" if "equal_ar" in row else ""
             accuracy = row.get("accuracy", float("nan"))
