@@ -138,7 +138,7 @@ def test_the_recipe_makes_a_preset_that_carries_its_defaults_and_resumes(tmp_pat
     ar = build_decoder("ar").generate(model, prompt, 10)[0].token_ids
     assert build_decoder("jacobi", block_size=4).generate(model, prompt, 10)[0].token_ids == ar
 
-    assert main(args) == 0  # a rerun: every stage done, nothing trained or measured again
+    assert main([*args, "--micro-batch", "1"]) == 0  # a rerun (how it runs may change): nothing trained again
     out = capsys.readouterr().out
     assert "ntp from" not in out and "jacobi_forcing from" not in out and "dev final" not in out
     assert main([*args[:-2], "--lr", "0.5"]) == 2
@@ -204,7 +204,10 @@ def test_multitf_post_trains_the_sbd_recipes_model_on_its_dev_split(tmp_path, ca
 def test_the_setdlm_recipe_measures_its_rows_against_ar_and_keeps_a_lossless_default(tmp_path):
     tiny_model(init_std=0.5).save(tmp_path / "m")
     args = recipe_args(tmp_path, write_lines(tmp_path / "gsm8k.jsonl", GSM8K_LINES), "setdlm")
-    assert main([*args, "--final-n", "1", "--window", "2"]) == 0
+    assert main([*args, "--final-n", "1", "--window", "2", "--micro-batch", "1"]) == 0
+    config = json.loads((tmp_path / "w" / "setdlm" / "train_config.json").read_text())
+    assert (config["train"]["batch_size"], config["train"]["grad_accum"]) == (1, 2)  # a step of 2 rows, 1 at a time
+    assert "micro_batch" not in json.loads((tmp_path / "w" / "plan.json").read_text())["options"]
     dev = json.loads((tmp_path / "w" / "dev.json").read_text())
     assert set(dev["curve"][-1]) == {"step", "tokens", "ar", "setdlm ntp-first"}
     assert {"ar", "lookup", "setdlm", "setdlm ntp-first"} == set(dev["final"])

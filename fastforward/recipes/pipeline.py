@@ -79,10 +79,12 @@ BLOCK_SIZES = Bound("block sizes of at least 1", lambda sizes: bool(sizes) and m
 @dataclass(frozen=True)
 class RecipeOptions:
     """What every recipe's command line sets, declared as every option is (`fastforward.options`); a method's
-    options add its own fields. `evaluation_only`: the options that change only the dev-split evaluation,
-    which a rerun in the same work folder may change (the others shape what is trained)."""
+    options add its own fields. `evaluation_only`: the options that change only the dev-split evaluation, and
+    `run_only`: how the work is run, not what it trains; a rerun in the same work folder may change both (the
+    others shape what is trained)."""
 
     evaluation_only: ClassVar[frozenset[str]] = frozenset({"blocks", "curve_n", "final_n", "max_new_tokens"})
+    run_only: ClassVar[frozenset[str]] = frozenset({"micro_batch"})
 
     model: str = option("smollm2-135m", "the base: preset, model directory or .gguf file")
     budget: str = option(
@@ -105,6 +107,9 @@ class RecipeOptions:
     lr: float = option(1e-3, "peak learning rate", POSITIVE)
     seq_len: int = option(512, "tokens per training row", AT_LEAST_ONE)
     batch_size: int = option(8, "rows per step", AT_LEAST_ONE)
+    micro_batch: int = option(
+        0, "rows per forward pass (0: all of --batch-size); fewer take less memory for the same steps", NON_NEGATIVE
+    )
     curve: int = option(4, "points of the learning curve", AT_LEAST_ONE)
     control: bool = option(False, "also train an NTP control (the same start, data and steps) and measure it")
     blocks: tuple[int, ...] = option((8, 12, 16), "block sizes measured on the dev split", BLOCK_SIZES)
@@ -118,10 +123,13 @@ class RecipeOptions:
         """Refuse values outside their rules, however the options are made (the CLI or Python)."""
         check_options(self)
         parse_budget(self.budget)
+        if self.micro_batch and self.batch_size % self.micro_batch:
+            raise FastForwardError(f"--micro-batch {self.micro_batch} must divide --batch-size {self.batch_size}")
 
     def training(self) -> dict[str, Any]:
         """The options that shape training, by name."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.evaluation_only}
+        kept = lambda name: name not in self.evaluation_only | self.run_only  # noqa: E731
+        return {f.name: getattr(self, f.name) for f in fields(self) if kept(f.name)}
 
 
 Data = DataFile | TaskData  # where a recipe's records come from
@@ -247,8 +255,10 @@ class Recipe:
     # ---- training stages ----------------------------------------------------------------------------
     def _config(self, steps: int, mixed_precision: str | None = None) -> TrainConfig:
         o = self.options
+        micro = o.micro_batch or o.batch_size  # a step's rows in batches of `micro`: the same rows, less memory
         return TrainConfig(
-            steps=steps, seq_len=o.seq_len, batch_size=o.batch_size, lr=o.lr, warmup=min(10, max(steps // 10, 1)),
+            steps=steps, seq_len=o.seq_len, batch_size=micro, grad_accum=o.batch_size // micro, lr=o.lr,
+            warmup=min(10, max(steps // 10, 1)),
             mixed_precision=mixed_precision or self.plan["mixed_precision"], save_every=25, eval_every=0,
             keep_checkpoints=1, lora_rank=o.lora_rank, seed=o.seed,
         )  # fmt: skip
