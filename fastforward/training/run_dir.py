@@ -304,8 +304,10 @@ def save_final(accelerator: Accelerator, module: nn.Module, model: Model, out: P
         model.hf.save_pretrained(tmp, state_dict=weights, safe_serialization=True, **extra)
     if lora:
         write_json_atomic(tmp / adapters.PROVENANCE, provenance)
-    if not lora or getattr(model.hf.config, MASK_CONFIG_KEY, None) is not None:  # the adapter's added token
+    if not lora:
         model.tokenizer.save_pretrained(tmp)
+    else:
+        _save_added_token(model, tmp)
     last = adapters.ADAPTER_CONFIG if lora else "config.json"
     for path in sorted(tmp.iterdir(), key=lambda p: p.name == last):
         os.replace(path, out / path.name)
@@ -332,8 +334,16 @@ def save_adapter_snapshot(model: Model, directory: Path, provenance: dict) -> No
     tmp = directory.with_name(f".{directory.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.hf.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
+    _save_added_token(model, tmp)
     (tmp / adapters.PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
     os.replace(tmp, directory)
+
+
+def _save_added_token(model: Model, directory: Path) -> None:
+    """An adapter's tokenizer where training added the mask token (SBD, MultiTF, SetDLM): loading the adapter
+    finds the token there, grows the embeddings to it and records it (`fastforward.model.loading`)."""
+    if getattr(model.hf.config, MASK_CONFIG_KEY, None) is not None:
+        model.tokenizer.save_pretrained(directory)
 
 
 def tokens_seen(out: Path) -> dict[int, float]:
