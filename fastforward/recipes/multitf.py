@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastforward.errors import FastForwardError
-from fastforward.model import Model, adapters
+from fastforward.model import adapters
 from fastforward.options import AT_LEAST_ONE, FRACTION, POSITIVE, option
 from fastforward.recipes.pipeline import Decoders, Recipe, RecipeOptions, register
-from fastforward.training.data import Example, PackedData
 from fastforward.training.objectives import make_objective
 from fastforward.training.objectives.base import Objective
 from fastforward.training.objectives.multitf import SCHEDULES
@@ -66,9 +65,6 @@ class MultiTFRecipe(Recipe):
     def objective(self) -> Objective:
         o = self.options
         return make_objective("multitf", max_block=o.max_block, max_group=o.max_group, schedule=o.schedule)
-
-    def rows(self, examples: list[Example], model: Model) -> PackedData:
-        return PackedData(examples, self.options.seq_len, model.pad_token_id)
 
     def curve_decoders(self) -> Decoders:
         o = self.options

@@ -165,8 +165,9 @@ class Recipe:
         raise NotImplementedError
 
     def rows(self, examples: list[Example], model: Model) -> TrainData:
-        """The method's training rows from the target examples."""
-        raise NotImplementedError
+        """The method's training rows from the target examples: packed rows of `seq_len`, unless a method
+        needs its own shape (Jacobi Forcing's trajectories)."""
+        return PackedData(examples, self.options.seq_len, model.pad_token_id)
 
     def row_tokens(self, rows: TrainData) -> float:
         """Tokens the model reads for a row of `rows` on average (what the budget counts, as the trainer does)."""

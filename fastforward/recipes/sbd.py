@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastforward.model import Model
 from fastforward.options import NON_NEGATIVE, at_least, option
 from fastforward.recipes.pipeline import Decoders, Recipe, RecipeOptions, register
-from fastforward.training.data import Example, PackedData
 from fastforward.training.objectives import make_objective
 from fastforward.training.objectives.base import Objective
 
@@ -38,9 +36,6 @@ class SBDRecipe(Recipe):
 
     def objective(self) -> Objective:
         return make_objective("sbd", max_block=self.options.max_block)
-
-    def rows(self, examples: list[Example], model: Model) -> PackedData:
-        return PackedData(examples, self.options.seq_len, model.pad_token_id)
 
     def curve_decoders(self) -> Decoders:
         return {"ar": ("ar", {}), "sbd-verified": ("sbd-verified", self._verified(self.options.max_block))}

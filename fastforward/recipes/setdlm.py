@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastforward.model import Model
 from fastforward.options import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, option
 from fastforward.recipes.pipeline import Decoders, Recipe, RecipeOptions, register
-from fastforward.training.data import Example, PackedData
 from fastforward.training.objectives import make_objective
 from fastforward.training.objectives.base import Objective
 
@@ -40,9 +38,6 @@ class SetDLMRecipe(Recipe):
 
     def objective(self) -> Objective:
         return make_objective("setdlm", set_size=self.options.set_size, max_set=self.options.max_set)
-
-    def rows(self, examples: list[Example], model: Model) -> PackedData:
-        return PackedData(examples, self.options.seq_len, model.pad_token_id)
 
     def curve_decoders(self) -> Decoders:
         return {"ar": ("ar", {}), "setdlm ntp-first": ("setdlm", self._setdlm(first_token_from_ntp=True))}
