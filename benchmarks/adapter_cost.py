@@ -32,6 +32,7 @@ from common import RESULTS, load_average, log, machine_info, set_threads
 
 from fastforward.api import build_decoder
 from fastforward.cpu import native
+from fastforward.decoding.rows import Prompt
 from fastforward.evaluation.report import write_json
 from fastforward.model import load_model
 from fastforward.tasks import get_task
@@ -42,8 +43,8 @@ TASK = {"min_ops": 2, "max_ops": 3, "max_number": 20, "max_factor": 5}  # the pr
 TARGET = 0.95
 
 
-def decode(decoder, model, prompt: list[int], max_new_tokens: int) -> dict:
-    g = decoder.generate(model, [prompt], max_new_tokens)[0]
+def decode(decoder, model, prompt: list[int], max_new_tokens: int, fixed: bool = False) -> dict:
+    g = decoder.generate(model, [Prompt(prompt, ignore_eos=fixed)], max_new_tokens)[0]
     stats = g.stats
     return {"ids": g.token_ids, "tokens": stats.tokens, "seconds": stats.seconds, "prefill": stats.prefill_seconds}
 
@@ -69,6 +70,12 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--block-size", type=int, default=8, help="jacobi's block")
     p.add_argument("--decoders", default="ar,jacobi")
+    p.add_argument(
+        "--natural-length",
+        action="store_true",
+        help="stop each answer at its end of text (the models then answer at different lengths, so prefill and "
+        "attention weigh differently in their rates); by default both decode max-new-tokens past it",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "adapter_cost.json")
     args = p.parse_args()
     load_before = load_average()
@@ -83,6 +90,7 @@ def main() -> None:
         "models": {"base": BASE, "adapted": PRESET, "served": SERVED},
         "update_layers": update_layers(models["adapted"]),
         "prompts": args.n,
+        "lengths": "natural (to the end of text)" if args.natural_length else "fixed (max_new_tokens, past the end of text)",
         "max_new_tokens": args.max_new_tokens,
         "target": f"adapted ar tokens/s >= {TARGET} x the base's",
         "by_threads": {},
@@ -92,6 +100,7 @@ def main() -> None:
         for model in models.values():
             decode(decoder, model, prompts[0], 8)
     outputs: dict[tuple[str, str], list] = {}
+    fixed = not args.natural_length
     for threads in (int(t) for t in args.threads.split(",")):
         threads = set_threads(threads)
         before, rounds = load_average(), []
@@ -101,7 +110,7 @@ def main() -> None:
             for d, decoder in decoders.items():
                 for prompt in prompts:
                     for m in order:
-                        runs[(d, m)].append(decode(decoder, models[m], prompt, args.max_new_tokens))
+                        runs[(d, m)].append(decode(decoder, models[m], prompt, args.max_new_tokens, fixed))
             figures = {d: {m: rates(runs[(d, m)]) for m in models} for d in decoders}
             for d in decoders:
                 base, adapted = figures[d]["base"], figures[d]["adapted"]
