@@ -9,7 +9,13 @@ figures; the ratios within a round hold):
 - `bf16`: float32 master weights, bf16 autocast (the CLI's default here when the CPU has AVX-512 BF16
   or AMX, and on GPUs);
 - `bf16+lora`: the same with a LoRA adapter of rank 16 on every linear layer (`--lora-rank 16`): the
-  frozen weights need no weight gradients and no optimizer state.
+  frozen weights need no weight gradients and no optimizer state;
+- `float32+lora`: that adapter in float32, what the recipes train with where the CPU has no bf16.
+
+Several `--seq-len`s compare row lengths at equal tokens per step: `--batch-size` rows at the first
+length, as many tokens a step at the others (`--seq-len 512 256` runs 4 x 512 against 8 x 256). An
+objective's attention grows with the square of its row (`sbd`, `multitf`, `setdlm` attend over two
+copies of it), so on a CPU short rows can train faster per token.
 
 Rows: `ntp`, `sbd`, `multitf` and `setdlm` train on `pycode` records packed into rows of --seq-len;
 `jacobi_forcing` on trajectory-shaped rows cut from the same text (a 96-token prompt, then blocks of
@@ -27,6 +33,7 @@ step of each run is left out (allocations, one-time set-up).
     python benchmarks/train_speed.py --objectives jacobi_forcing --rounds 5
     python benchmarks/train_speed.py --model tiny --rounds 1  # that it runs, in seconds
     python benchmarks/train_speed.py --objectives jacobi_forcing --contenders bf16+lora --jf-lengths varied
+    python benchmarks/train_speed.py --objectives sbd --contenders float32+lora --seq-len 512 256 --batch-size 2
 
 Target (issue 52): `jacobi_forcing` at least 2x the float32 trainer's tokens/s on SmolLM2.
 """
@@ -58,6 +65,7 @@ CONTENDERS = {
     "float32": {"mixed_precision": "no", "fused_adamw": False},
     "bf16": {"mixed_precision": "bf16"},
     "bf16+lora": {"mixed_precision": "bf16", "lora_rank": 16},
+    "float32+lora": {"mixed_precision": "no", "lora_rank": 16},  # the recipes' setting on a CPU without bf16
 }
 
 
@@ -107,18 +115,18 @@ def foreach_adamw(*args, fused=None, **kwargs) -> torch.optim.AdamW:
     return ADAMW(*args, **kwargs)
 
 
-def one_run(args, objective: str, options: dict, work: Path) -> float:
-    """Median tokens/s over the steps after the first of one `train` run."""
+def one_run(args, objective: str, options: dict, work: Path, seq_len: int) -> float:
+    """Median tokens/s over the steps after the first of one `train` run, rows of `seq_len`."""
     options = dict(options)
     if not options.pop("fused_adamw", True):
         with mock.patch.object(torch.optim, "AdamW", foreach_adamw):
-            return one_run(args, objective, options, work)
+            return one_run(args, objective, options, work, seq_len)
     model = fresh_model(args.model)
-    data = dataset(objective, model, text_ids(model, 200), args.seq_len, args.jf_lengths == "varied")
+    data = dataset(objective, model, text_ids(model, 200), seq_len, args.jf_lengths == "varied")
     config = TrainConfig(
         steps=args.steps + 1,
         seq_len=data.seq_len,
-        batch_size=args.batch_size,
+        batch_size=max(1, args.batch_size * args.seq_len[0] // seq_len),  # the first length's tokens a step
         warmup=1,
         save_every=0,
         eval_every=0,
@@ -136,31 +144,38 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     p.add_argument("--steps", type=int, default=2, help="timed steps per run (after one untimed)")
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256, help="row length (jacobi_forcing: twice this at most)")
+    p.add_argument(
+        "--seq-len", type=int, nargs="+", default=[256], help="row lengths (jacobi_forcing: twice this at most)"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--jf-lengths", choices=("fixed", "varied"), default="fixed", help="jacobi_forcing rows' lengths")
     p.add_argument("--out", type=Path, default=RESULTS / "train_speed.json")
     args = p.parse_args()
     threads = set_threads(args.threads)
     load_before = load_average()
-    rates: dict[str, dict[str, list[float]]] = {o: {c: [] for c in args.contenders} for o in args.objectives}
+    shapes = [(o, n) for o in args.objectives for n in args.seq_len]
+    rates: dict[tuple[str, int], dict[str, list[float]]] = {shape: {c: [] for c in args.contenders} for shape in shapes}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for objective in args.objectives:
-                shift = r % len(args.contenders)  # the order rotates: a load that changes over a round favours none
-                for contender in args.contenders[shift:] + args.contenders[:shift]:
-                    rate = one_run(args, objective, CONTENDERS[contender], Path(tmp) / f"{objective}-{contender}")
-                    rates[objective][contender].append(rate)
-                    log(f"round {r + 1}: {objective} {contender}: {rate:.0f} tokens/s (load {load_average()})")
+                runs = [(c, n) for c in args.contenders for n in args.seq_len]
+                shift = r % len(runs)  # the order rotates: a load that changes over a round favours none
+                for contender, seq_len in runs[shift:] + runs[:shift]:
+                    work = Path(tmp) / f"{objective}-{contender}-{seq_len}"
+                    rate = one_run(args, objective, CONTENDERS[contender], work, seq_len)
+                    rates[(objective, seq_len)][contender].append(rate)
+                    log(f"round {r + 1}: {objective} {contender} rows of {seq_len}: {rate:.0f} tokens/s "
+                        f"(load {load_average()})")  # fmt: skip
     rows = []
-    log(f"\n| objective | {' | '.join(args.contenders)} | best × float32 |\n|---|{'---|' * (len(args.contenders) + 1)}")
-    for objective, by in rates.items():
+    head = f"| objective | row | {' | '.join(args.contenders)} | best × float32 |"
+    log(f"\n{head}\n|---|---|{'---|' * (len(args.contenders) + 1)}")
+    for (objective, seq_len), by in rates.items():
         medians = {c: statistics.median(v) for c, v in by.items()}
         base = medians.get("float32")
         best = max(medians.values())
         ratio = f"{best / base:.2f}" if base else "—"
-        log(f"| {objective} | {' | '.join(f'{m:.0f}' for m in medians.values())} | {ratio} |")
-        rows.append({"objective": objective, "tokens_per_s": by, "median": medians})
+        log(f"| {objective} | {seq_len} | {' | '.join(f'{m:.0f}' for m in medians.values())} | {ratio} |")
+        rows.append({"objective": objective, "seq_len": seq_len, "tokens_per_s": by, "median": medians})
     write_report(args.out, load_before, threads, model=args.model, batch_size=args.batch_size,
                  seq_len=args.seq_len, steps=args.steps, rounds=args.rounds, jf_lengths=args.jf_lengths,
                  rows=rows)  # fmt: skip
