@@ -9,7 +9,9 @@ held-out problems of the arithmetic task the adapter was trained for. Each decod
 on the base and on the adapted model in turn, the order swapped each round, so that load changes fall
 on both alike; a ratio is taken within one round of one process, and the median over rounds is
 reported. Tokens/s counts the prefill's time (as `generate` reports it); decode tokens/s leaves it out.
-The models' outputs differ (the adapter answers otherwise), so their lengths do too.
+Both models decode exactly --max-new-tokens tokens, past their end of text, so that they run the same
+positions: their answers differ (the adapted model's are about half as long on these problems), and at
+their own lengths the prefill would weigh differently in the two rates (`--natural-length` does that).
 
 Also recorded: whether `jacobi` gives `ar`'s tokens on each model (lossless at int4 `--exact`), and a
 digest of the adapted model's `ar` tokens, which a change to how the update is computed must leave as
@@ -90,7 +92,7 @@ def main() -> None:
         "models": {"base": BASE, "adapted": PRESET, "served": SERVED},
         "update_layers": update_layers(models["adapted"]),
         "prompts": args.n,
-        "lengths": "natural (to the end of text)" if args.natural_length else "fixed (max_new_tokens, past the end of text)",
+        "lengths": "natural (to the end of text)" if args.natural_length else "max_new_tokens, past the end of text",
         "max_new_tokens": args.max_new_tokens,
         "target": f"adapted ar tokens/s >= {TARGET} x the base's",
         "by_threads": {},
