@@ -1,0 +1,98 @@
+"""Compiled steps whose kernels are called from C++ (inductor's `cpp_wrapper`, fastforward's default on a
+CPU) against the same graphs called from Python, interleaved in one process.
+
+Two copies of SmolLM2-135M at int4 `--exact`, each compiled in this process (nothing read from or kept in
+the store, so that neither reuses the other's graphs): one with `fastforward.cpu.compiled.cpu_wrapper`'s
+options, one with inductor's Python wrapper. Each decoder then decodes the same chat prompts with each
+model, in alternating order, `--rounds` times; the first round includes compiling the decoder's kinds
+of step and is left out of the ratios. Prints tokens/s per round, the ratios, whether the tokens are the
+same, the seconds each model's first step of each decoder took (its compile), and the load average;
+writes JSON.
+
+    python benchmarks/cpp_wrapper.py                       # ar and lookup, 8 rounds, about 10 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from common import CHAT, RESULTS, load_average, log, set_threads, write_report
+
+from fastforward.api import build_decoder
+from fastforward.cpu import compiled
+from fastforward.model import Model, load_model
+
+
+def compiled_model(cpp: bool) -> Model:
+    """SmolLM2-135M int4 `--exact` with compiled steps kept in this process, called from C++ or Python."""
+    model = load_model("smollm2-135m", dtype="float32", quantize="int4", exact=True)
+    model.compile_steps(None)
+    steps = model.compiled_forward
+    options = {**compiled.NO_ASSERTS, "post_grad_custom_pre_pass": compiled.MergeRepeatedCalls()}
+    options.update(compiled.cpu_wrapper(model.device) if cpp else {"cpp_wrapper": False})
+    steps.backend = torch._TorchCompileInductorWrapper("default", options, dynamic=True)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--decoders", nargs="+", default=["ar", "lookup"])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--n", type=int, default=4, help="chat prompts a round")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "cpp_wrapper.json")
+    args = parser.parse_args()
+    threads = set_threads(args.threads)
+    before = load_average()
+    models = {"python": compiled_model(cpp=False), "cpp": compiled_model(cpp=True)}
+    prompts = [models["cpp"].encode_prompt(question) for question in CHAT[: args.n]]
+    rows = []
+    for name in args.decoders:
+        decoder = build_decoder(name)
+        rates: dict[str, list[float]] = {"python": [], "cpp": []}
+        tokens: dict[str, list[list[int]]] = {"python": [], "cpp": []}
+        first_step: dict[str, float] = {}
+        for round_ in range(args.rounds):
+            for wrapper in ("python", "cpp") if round_ % 2 == 0 else ("cpp", "python"):
+                model, count, start = models[wrapper], 0, time.perf_counter()
+                for prompt in prompts:
+                    if round_ == 0 and prompt is prompts[0]:
+                        t = time.perf_counter()
+                        decoder.generate(model, [prompt], max_new_tokens=2)
+                        first_step[wrapper] = time.perf_counter() - t
+                    generation = decoder.generate(model, [prompt], max_new_tokens=args.max_new_tokens)[0]
+                    count += generation.stats.tokens
+                    if round_ == 0:
+                        tokens[wrapper].append(generation.token_ids)
+                rates[wrapper].append(count / (time.perf_counter() - start))
+        ratios = [c / p for p, c in zip(rates["python"][1:], rates["cpp"][1:], strict=True)]
+        row = {
+            "decoder": name,
+            "python_tok_s": [round(r, 1) for r in rates["python"]],
+            "cpp_tok_s": [round(r, 1) for r in rates["cpp"]],
+            "ratios": [round(r, 3) for r in ratios],
+            "median_ratio": round(statistics.median(ratios), 3),
+            "same_tokens": tokens["python"] == tokens["cpp"],
+            "first_step_s": {k: round(v, 1) for k, v in first_step.items()},
+        }
+        log(row)
+        rows.append(row)
+    print("| decoder | Python wrapper tok/s | C++ wrapper tok/s | C++ / Python (median, range) | same tokens |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        py, cpp = statistics.median(row["python_tok_s"][1:]), statistics.median(row["cpp_tok_s"][1:])
+        low, high = min(row["ratios"]), max(row["ratios"])
+        print(
+            f"| `{row['decoder']}` | {py:.1f} | {cpp:.1f} | {row['median_ratio']:.3f} ({low:.3f}-{high:.3f}) "
+            f"| {row['same_tokens']} |"
+        )
+    write_report(args.out, before, threads, rows=rows)
+
+
+if __name__ == "__main__":
+    main()
