@@ -6,16 +6,24 @@ the store, so that neither reuses the other's graphs): one with `fastforward.cpu
 options, one with inductor's Python wrapper. Each decoder then decodes the same chat prompts with each
 model, in alternating order, `--rounds` times; the first round includes compiling the decoder's kinds
 of step and is left out of the ratios. Prints tokens/s per round, the ratios, whether the tokens are the
-same, the seconds each model's first step of each decoder took (its compile), and the load average;
-writes JSON.
+same, and the load average; writes JSON.
+
+`--compile-time`: instead, the seconds to compile `ar`'s one kind of step (the first two tokens of a
+prompt), each wrapper in a process of its own with an empty inductor cache: the Python wrapper, the C++
+wrapper with its kernels built apart (the default), and the C++ wrapper built as one file.
 
     python benchmarks/cpp_wrapper.py                       # ar and lookup, 8 rounds, about 10 minutes
+    python benchmarks/cpp_wrapper.py --compile-time        # about 6 minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,16 +34,43 @@ from fastforward.api import build_decoder
 from fastforward.cpu import compiled
 from fastforward.model import Model, load_model
 
+# wrapper -> inductor's options for it
+WRAPPERS = {
+    "python": {"cpp_wrapper": False},
+    "cpp": compiled.cpu_wrapper(torch.device("cpu")),
+    "cpp-one-file": {"cpp_wrapper": True, "cpp_wrapper_build_separate": False},
+}
 
-def compiled_model(cpp: bool) -> Model:
-    """SmolLM2-135M int4 `--exact` with compiled steps kept in this process, called from C++ or Python."""
+
+def compiled_model(wrapper: str) -> Model:
+    """SmolLM2-135M int4 `--exact` with compiled steps kept in this process, called by `wrapper`."""
     model = load_model("smollm2-135m", dtype="float32", quantize="int4", exact=True)
     model.compile_steps(None)
-    steps = model.compiled_forward
-    options = {**compiled.NO_ASSERTS, "post_grad_custom_pre_pass": compiled.MergeRepeatedCalls()}
-    options.update(compiled.cpu_wrapper(model.device) if cpp else {"cpp_wrapper": False})
-    steps.backend = torch._TorchCompileInductorWrapper("default", options, dynamic=True)
+    options = {**compiled.NO_ASSERTS, "post_grad_custom_pre_pass": compiled.MergeRepeatedCalls(), **WRAPPERS[wrapper]}
+    model.compiled_forward.backend = torch._TorchCompileInductorWrapper("default", options, dynamic=True)
     return model
+
+
+def compile_seconds(wrapper: str) -> float:
+    """Seconds to compile `ar`'s kind of step with `wrapper`, in a new process with an empty inductor cache."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        out = subprocess.run(
+            [sys.executable, __file__, "--time-one-compile", wrapper],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def time_one_compile(wrapper: str) -> None:
+    model = compiled_model(wrapper)
+    prompt = model.encode_prompt(CHAT[0])
+    start = time.perf_counter()
+    build_decoder("ar").generate(model, [prompt], max_new_tokens=2)
+    print(round(time.perf_counter() - start, 1))
 
 
 def main() -> None:
@@ -45,26 +80,29 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4, help="chat prompts a round")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compile-time", action="store_true", help="time compiling instead (see above)")
+    parser.add_argument("--time-one-compile", choices=list(WRAPPERS), help=argparse.SUPPRESS)  # the child
     parser.add_argument("--out", type=Path, default=RESULTS / "cpp_wrapper.json")
     args = parser.parse_args()
     threads = set_threads(args.threads)
+    if args.time_one_compile:
+        return time_one_compile(args.time_one_compile)
     before = load_average()
-    models = {"python": compiled_model(cpp=False), "cpp": compiled_model(cpp=True)}
+    if args.compile_time:
+        seconds = {wrapper: compile_seconds(wrapper) for wrapper in WRAPPERS}
+        log(f"seconds to compile ar's kind of step, empty inductor cache: {seconds}")
+        return write_report(args.out.with_name("cpp_wrapper_compile.json"), before, threads, compile_seconds=seconds)
+    models = {"python": compiled_model("python"), "cpp": compiled_model("cpp")}
     prompts = [models["cpp"].encode_prompt(question) for question in CHAT[: args.n]]
     rows = []
     for name in args.decoders:
         decoder = build_decoder(name)
         rates: dict[str, list[float]] = {"python": [], "cpp": []}
         tokens: dict[str, list[list[int]]] = {"python": [], "cpp": []}
-        first_step: dict[str, float] = {}
         for round_ in range(args.rounds):
             for wrapper in ("python", "cpp") if round_ % 2 == 0 else ("cpp", "python"):
                 model, count, start = models[wrapper], 0, time.perf_counter()
                 for prompt in prompts:
-                    if round_ == 0 and prompt is prompts[0]:
-                        t = time.perf_counter()
-                        decoder.generate(model, [prompt], max_new_tokens=2)
-                        first_step[wrapper] = time.perf_counter() - t
                     generation = decoder.generate(model, [prompt], max_new_tokens=args.max_new_tokens)[0]
                     count += generation.stats.tokens
                     if round_ == 0:
@@ -78,7 +116,6 @@ def main() -> None:
             "ratios": [round(r, 3) for r in ratios],
             "median_ratio": round(statistics.median(ratios), 3),
             "same_tokens": tokens["python"] == tokens["cpp"],
-            "first_step_s": {k: round(v, 1) for k, v in first_step.items()},
         }
         log(row)
         rows.append(row)

@@ -118,10 +118,10 @@ def cpu_wrapper(device: torch.device) -> dict[str, bool]:
     """Inductor's options for the code that calls a graph's kernels: on a CPU, C++ (`cpp_wrapper`).
     A step of a 30-layer model calls about 450 kernels and library operations; from the Python
     wrapper each call cost microseconds of interpreter, from C++ next to nothing (SmolLM2-135M int4
-    `--exact`, 2 AVX2 cores: compiled `ar` 1.08-1.16x, `lookup` 1.08x the tokens/s, the same tokens;
+    `--exact`, 2 AVX2 cores: compiled `ar` 1.15x, `lookup` 1.12x the tokens/s, the same tokens;
     docs/notes/2026-12-03-cpp-wrapper.md). Its kernels are built apart from the wrapper
     (`cpp_wrapper_build_separate`), in parallel and cached as the Python wrapper's are: built as one
-    file, one kind of step took 224 s to compile instead of 46 s; apart, 58 s. GPUs keep the Python
+    file, one kind of step took 232 s to compile instead of 45 s; apart, 55 s. GPUs keep the Python
     wrapper (not measured there)."""
     on_cpu = device.type == "cpu"
     return {"cpp_wrapper": on_cpu, "cpp_wrapper_build_separate": on_cpu}
