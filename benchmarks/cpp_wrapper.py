@@ -8,6 +8,10 @@ model, in alternating order, `--rounds` times; the first round includes compilin
 of step and is left out of the ratios. Prints tokens/s per round, the ratios, whether the tokens are the
 same, and the load average; writes JSON.
 
+`--profile`: after the rounds, each model's `ar` on one prompt under torch's profiler: milliseconds a token
+in the int4 kernel, the graph's own code (its fused kernels and, with the Python wrapper, the interpreter
+between calls), the eager-rounding `mean` and the exact attention.
+
 `--compile-time`: instead, the seconds to compile `ar`'s one kind of step (the first two tokens of a
 prompt), each wrapper in a process of its own with an empty inductor cache: the Python wrapper, the C++
 wrapper with its kernels built apart (the default), and the C++ wrapper built as one file.
@@ -73,6 +77,28 @@ def time_one_compile(wrapper: str) -> None:
     print(round(time.perf_counter() - start, 1))
 
 
+# what the profile reports: label -> the profiler's event name
+PROFILED = {
+    "int4 kernel": "fastforward::w4a8_linear",
+    "graph's own code": "## Call CompiledFxGraph",
+    "mean": "aten::mean",
+    "exact attention": "fastforward::exact_attention",
+}
+
+
+def profile(model: Model, prompt: list[int], max_new_tokens: int) -> dict[str, float]:
+    """Milliseconds a token of `ar` on `prompt` in each of `PROFILED` (self time; `mean`: with what it calls)."""
+    with torch.profiler.profile() as profiler:
+        generation = build_decoder("ar").generate(model, [prompt], max_new_tokens=max_new_tokens)[0]
+    events = profiler.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    shares = {"all": total}
+    for label, name in PROFILED.items():
+        matched = [e for e in events if e.key.startswith(name)]
+        shares[label] = sum(e.cpu_time_total if label == "mean" else e.self_cpu_time_total for e in matched)
+    return {label: round(us / 1000 / generation.stats.tokens, 3) for label, us in shares.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decoders", nargs="+", default=["ar", "lookup"])
@@ -80,6 +106,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4, help="chat prompts a round")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--profile", action="store_true", help="profile one `ar` prompt on each model (see above)")
     parser.add_argument("--compile-time", action="store_true", help="time compiling instead (see above)")
     parser.add_argument("--time-one-compile", choices=list(WRAPPERS), help=argparse.SUPPRESS)  # the child
     parser.add_argument("--out", type=Path, default=RESULTS / "cpp_wrapper.json")
@@ -128,7 +155,10 @@ def main() -> None:
             f"| `{row['decoder']}` | {py:.1f} | {cpp:.1f} | {row['median_ratio']:.3f} ({low:.3f}-{high:.3f}) "
             f"| {row['same_tokens']} |"
         )
-    write_report(args.out, before, threads, rows=rows)
+    profiles = {w: profile(m, prompts[0], args.max_new_tokens) for w, m in models.items()} if args.profile else {}
+    for wrapper, shares in profiles.items():
+        log(f"{wrapper} wrapper, ms a token: {shares}")
+    write_report(args.out, before, threads, rows=rows, profile_ms_per_token=profiles)
 
 
 if __name__ == "__main__":
