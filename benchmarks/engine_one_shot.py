@@ -139,11 +139,12 @@ def steady_state(generate, args: argparse.Namespace) -> dict[str, dict]:
 def targets(cold: dict, one_shot: dict, steady: dict) -> list[dict]:
     ours, theirs = one_shot["generate, warm engine"]["median"], one_shot["llama.cpp one-shot"]["median"]
     looked = cold["generate, no engine running"]["median"] / cold["generate --no-engine"]["median"]
+    ar = {group: round(decoders["ar"]["median"], 3) for group, decoders in steady.items()}
     best_code = max((v["median"] for name, v in steady["pycode"].items() if name in LOSSLESS), default=0.0)
     return [
         {"target": "one-shot with a warm engine ≤ llama.cpp's one-shot", "met": ours <= theirs, "s": [ours, theirs]},
-        {"target": "ar ≥ 1.5× llama.cpp, chat and code", "met": all(g["ar"]["median"] >= 1.5 for g in steady.values())},
-        {"target": "best lossless on code ≥ 2× llama.cpp", "met": best_code >= 2.0, "best": best_code},
+        {"target": "ar ≥ 1.5× llama.cpp, chat and code", "met": min(ar.values()) >= 1.5, "medians": ar},
+        {"target": "best lossless on code ≥ 2× llama.cpp", "met": best_code >= 2.0, "best": round(best_code, 3)},
         {"target": "the cold path no slower than --no-engine", "met": looked <= 1.05, "ratio": round(looked, 3)},
     ]
 
