@@ -50,8 +50,7 @@ def compiled_model(wrapper: str) -> Model:
     """SmolLM2-135M int4 `--exact` with compiled steps kept in this process, called by `wrapper`."""
     model = load_model("smollm2-135m", dtype="float32", quantize="int4", exact=True)
     model.compile_steps(None)
-    options = {**compiled.NO_ASSERTS, "post_grad_custom_pre_pass": compiled.MergeRepeatedCalls(), **WRAPPERS[wrapper]}
-    model.compiled_forward.backend = torch._TorchCompileInductorWrapper("default", options, dynamic=True)
+    model.compiled_forward.backend = compiled.inductor_backend(model.device, **WRAPPERS[wrapper])
     return model
 
 

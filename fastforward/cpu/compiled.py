@@ -114,6 +114,20 @@ def compile_forward(hf: torch.nn.Module, store: GraphEntry | None = None) -> Com
     return CompiledSteps(hf, store)
 
 
+def inductor_backend(device: torch.device, **overrides: Any) -> Any:
+    """The backend steps are compiled with: inductor, dynamic shapes, these options (`overrides` replace
+    them: `benchmarks/cpp_wrapper.py` compares wrappers)."""
+    options = {
+        # Without these the generated wrapper checks every intermediate's shape and alignment,
+        # hundreds of calls per step, for shapes the graph itself fixes.
+        **NO_ASSERTS,
+        "post_grad_custom_pre_pass": MergeRepeatedCalls(),
+        **cpu_wrapper(device),
+        **overrides,
+    }
+    return torch._TorchCompileInductorWrapper("default", options, dynamic=True)
+
+
 def cpu_wrapper(device: torch.device) -> dict[str, bool]:
     """Inductor's options for the code that calls a graph's kernels: on a CPU, C++ (`cpp_wrapper`).
     A step of a 30-layer model calls about 450 kernels and library operations; from the Python
@@ -172,14 +186,7 @@ class CompiledSteps:
         while hasattr(inner, "__wrapped__"):
             inner = inner.__wrapped__
             self.external[f"function{len(self.external)}"] = inner
-        options = {
-            # Without these the generated wrapper checks every intermediate's shape and alignment in
-            # Python, hundreds of calls per step, for shapes the graph itself fixes.
-            **NO_ASSERTS,
-            "post_grad_custom_pre_pass": MergeRepeatedCalls(),
-            **cpu_wrapper(next(hf.parameters()).device),
-        }
-        self.backend = torch._TorchCompileInductorWrapper("default", options, dynamic=True)
+        self.backend = inductor_backend(next(hf.parameters()).device)
         self.modules: dict[str, str] = {}  # globals the graphs' code names a module by: name -> module
         self.failed = False  # a compile failed: steps no graph serves run eagerly from then on
         # False once a server has prepared its kinds (`serving.warm_up`): a step of a kind it did
