@@ -10,7 +10,13 @@ figures; the ratios within a round hold):
   or AMX, and on GPUs);
 - `bf16+lora`: the same with a LoRA adapter of rank 16 on every linear layer (`--lora-rank 16`): the
   frozen weights need no weight gradients and no optimizer state;
-- `float32+lora`: that adapter in float32, what the recipes train with where the CPU has no bf16.
+- `float32+lora`: that adapter in float32, what the recipes train with where the CPU has no bf16, its
+  losses read from whole logits (the trainer before `fastforward.model.head`);
+- `float32+lora+head`: the same with the output layer and its loss a chunk of rows at a time (the trainer now);
+- `float32+lora+top10`, `+top15`: that, with LoRA on the top 10 or 15 decoder layers only (`--lora-layers`):
+  the backward pass stops at the lowest adapted layer.
+
+Each run's peak resident memory is sampled every 20 ms (the process's, so the first run's load counts too).
 
 Several `--seq-len`s compare row lengths at equal tokens per step: `--batch-size` rows at the first
 length, as many tokens a step at the others (`--seq-len 512 256` runs 4 x 512 against 8 x 256). An
@@ -41,16 +47,19 @@ Target (issue 52): `jacobi_forcing` at least 2x the float32 trainer's tokens/s o
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import random
 import statistics
 import tempfile
+import threading
 from pathlib import Path
 from unittest import mock
 
 import torch
 from common import RESULTS, load_average, log, set_threads, write_report
 
-from fastforward.model import load_model
+from fastforward.model import Model, load_model
 from fastforward.model.tiny import tiny_model
 from fastforward.tasks import get_task
 from fastforward.training.data import PackedData, encode_record
@@ -61,12 +70,18 @@ from fastforward.training.trajectories.records import Block, Trajectory
 
 ADAMW = torch.optim.AdamW
 OBJECTIVES = ("ntp", "sbd", "multitf", "setdlm", "jacobi_forcing")
+WHOLE = {"whole_logits": True}  # losses from whole logits, as before `fastforward.model.head`
 CONTENDERS = {
-    "float32": {"mixed_precision": "no", "fused_adamw": False},
-    "bf16": {"mixed_precision": "bf16"},
-    "bf16+lora": {"mixed_precision": "bf16", "lora_rank": 16},
-    "float32+lora": {"mixed_precision": "no", "lora_rank": 16},  # the recipes' setting on a CPU without bf16
+    "float32": {"mixed_precision": "no", "fused_adamw": False, **WHOLE},
+    "bf16": {"mixed_precision": "bf16", **WHOLE},
+    "bf16+lora": {"mixed_precision": "bf16", "lora_rank": 16, **WHOLE},
+    "float32+lora": {"mixed_precision": "no", "lora_rank": 16, **WHOLE},  # the recipes' setting without bf16
+    "float32+lora+head": {"mixed_precision": "no", "lora_rank": 16},
+    "float32+lora+top10": {"mixed_precision": "no", "lora_rank": 16, "lora_layers": 10},
+    "float32+lora+top15": {"mixed_precision": "no", "lora_rank": 16, "lora_layers": 15},
+    "bf16+lora+top10": {"mixed_precision": "bf16", "lora_rank": 16, "lora_layers": 10},
 }
+BASELINE = "float32+lora"
 
 
 def fresh_model(name: str):
@@ -115,11 +130,39 @@ def foreach_adamw(*args, fused=None, **kwargs) -> torch.optim.AdamW:
     return ADAMW(*args, **kwargs)
 
 
-def one_run(args, objective: str, options: dict, work: Path, seq_len: int) -> float:
-    """Median tokens/s over the steps after the first of one `train` run, rows of `seq_len`."""
+class PeakMemory:
+    """The process's peak resident memory while inside the block, sampled every 20 ms (GB)."""
+
+    def __enter__(self) -> PeakMemory:
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while not self._stop.wait(0.02):
+            with open("/proc/self/statm") as statm:
+                self.peak = max(self.peak, int(statm.read().split()[1]) * page)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def gb(self) -> float:
+        return self.peak / 1e9
+
+
+def one_run(args, objective: str, options: dict, work: Path, seq_len: int) -> tuple[float, float]:
+    """Median tokens/s over the steps after the first of one `train` run, rows of `seq_len`, and its peak
+    resident memory (GB)."""
     options = dict(options)
     if not options.pop("fused_adamw", True):
         with mock.patch.object(torch.optim, "AdamW", foreach_adamw):
+            return one_run(args, objective, options, work, seq_len)
+    if options.pop("whole_logits", False):  # no plain head: every loss reads the model's whole logits
+        with mock.patch.object(Model, "plain_head", None):
             return one_run(args, objective, options, work, seq_len)
     model = fresh_model(args.model)
     data = dataset(objective, model, text_ids(model, 200), seq_len, args.jf_lengths == "varied")
@@ -132,8 +175,10 @@ def one_run(args, objective: str, options: dict, work: Path, seq_len: int) -> fl
         eval_every=0,
         **options,
     )
-    history = train(model, make_objective(objective), data, config, work, overwrite=True)
-    return statistics.median(r["tokens_per_s"] for r in history[1:])
+    gc.collect()
+    with PeakMemory() as memory:
+        history = train(model, make_objective(objective), data, config, work, overwrite=True)
+    return statistics.median(r["tokens_per_s"] for r in history[1:]), memory.gb
 
 
 def main() -> None:
@@ -147,6 +192,7 @@ def main() -> None:
     p.add_argument(
         "--seq-len", type=int, nargs="+", default=[256], help="row lengths (jacobi_forcing: twice this at most)"
     )
+    p.add_argument("--baseline", default=BASELINE, help="the contender the ratios are taken against")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--jf-lengths", choices=("fixed", "varied"), default="fixed", help="jacobi_forcing rows' lengths")
     p.add_argument("--out", type=Path, default=RESULTS / "train_speed.json")
@@ -155,6 +201,7 @@ def main() -> None:
     load_before = load_average()
     shapes = [(o, n) for o in args.objectives for n in args.seq_len]
     rates: dict[tuple[str, int], dict[str, list[float]]] = {shape: {c: [] for c in args.contenders} for shape in shapes}
+    peaks: dict[tuple[str, int], dict[str, float]] = {shape: {} for shape in shapes}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for objective in args.objectives:
@@ -162,20 +209,28 @@ def main() -> None:
                 shift = r % len(runs)  # the order rotates: a load that changes over a round favours none
                 for contender, seq_len in runs[shift:] + runs[:shift]:
                     work = Path(tmp) / f"{objective}-{contender}-{seq_len}"
-                    rate = one_run(args, objective, CONTENDERS[contender], work, seq_len)
+                    rate, peak = one_run(args, objective, CONTENDERS[contender], work, seq_len)
                     rates[(objective, seq_len)][contender].append(rate)
-                    log(f"round {r + 1}: {objective} {contender} rows of {seq_len}: {rate:.0f} tokens/s "
-                        f"(load {load_average()})")  # fmt: skip
+                    peaks[(objective, seq_len)][contender] = max(peak, peaks[(objective, seq_len)].get(contender, 0))
+                    log(f"round {r + 1}: {objective} {contender} rows of {seq_len}: {rate:.0f} tokens/s, "
+                        f"peak {peak:.1f} GB (load {load_average()})")  # fmt: skip
     rows = []
-    head = f"| objective | row | {' | '.join(args.contenders)} | best × float32 |"
-    log(f"\n{head}\n|---|---|{'---|' * (len(args.contenders) + 1)}")
+    base_name = args.baseline if args.baseline in args.contenders else None
+    head = f"| objective | row | {' | '.join(args.contenders)} |"
+    log(
+        f"\ntokens/s (median), × {base_name or '—'} in brackets, peak GB\n{head}\n"
+        f"|---|---|{'---|' * len(args.contenders)}"
+    )
     for (objective, seq_len), by in rates.items():
         medians = {c: statistics.median(v) for c, v in by.items()}
-        base = medians.get("float32")
-        best = max(medians.values())
-        ratio = f"{best / base:.2f}" if base else "—"
-        log(f"| {objective} | {seq_len} | {' | '.join(f'{m:.0f}' for m in medians.values())} | {ratio} |")
-        rows.append({"objective": objective, "seq_len": seq_len, "tokens_per_s": by, "median": medians})
+        base = medians.get(base_name) if base_name else None
+        cells = [
+            f"{m:.0f}{f' ({m / base:.2f}×)' if base else ''}, {peaks[(objective, seq_len)][c]:.1f} GB"
+            for c, m in medians.items()
+        ]
+        log(f"| {objective} | {seq_len} | {' | '.join(cells)} |")
+        rows.append({"objective": objective, "seq_len": seq_len, "tokens_per_s": by, "median": medians,
+                     "peak_gb": peaks[(objective, seq_len)], "baseline": base_name})  # fmt: skip
     write_report(args.out, load_before, threads, model=args.model, batch_size=args.batch_size,
                  seq_len=args.seq_len, steps=args.steps, rounds=args.rounds, jf_lengths=args.jf_lengths,
                  rows=rows)  # fmt: skip

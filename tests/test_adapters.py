@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -132,6 +133,28 @@ def test_lora_from_continues_a_finished_adapter_as_one_adapter_over_the_same_bas
         run(tmp_path / "bad", 1, 1e-2, lora_from=str(tmp_path / "first"), lora_rank=2)
     with pytest.raises(FastForwardError, match="give its lora_rank"):
         TrainConfig(lora_from=str(tmp_path / "first")).validate()
+
+
+def test_lora_on_the_top_layers_trains_those_alone_and_ships_as_them(base, tmp_path):
+    """`lora_layers`: LoRA layers in the top N decoder layers only, nothing below them reached by the backward
+    pass; the adapter loads and flattens as exactly those modules."""
+    model = load_model(str(base))
+    data = PackedData([encode_record({"text": t}, model.tokenizer) for t in TEXTS * 8], 32, model.pad_token_id)
+    config = TrainConfig(steps=3, seq_len=32, batch_size=2, lr=1e-2, warmup=0, save_every=0, eval_every=0,
+                         lora_rank=4, lora_layers=1)  # fmt: skip
+    seen: list[set[str]] = []
+    hook = lambda step, record: seen.append({n for n, p in model.hf.named_parameters() if p.requires_grad})  # noqa: E731
+    train(model, NTP(), data, config, tmp_path / "top", callback=hook)
+    assert seen[0] and all(".layers.1." in name and "lora_" in name for name in seen[0])  # 2 layers: the top one
+    trained = json.loads((tmp_path / "top" / ADAPTER_CONFIG).read_text())["target_modules"]
+    assert trained and all(".layers.1." in name for name in trained)
+    reloaded = load_model(str(tmp_path / "top"))
+    torch.testing.assert_close(logits(reloaded), logits(model), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(logits(reloaded), logits(load_model(str(base))), atol=1e-3)
+    flat = flatten([tmp_path / "top"], tmp_path / "flat", str(base), dtype=torch.float32)
+    torch.testing.assert_close(logits(load_model(str(flat))), logits(model), rtol=1e-5, atol=1e-5)
+    with pytest.raises(FastForwardError, match="--lora-layers 3: .* has 2 decoder layers"):
+        train(load_model(str(base)), NTP(), data, replace(config, lora_layers=3), tmp_path / "bad")
 
 
 class Stop(Exception):
@@ -307,7 +330,8 @@ def test_a_chain_of_adapters_flattens_into_one_that_gives_the_same_model(base, t
 
     flat = flatten([tmp_path / "first", tmp_path / "second"], tmp_path / "flat", str(base), dtype=torch.float32)
     config = json.loads((flat / ADAPTER_CONFIG).read_text())
-    assert (config["r"], sorted(config["target_modules"])) == (8, ["o_proj", "q_proj", "v_proj"])
+    adapted = [f"model.layers.{i}.self_attn.{kind}" for i in range(2) for kind in ("o_proj", "q_proj", "v_proj")]
+    assert (config["r"], config["target_modules"]) == (8, adapted)  # by full name: exactly the trained modules
     provenance = json.loads((flat / PROVENANCE).read_text())
     assert provenance["base"] == str(base)  # no intermediate step left
     # what ships names the folders it was made from by their names only

@@ -45,22 +45,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--work", type=Path, required=True, help="the work folder (rerun with it to resume)")
         q.add_argument("--ship-to", type=Path, help="write the finished model here as a preset folder")
         for option_name, knob in options_of(recipe.options_class).items():
-            add_option_flag(q, option_name, knob)
+            add_option_flag(q, recipe.options_class.flag(option_name), knob)
         q.add_argument("--no-eval", action="store_true", help="train only (a later rerun evaluates and ships)")
         add_threads_flag(q)
         q.set_defaults(run=run, recipe=name)
 
 
-def add_option_flag(p: argparse.ArgumentParser, name: str, knob: Knob) -> None:
-    """One flag for one recipe option (`fastforward.options`): a switch for a bool, several values for a
-    tuple, else one value of the default's type; its rule is checked when the options are made."""
-    flag, default = "--" + name.replace("_", "-"), knob.default
+def add_option_flag(p: argparse.ArgumentParser, flag: str, knob: Knob) -> None:
+    """One flag for one recipe option (`fastforward.options`), stored under the option's name: a switch for a
+    bool, several values for a tuple, else one value of the default's type; its rule is checked when the
+    options are made."""
+    default, dest = knob.default, knob.name
     if isinstance(default, bool):
-        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=knob.help)
+        p.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=knob.help)
     elif isinstance(default, tuple):
-        p.add_argument(flag, type=type(default[0]), nargs="+", default=list(default), help=knob.help)
+        p.add_argument(flag, dest=dest, type=type(default[0]), nargs="+", default=list(default), help=knob.help)
     else:
-        p.add_argument(flag, type=type(default), default=default, choices=knob.choices, help=knob.help)
+        p.add_argument(flag, dest=dest, type=type(default), default=default, choices=knob.choices, help=knob.help)
 
 
 def data_source(args: argparse.Namespace) -> DataFile | TaskData:

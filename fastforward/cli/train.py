@@ -105,6 +105,12 @@ def add_optimizer_flags(p: argparse.ArgumentParser, seq_len: int) -> None:
         "--lora-targets", default=d.lora_targets, help="modules given LoRA layers: all-linear or names, comma-separated"
     )
     p.add_argument(
+        "--lora-layers",
+        type=int,
+        default=d.lora_layers,
+        help="LoRA layers on the top N decoder layers only, where the backward pass then stops (0: every layer)",
+    )
+    p.add_argument(
         "--bf16",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -131,6 +137,7 @@ def train_config(args: argparse.Namespace, **overrides) -> TrainConfig:
         lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha,
         lora_targets=args.lora_targets,
+        lora_layers=args.lora_layers,
         **overrides,
     )
     config.validate()

@@ -182,20 +182,24 @@ def _take_linear_updates(wrapped) -> dict[str, LowRank]:
     return updates
 
 
-def lora_config(rank: int, alpha: float | None = None, targets: str = DEFAULT_TARGETS, dropout: float = 0.0):
-    """PEFT's LoraConfig for a causal LM: `targets` is "all-linear" or comma-separated module names."""
+def lora_config(rank: int, alpha: float | None = None, targets: str | list[str] = DEFAULT_TARGETS):
+    """PEFT's LoraConfig for a causal LM: `targets` is "all-linear", comma-separated module names, or a list
+    of the modules' full names."""
     if rank < 1:
         raise FastForwardError(f"the LoRA rank must be at least 1, got {rank}")
     from peft import LoraConfig
 
-    modules: str | list[str] = targets if targets == DEFAULT_TARGETS else [t for t in targets.split(",") if t]
+    if isinstance(targets, list):
+        modules: str | list[str] = targets
+    else:
+        modules = targets if targets == DEFAULT_TARGETS else [t for t in targets.split(",") if t]
     if not modules:
         raise FastForwardError("--lora-targets is empty; give module names such as q_proj,v_proj or all-linear")
     return LoraConfig(
         r=rank,
         lora_alpha=2 * rank if alpha is None else alpha,
         target_modules=modules,
-        lora_dropout=dropout,
+        lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
     )

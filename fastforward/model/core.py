@@ -24,6 +24,7 @@ from fastforward.cpu.quantize import prefill_kernels
 from fastforward.errors import FastForwardError
 from fastforward.model import flex, softcap, step_graphs, visibility, windows
 from fastforward.model.cache import KVCache
+from fastforward.model.head import HeadRows
 from fastforward.model.saving import save_atomically
 from fastforward.model.step_graphs import StepGraphs
 from fastforward.model.store import Store
@@ -33,6 +34,8 @@ MASK_CONFIG_KEY = "fastforward_mask_token_id"
 # transformers >= 5.2x takes a [B, T] boolean `logits_to_keep` (each row its own slots, flattened); older ones
 # take the positions kept in every row, so a row's slots are then projected wherever any row needs them.
 MASKED_KEEP = hasattr(transformers.modeling_utils, "slice_logits_to_keep")
+# Config fields of families that change logits after the output layer (Gemma 2/3, Cohere, Granite)
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 @dataclass
@@ -241,13 +244,34 @@ class Model:
         self.step_graphs = step_graphs.StepGraphs(self.hf, self.cache_argument, capture, step_length)
 
     def hidden_states(self, layout: Layout) -> torch.Tensor:
-        """Last hidden states [B, T, H] of an uncached layout (losses read logits instead: `logits_at`)."""
+        """Last hidden states [B, T, H] of an uncached layout (what losses read: `outputs_at`)."""
         return self.hf.get_decoder()(
             input_ids=layout.tokens,
             position_ids=layout.positions,
             attention_mask=self._masks(layout, None, 0),
             use_cache=False,
         ).last_hidden_state
+
+    @property
+    def plain_head(self) -> torch.Tensor | None:
+        """The output layer's weight [V, H] when logits are hidden states times it and nothing more (no bias,
+        no soft-capping or scale after it), else None: what `outputs_at` may project a chunk at a time."""
+        layer = self.hf.get_output_embeddings()
+        config = getattr(self.hf.config, "get_text_config", lambda: self.hf.config)()
+        changed = any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS)
+        if changed or not isinstance(layer, torch.nn.Linear) or layer.bias is not None:
+            return None
+        return layer.weight
+
+    def outputs_at(self, layout: Layout, *slots: tuple[torch.Tensor, torch.Tensor]) -> list[HeadRows]:
+        """What a training loss reads at each set of N (row, slot) pairs of an uncached layout: the hidden
+        states there under a plain output layer (`fastforward.model.head` projects them a chunk at a time,
+        with the loss), else the model's own logits there (`logits_at`)."""
+        weight = self.plain_head
+        if weight is None:
+            return [HeadRows(logits=logits) for logits in self.logits_at(layout, *slots)]
+        hidden = self.hidden_states(layout)
+        return [HeadRows(hidden[rows, columns], weight) for rows, columns in slots]
 
     def logits_at(self, layout: Layout, *slots: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
         """Float32 logits [N, V] of an uncached layout at each set of N (row, slot) pairs (training: a loss

@@ -22,6 +22,7 @@ from fastforward.errors import FastForwardError
 from fastforward.model import adapters
 
 LORA_KEYS = (".lora_A.weight", ".lora_B.weight")
+PEFT_PREFIX = "base_model.model."  # what PEFT's saved keys put before a module's name in the model
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -64,7 +65,8 @@ def flatten(chain: list[Path], out: Path, base: str, dtype: torch.dtype = torch.
         tensors[module + LORA_KEYS[1]] = torch.cat([b for _, b in pairs], dim=1).to(dtype).contiguous()
 
     rank = sum(ranks)
-    targets = sorted({m.rsplit(".", 1)[-1] for m in set().union(*each)})
+    # each adapted module by its full name: a chain that left layers out (`--lora-layers`) loads with none added
+    targets = sorted(m.removeprefix(PEFT_PREFIX) for m in set().union(*each))
     config = adapters.read_config(chain[-1])
     config.update(r=rank, lora_alpha=rank, use_rslora=False, target_modules=targets, base_model_name_or_path=base)
     provenance = {

@@ -35,6 +35,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -48,6 +49,7 @@ from fastforward.model import Model, adapters, load_model
 from fastforward.model.flatten import flatten
 from fastforward.options import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, PROPER_FRACTION, Bound, check_options, option
 from fastforward.recipes import dev_eval
+from fastforward.recipes.continued import continuation
 from fastforward.recipes.records import (
     DataFile,
     Record,
@@ -59,7 +61,7 @@ from fastforward.recipes.records import (
 )
 from fastforward.recipes.targets import TARGETS, reference_examples, self_answers
 from fastforward.registry import Registry
-from fastforward.training.data import Example, PackedData, encode_record
+from fastforward.training.data import Example, PackedData
 from fastforward.training.objectives import Objective, make_objective
 from fastforward.training.run_dir import (
     finished_run,
@@ -85,10 +87,23 @@ class RecipeOptions:
 
     evaluation_only: ClassVar[frozenset[str]] = frozenset({"blocks", "curve_n", "final_n", "max_new_tokens"})
     run_only: ClassVar[frozenset[str]] = frozenset({"micro_batch"})
+    flags: ClassVar[dict[str, str]] = {"from_adapter": "--from"}  # fields whose flag is not their name
+
+    @classmethod
+    def flag(cls, name: str) -> str:
+        """The command-line flag of the field `name`."""
+        return cls.flags.get(name, "--" + name.replace("_", "-"))
 
     model: str = option("smollm2-135m", "the base: preset, model directory or .gguf file")
+    from_adapter: str = option(
+        "",
+        "continue a shipped model's training: a preset or folder this recipe's method made over --model; its "
+        "adapter's weights, a fresh optimizer with a short warm-up, no SFT stage; the curve counts on from its tokens",
+    )
     budget: str = option(
-        "1h", "training tokens (3M, 500k) or time (90min, 3h; converted at the rate measured here at the start)"
+        "1h",
+        "training tokens (3M, 500k) or time (90min, 3h: each training stage's share, at the rate its own "
+        "first steps run at here)",
     )
     dev: int = option(100, "records held out as the dev split", AT_LEAST_ONE)
     seed: int = option(0, "seed of the dev split and of training", NON_NEGATIVE)
@@ -104,6 +119,7 @@ class RecipeOptions:
         256, "new tokens at most in each of those answers (longer ones are left out)", AT_LEAST_ONE
     )
     lora_rank: int = option(16, "LoRA rank of each stage", AT_LEAST_ONE)
+    lora_layers: int = option(0, "LoRA on the top N decoder layers only (0: every layer)", NON_NEGATIVE)
     lr: float = option(1e-3, "peak learning rate", POSITIVE)
     seq_len: int = option(512, "tokens per training row", AT_LEAST_ONE)
     batch_size: int = option(8, "rows per step", AT_LEAST_ONE)
@@ -203,85 +219,117 @@ class Recipe:
                     "same ones to resume it, or give a new --work"
                 )
             return plan
-        records = self.data.records()
-        train_records, dev = split_dev(records, self.options.dev, self.options.seed)
+        records, o = self.data.records(), self.options
+        train_records, dev = split_dev(records, o.dev, o.seed)
         completions = all(r.completion is not None for r in train_records)
-        if self.options.control and not completions:
+        if o.control and not completions:
             raise FastForwardError("--control trains on the records' completions: every record needs one")
         write_records(self.work / "train.jsonl", train_records)
         write_records(self.work / "dev.jsonl", dev)
-        budget, rate = parse_budget(self.options.budget), None
-        if budget.seconds is not None:
-            rate = self._training_rate(train_records)
-        tokens = budget.tokens if budget.tokens is not None else int(budget.seconds * rate)
-        sft = self.options.sft and completions
-        sft_tokens = int(tokens * self.options.sft_share) if sft else 0
-        row = self.options.batch_size * self.options.seq_len
+        budget = parse_budget(o.budget)
+        start = continuation(o.from_adapter, o.model, self.objective().name) if o.from_adapter else None
+        sft = o.sft and completions and start is None  # a continued model holds its SFT already
         plan = {
             "recipe": self.name,
             "options": wanted,
             "data": self.data.name,
             "data_sha256": data_sha,
             "records": {"train": len(train_records), "dev": len(dev)},
-            "budget_tokens": tokens,
-            **({"measured_tokens_per_s": round(rate, 1)} if rate else {}),
-            "sft_steps": max(1, sft_tokens // row) if sft else 0,
             "mixed_precision": default_autocast(),
-            f"{self.stage}_tokens": tokens - sft_tokens,
+            **({"from": start} if start else {}),
         }
+        if budget.tokens is not None:  # each stage's steps: its share of the tokens
+            sft_tokens = int(budget.tokens * o.sft_share) if sft else 0
+            plan["budget_tokens"] = budget.tokens
+            plan["sft_steps"] = max(1, round(sft_tokens / (o.batch_size * o.seq_len))) if sft else 0
+            plan[f"{self.stage}_tokens"] = budget.tokens - sft_tokens
+        else:  # each stage's share of the time, at its own rate (`_size`)
+            plan["budget_seconds"] = budget.seconds
+            plan["sft_seconds"] = budget.seconds * o.sft_share if sft else 0.0
+            plan[f"{self.stage}_seconds"] = budget.seconds - plan["sft_seconds"]
         write_json_atomic(path, plan)
-        self.log(
-            f"plan: {tokens:,} training tokens{f' ({rate:.0f} tokens/s measured here)' if rate else ''}; "
-            f"{len(train_records)} train and {len(dev)} dev records; "
-            f"SFT {plan['sft_steps']} steps of {self.options.batch_size} rows of {self.options.seq_len}"
-        )
+        share = f"{budget.tokens:,} training tokens" if budget.tokens else f"{o.budget} of training"
+        self.log(f"plan: {share}; {len(train_records)} train and {len(dev)} dev records; SFT: {'yes' if sft else 'no'}")
         return plan
 
-    def _training_rate(self, records: list[Record]) -> float:
-        """Training tokens per second on this machine, what a budget in time is converted with: three steps
-        of `ntp` with the recipe's LoRA settings on the first records, the first (warm-up) step left out."""
-        model = load_model(self.options.model)
-        text = [{"text": r.prompt + ("\n" + r.completion if r.completion else "")} for r in records[:64]]
-        rows = PackedData([encode_record(t, model.tokenizer) for t in text], self.options.seq_len, model.pad_token_id)
-        self.log("measuring this machine's training rate (three steps), to convert --budget to tokens")
+    def _size(self, key: str, per_step: float, start: str, objective: Objective, rows: TrainData) -> int:
+        """The steps of training stage `key` ("sft" or the method's), kept in the plan: its tokens over a step's,
+        or, for a budget in time, its seconds at the rate this stage's own steps run at here (three steps of its
+        objective on its rows from a fresh copy of its start, the first left out), less the time that took."""
+        if f"{key}_steps" in self.plan:
+            return self.plan[f"{key}_steps"]
+        if f"{key}_seconds" not in self.plan:
+            steps = max(1, round(self.plan[f"{key}_tokens"] / per_step))
+            self._save_plan(**{f"{key}_steps": steps})
+            return steps
+        self.log(f"{key}: measuring its training rate here (three steps) to fit {self.plan[f'{key}_seconds']:.0f} s")
+        began = time.monotonic()
+        model = load_model(start)
+        objective.setup(model)
         with tempfile.TemporaryDirectory() as tmp:
-            history = train(model, make_objective("ntp"), rows, self._config(3, default_autocast()), Path(tmp) / "run")
+            history = train(model, objective, rows, self._stage_config(key, 3), Path(tmp) / "probe")
         rates = [entry["tokens_per_s"] for entry in history if entry["split"] == "train"][1:]
-        return sum(rates) / len(rates)
+        rate = sum(rates) / len(rates)
+        left = max(0.0, self.plan[f"{key}_seconds"] - (time.monotonic() - began))
+        steps = max(1, round(left * rate / per_step))
+        self._save_plan(**{f"{key}_tokens_per_s": round(rate, 1), f"{key}_steps": steps})
+        self.log(f"{key}: {rate:.0f} tokens/s here: {steps} steps ({steps * per_step:,.0f} tokens) in {left:.0f} s")
+        return steps
 
     def _save_plan(self, **values: Any) -> None:
         self.plan.update(values)
         write_json_atomic(self.work / "plan.json", self.plan)
 
     # ---- training stages ----------------------------------------------------------------------------
-    def _config(self, steps: int, mixed_precision: str | None = None) -> TrainConfig:
+    def _config(self, steps: int) -> TrainConfig:
         o = self.options
         micro = o.micro_batch or o.batch_size  # a step's rows in batches of `micro`: the same rows, less memory
         return TrainConfig(
             steps=steps, seq_len=o.seq_len, batch_size=micro, grad_accum=o.batch_size // micro, lr=o.lr,
             warmup=min(10, max(steps // 10, 1)),
-            mixed_precision=mixed_precision or self.plan["mixed_precision"], save_every=25, eval_every=0,
-            keep_checkpoints=1, lora_rank=o.lora_rank, seed=o.seed,
+            mixed_precision=self.plan["mixed_precision"], save_every=25, eval_every=0,
+            keep_checkpoints=1, lora_rank=o.lora_rank, lora_layers=o.lora_layers, seed=o.seed,
         )  # fmt: skip
 
-    def _ntp(self, start: str, records: list[Record], run: Path, steps: int) -> None:
+    def _stage_config(self, key: str, steps: int) -> TrainConfig:
+        """Stage `key`'s settings: the method's stage of a continued model trains that model's adapter further."""
+        config, continued = self._config(steps), self.plan.get("from")
+        if key == self.stage and continued:
+            return replace(config, lora_from=continued["adapter"], lora_rank=continued["rank"])
+        return config
+
+    def _ntp(self, key: str, start: str, records: list[Record], run: Path, steps: int | None = None) -> None:
+        """An `ntp` stage (`key`: SFT or the control) from `start` on the records' completions; `steps` None: as
+        many as `_size` gives it."""
         if finished_run(run):
             return
         model = load_model(start)
         rows = PackedData(reference_examples(records, model), self.options.seq_len, model.pad_token_id)
+        ntp = make_objective("ntp")
+        steps = steps or self._size(key, self.options.batch_size * self.options.seq_len, start, ntp, rows)
         self.log(f"ntp from {start}: {steps} steps → {run}")
-        train(model, make_objective("ntp"), rows, self._config(steps), run)
+        train(model, ntp, rows, self._config(steps), run)
 
     def start_chain(self) -> list[Path]:
         """The adapters from the base to the model the method starts from: the SFT stage's, or none. A method
         that post-trains another's model (MultiTF from SBD) names that model's adapter instead."""
-        return [self.work / "sft"] if self.plan["sft_steps"] else []
+        return [self.work / "sft"] if self.has_sft else []
+
+    @property
+    def has_sft(self) -> bool:
+        """Whether the plan has an SFT stage (steps in a token budget, seconds in a time budget)."""
+        return bool(self.plan.get("sft_steps") or self.plan.get("sft_seconds"))
+
+    def _chain(self) -> list[Path]:
+        """`start_chain`, or none when the run continues a shipped model (`--from`: one adapter over the base)."""
+        return [] if "from" in self.plan else self.start_chain()
 
     @property
     def start(self) -> str:
-        """The model the method starts from: the last adapter of `start_chain`, or the base."""
-        chain = self.start_chain()
-        return str(chain[-1]) if chain else self.options.model
+        """The model the method starts from: the last adapter of `start_chain`, the shipped model `--from`
+        continues, or the base."""
+        chain = self._chain()
+        return str(chain[-1]) if chain else self.plan.get("from", {}).get("adapter", self.options.model)
 
     @property
     def steps(self) -> int:
@@ -305,15 +353,18 @@ class Recipe:
         run, o = self.work / self.stage, self.options
         if finished_run(run):  # its steps are in the plan: nothing to load
             return self._points()
-        model = load_model(self.start)
+        continued = self.plan.get("from")  # its adapter is trained on, over the base
+        model = load_model(o.model if continued else self.start)
         objective = self.objective()
         objective.setup(model)  # e.g. the mask token SBD adds, before the targets are tokenized
         rows = self.rows(self._targets(model), model)
-        if f"{self.stage}_steps" not in self.plan:
-            per_step = self.row_tokens(rows) * o.batch_size
-            self._save_plan(**{f"{self.stage}_steps": max(1, round(self.plan[f"{self.stage}_tokens"] / per_step))})
+        start, per_step = o.model if continued else self.start, self.row_tokens(rows) * o.batch_size
+        self._size(self.stage, per_step, start, objective, rows)
+        if "budget_seconds" in self.plan and "budget_tokens" not in self.plan:  # what the time came to
+            sft_tokens = self.plan.get("sft_steps", 0) * o.batch_size * o.seq_len
+            self._save_plan(budget_tokens=round(sft_tokens + self.plan[f"{self.stage}_steps"] * per_step))
         steps, points = self.steps, self._points()
-        provenance = {"base": model_identity(self.start), "objective": objective.describe()}
+        provenance = {"base": model_identity(start), "objective": objective.describe()}
 
         def snapshot(step: int, _: dict) -> None:
             if step in points and step < steps:
@@ -321,7 +372,7 @@ class Recipe:
 
         (self.work / "curve").mkdir(exist_ok=True)
         self.log(f"{objective.name} from {self.start}: {steps} steps of {o.batch_size} rows → {run}")
-        train(model, objective, rows, self._config(steps), run, callback=snapshot)
+        train(model, objective, rows, self._stage_config(self.stage, steps), run, callback=snapshot)
         return points
 
     def _points(self) -> list[int]:
@@ -358,11 +409,12 @@ class Recipe:
             return dev_eval.table(contenders, on, encoded, o.max_new_tokens)
 
         seen = tokens_seen(self.work / self.stage)
+        before = self.plan.get("from", {}).get("tokens_before", 0.0)  # a continued model's curve counts on
         for step in [0, *points]:
             if any(p["step"] == step for p in record.get("curve", [])):
                 continue
             rows = measure(load_model(self._curve_model(step), **SERVED), self.curve_decoders(), few, few_prompts)
-            point = {"step": step, "tokens": seen.get(step, 0.0), **rows}
+            point = {"step": step, "tokens": before + seen.get(step, 0.0), **rows}
             record["curve"] = sorted([*record.get("curve", []), point], key=lambda p: p["step"])
             write_json_atomic(path, record)
             self.log(f"dev curve point: {json.dumps(point)}")
@@ -384,8 +436,18 @@ class Recipe:
         """The adapters from the base to the method's model flattened into one bfloat16 adapter (WORK/shipped)."""
         shipped = self.work / "shipped"
         if not (shipped / adapters.ADAPTER_CONFIG).exists():
-            flatten([*self.start_chain(), self.work / self.stage], shipped, self.options.model)
+            flatten([*self._chain(), self.work / self.stage], shipped, self.options.model)
         return shipped
+
+    def _in_tokens(self) -> RecipeOptions:
+        """The options with the budget as the tokens it came to (a budget in time: the SFT share those of its
+        steps), so that the shipped command trains the same steps on any machine."""
+        o, total = self.options, self.plan["budget_tokens"]
+        if "budget_seconds" not in self.plan or not self.plan.get("sft_steps"):
+            return replace(o, budget=str(total))
+        return replace(
+            o, budget=str(total), sft_share=round(self.plan["sft_steps"] * o.batch_size * o.seq_len / total, 6)
+        )
 
     def ship(self, dest: Path, record: dict[str, Any]) -> None:
         """The shipped adapter, its decoding defaults and its provenance, written beside `dest` and renamed."""
@@ -398,9 +460,7 @@ class Recipe:
             "base": o.model,
             "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
             # a budget in time becomes the tokens it was converted to: the same steps on any machine
-            "command": command_line(
-                self.name, replace(o, budget=str(self.plan["budget_tokens"])), self.data, self.work, dest
-            ),
+            "command": command_line(self.name, self._in_tokens(), self.data, self.work, dest),
             "data": {"source": self.data.name, "sha256": self.plan["data_sha256"], **self.plan["records"]},
             "plan": {k: v for k, v in self.plan.items() if k not in ("data", "data_sha256", "records")},
             "dev": record,
@@ -419,14 +479,16 @@ class Recipe:
 
     def run(self, ship_to: Path | None = None, evaluate: bool = True) -> dict[str, Any] | None:
         """Every stage not yet done; the dev record (None with `evaluate` off)."""
-        if self.plan["sft_steps"]:
-            self._ntp(self.options.model, self.train_records, self.work / "sft", self.plan["sft_steps"])
+        if self.has_sft:
+            self._ntp("sft", self.options.model, self.train_records, self.work / "sft")
         points = self._train_method()
         if self.options.control:
-            self._ntp(self.start, self.train_records, self.work / "control", self.steps)
+            self._ntp("control", self.start, self.train_records, self.work / "control", self.steps)
         if not evaluate:
             return None
+        began = time.monotonic()
         record = self._dev(points)
+        self.log(f"dev: {time.monotonic() - began:.0f} s of evaluation (not counted in --budget)")
         write_decoding_defaults(self.flattened(), DecodingDefaults(**record["defaults"]))
         if ship_to is not None:
             self.ship(ship_to, record)
@@ -455,7 +517,7 @@ def command_line(name: str, options: RecipeOptions, data: Data, work: Path, ship
     (what a provenance.json gives to rebuild a model from a fresh work folder)."""
     words = ["fastforward", "recipe", name, *data.words(), "--work", str(work)]
     for field_name, value in options.training().items():
-        flag = "--" + field_name.replace("_", "-")
+        flag = options.flag(field_name)
         if isinstance(value, bool):
             words.append(flag if value else "--no-" + flag[2:])
         else:

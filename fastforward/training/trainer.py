@@ -78,6 +78,8 @@ class TrainConfig:
     lora_rank: int = 0  # 0: train every weight; R: a PEFT LoRA adapter of rank R, saved as an adapter directory
     lora_alpha: float = 0.0  # LoRA's scale numerator; 0: twice the rank
     lora_targets: str = adapters.DEFAULT_TARGETS  # "all-linear" or comma-separated module names
+    # LoRA layers on the top N decoder layers only (0: every layer): the backward pass stops at the lowest one
+    lora_layers: int = 0
     # An adapter directory whose LoRA weights the run starts from (its rank and targets; a fresh optimizer and
     # schedule): training a finished adapter further, on the base it was trained on.
     lora_from: str = ""
@@ -87,7 +89,8 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise FastForwardError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("warmup", "weight_decay", "max_grad_norm", "eval_every", "save_every", "lora_rank", "lora_alpha"):
+        nonnegative = ("warmup", "weight_decay", "max_grad_norm", "eval_every", "save_every")
+        for name in (*nonnegative, "lora_rank", "lora_alpha", "lora_layers"):
             if getattr(self, name) < 0:
                 raise FastForwardError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -301,7 +304,8 @@ def train(
             "train with --attention sdpa"
         )
     objective.setup(model)
-    with lora.layers(model, config.lora_rank, config.lora_alpha, config.lora_targets, config.seed, config.lora_from):
+    lora_options = (config.lora_rank, config.lora_alpha, config.lora_targets, config.seed, config.lora_from)
+    with lora.layers(model, *lora_options, top_layers=config.lora_layers):
         return _train(model, objective, train_data, config, out, accelerator, eval_data, callback, overwrite)
 
 

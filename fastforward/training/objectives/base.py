@@ -2,7 +2,8 @@
 
 An objective turns a batch into a layout, runs it, and returns a scalar loss plus float metrics.
 Labels use -100 (IGNORE) where a row has no target, like Hugging Face; only the slots that have a
-label are projected to the vocabulary (`Model.logits_at`), so full-sequence logits are never materialised.
+label are read (`Model.outputs_at`) and projected to the vocabulary a chunk at a time with their loss
+(`fastforward.model.head`), so full-sequence logits are never materialised.
 
 So that a training step gives the same update however its rows are split across processes and
 micro-batches, an objective's loss is a weighted sum of terms, each a sum over its tokens divided
@@ -18,14 +19,12 @@ from dataclasses import asdict
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 
-from fastforward.model import Layout, Model
+from fastforward.model import Layout, Model, head
+from fastforward.model.head import IGNORE, HeadRows
 from fastforward.model.visibility import causal, over_cache
 from fastforward.options import check_options
 from fastforward.training.data import Batch, derive_seed
-
-IGNORE = -100
 
 # The denominator of each loss term, by name (see `Objective.loss`); None: each term's own token count.
 Norms = Mapping[str, float] | None
@@ -123,18 +122,18 @@ def labelled_slots(labels: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor,
     return rows, slots + offset
 
 
-def label_loss(logits: torch.Tensor, labels: torch.Tensor, norm: float | None = None) -> tuple[torch.Tensor, int]:
-    """Cross entropy summed over `logits` [N, V] (fp32, the `labelled_slots` of `labels`, in their order)
-    against those labels, over `norm` (default: their count, a mean), and their count.
+def label_loss(rows: HeadRows, labels: torch.Tensor, norm: float | None = None) -> tuple[torch.Tensor, int]:
+    """Cross entropy summed over `rows` (what the model outputs at the `labelled_slots` of `labels`, in their
+    order) against those labels, over `norm` (default: their count, a mean), and their count.
 
     With no labelled slot the loss is an exact zero that still belongs to the graph.
     """
     targets = labels[labels != IGNORE]
-    return mean_over(F.cross_entropy(logits, targets, reduction="sum"), len(targets), norm), len(targets)
+    return mean_over(head.cross_entropy(rows, targets), len(targets), norm), len(targets)
 
 
 def next_token_loss(model: Model, batch: Batch, norm: float | None = None) -> tuple[torch.Tensor, int]:
     """`label_loss` of a plain causal pass over `batch` against `next_token_labels` (the NTP loss)."""
     labels = next_token_labels(batch)
-    (logits,) = model.logits_at(causal_layout(batch), labelled_slots(labels))
-    return label_loss(logits, labels, norm)
+    (rows,) = model.outputs_at(causal_layout(batch), labelled_slots(labels))
+    return label_loss(rows, labels, norm)

@@ -44,18 +44,15 @@ A row's draws come from its own stream, so a resumed or sharded run draws the sa
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from fastforward.errors import FastForwardError
-from fastforward.model import Layout, Model, visibility
+from fastforward.model import Layout, Model, head, visibility
 from fastforward.options import AT_LEAST_ONE, NON_NEGATIVE, option
 from fastforward.training.objectives.base import (
-    IGNORE,
     Norms,
     Objective,
     labelled,
@@ -349,14 +346,10 @@ class JacobiForcing(Objective):
         capacity = bin_capacity(lengths, attention_crossover(model))
         packed = pack(rows, model.pad_token_id, self.noisy_context, model.device, capacity)
         # Only the slots a loss reads are projected to the vocabulary: noisy ones and the clean stream.
-        student, clean = model.logits_at(packed.layout, packed.noisy, packed.read)
-        student = F.log_softmax(student, dim=-1)
-        with torch.no_grad() if self.ar_weight == 0 else contextlib.nullcontext():
-            clean = F.log_softmax(clean, dim=-1)  # once, for the AR term and the teacher
-            ar_sum = F.nll_loss(clean, packed.labels, ignore_index=IGNORE, reduction="sum")
-            ar = mean_over(ar_sum, labelled(packed.labels), term_norm(norms, "ar"))
-        teacher = clean[packed.teacher].detach()  # θ⁻: stop-gradient
-        kl = F.kl_div(student, teacher, log_target=True, reduction="sum")
+        student, clean = model.outputs_at(packed.layout, packed.noisy, packed.read)
+        # θ⁻: the teacher (the clean slot's distribution) gets no gradient from the consistency term
+        ar_sum, kl = head.cross_entropy_and_distillation(clean, packed.labels, student, packed.teacher)
+        ar = mean_over(ar_sum, labelled(packed.labels), term_norm(norms, "ar"))
         consistency = mean_over(kl, len(student), term_norm(norms, "consistency"))
         loss = consistency + self.ar_weight * ar
         return loss, {

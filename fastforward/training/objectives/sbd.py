@@ -99,10 +99,10 @@ def dual_stream_loss(
     layout, labels = dual_stream_layout(batch, masked, rule, mask_id)
     length = batch.tokens.shape[1]
     clean, copy = labels[:, :length], labels[:, length:]
-    clean_logits, copy_logits = model.logits_at(layout, labelled_slots(clean), labelled_slots(copy, length))
+    clean_rows, copy_rows = model.outputs_at(layout, labelled_slots(clean), labelled_slots(copy, length))
     with torch.no_grad() if ntp_weight == 0 else contextlib.nullcontext():
-        ntp, _ = label_loss(clean_logits, clean, term_norm(norms, "ntp"))
-    mask, count = label_loss(copy_logits, copy, term_norm(norms, "mask"))
+        ntp, _ = label_loss(clean_rows, clean, term_norm(norms, "ntp"))
+    mask, count = label_loss(copy_rows, copy, term_norm(norms, "mask"))
     loss = mask + ntp_weight * ntp
     rate = count / max(int(batch.loss_mask.sum()), 1)
     return loss, {"loss": loss.item(), "ntp_loss": ntp.item(), "mask_loss": mask.item(), "mask_rate": rate}

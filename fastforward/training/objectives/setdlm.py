@@ -144,8 +144,8 @@ class SetDLM(Objective):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         targets, ranks = self.draw(batch, generator)
         layout, labels = setdlm_layout(batch, targets, ranks, model.require_mask_token(self.name))
-        (logits,) = model.logits_at(layout, labelled_slots(labels))  # only the copy's masks are labelled
-        mask, count = label_loss(logits, labels, term_norm(norms, "mask"))
+        (rows,) = model.outputs_at(layout, labelled_slots(labels))  # only the copy's masks are labelled
+        mask, count = label_loss(rows, labels, term_norm(norms, "mask"))
         metrics = {"mask_loss": mask.item(), "masked": float(count)}
         loss = mask
         if self.ntp_weight > 0:
