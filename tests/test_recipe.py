@@ -281,17 +281,30 @@ def test_from_refuses_what_it_cannot_continue(tmp_path, capsys):
     assert "was trained with jacobi_forcing, not sbd" in capsys.readouterr().err
 
 
-def test_a_budget_in_time_is_converted_at_the_rate_measured_here(tmp_path):
+def test_a_budget_in_time_sizes_each_stage_at_its_own_rate_measured_here(tmp_path):
+    """--budget 0.05min: SFT gets its share of the seconds and the method the rest, each stage's steps from the
+    rate of its own first steps here (its objective, its rows); the shipped command gives the tokens that came
+    to, which plan the same steps on any machine."""
     from fastforward.recipes.jacobi_forcing import JacobiForcingRecipe
 
     tiny_model(init_std=0.5).save(tmp_path / "m")
     data = write_lines(tmp_path / "gsm8k.jsonl", GSM8K_LINES)
-    options = JacobiForcingRecipe.options_class(model=str(tmp_path / "m"), budget="0.01min", dev=2, seq_len=64)
+    options = JacobiForcingRecipe.options_class(
+        model=str(tmp_path / "m"), budget="0.05min", dev=2, seq_len=64, batch_size=2, targets="reference",
+        lora_rank=2, block_size=4,
+    )  # fmt: skip
     recipe = JacobiForcingRecipe(data, tmp_path / "w", options, log=lambda line: None)
-    rate = recipe.plan["measured_tokens_per_s"]
-    assert rate > 0 and abs(recipe.plan["budget_tokens"] - 0.6 * rate) <= 1
+    assert (recipe.plan["budget_seconds"], recipe.plan["sft_seconds"], recipe.plan["jf_seconds"]) == (3.0, 0.75, 2.25)
+    assert "budget_tokens" not in recipe.plan and "sft_steps" not in recipe.plan  # sized as each stage starts
+    recipe.run(evaluate=False)
+    plan = json.loads((tmp_path / "w" / "plan.json").read_text())
+    assert plan["sft_tokens_per_s"] > 0 and plan["jf_tokens_per_s"] > 0 and plan["sft_steps"] >= 1
     again = JacobiForcingRecipe(data, tmp_path / "w", options, log=lambda line: None)  # resumed: not measured again
-    assert again.plan == recipe.plan
+    assert again.plan == plan
+    in_tokens = JacobiForcingRecipe(data, tmp_path / "w2", recipe._in_tokens(), log=lambda line: None)
+    in_tokens.run(evaluate=False)
+    tokens_plan = json.loads((tmp_path / "w2" / "plan.json").read_text())
+    assert (tokens_plan["sft_steps"], tokens_plan["jf_steps"]) == (plan["sft_steps"], plan["jf_steps"])
 
 
 def test_a_task_train_split_is_data_too_and_its_command_names_it(tmp_path, capsys):
