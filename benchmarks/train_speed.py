@@ -16,7 +16,8 @@ figures; the ratios within a round hold):
 - `float32+lora+top10`, `+top15`: that, with LoRA on the top 10 or 15 decoder layers only (`--lora-layers`):
   the backward pass stops at the lowest adapted layer.
 
-Each run's peak resident memory is sampled every 20 ms (the process's, so the first run's load counts too).
+Each run's peak resident memory is sampled every 20 ms (the process's, so what earlier runs left allocated
+counts too); `--isolated` runs each in a process of its own and reports its VmHWM.
 
 Several `--seq-len`s compare row lengths at equal tokens per step: `--batch-size` rows at the first
 length, as many tokens a step at the others (`--seq-len 512 256` runs 4 x 512 against 8 x 256). An
@@ -48,9 +49,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -181,6 +185,25 @@ def one_run(args, objective: str, options: dict, work: Path, seq_len: int) -> tu
     return statistics.median(r["tokens_per_s"] for r in history[1:]), memory.gb
 
 
+def isolated_run(args, objective: str, options: dict, work: Path, seq_len: int) -> tuple[float, float]:
+    """`one_run` in a process of its own: its peak resident memory (VmHWM) is this run's alone."""
+    child = [sys.executable, __file__, *sys.argv[1:], "--child", json.dumps([objective, options, str(work), seq_len])]
+    done = subprocess.run(child, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"a run failed:\n{done.stderr[-3000:]}")
+    rate, peak = json.loads(done.stdout.strip().splitlines()[-1])
+    return rate, peak
+
+
+def child_run(args) -> None:
+    """The run `--child` names, its tokens/s and VmHWM (GB) printed as the last line."""
+    objective, options, work, seq_len = json.loads(args.child)
+    rate, _ = one_run(args, objective, options, Path(work), seq_len)
+    status = Path("/proc/self/status").read_text()
+    peak = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) * 1024
+    print(json.dumps([rate, peak / 1e9]), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="a model, or `tiny` (a random 2-layer llama)")
@@ -196,8 +219,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--jf-lengths", choices=("fixed", "varied"), default="fixed", help="jacobi_forcing rows' lengths")
     p.add_argument("--out", type=Path, default=RESULTS / "train_speed.json")
+    p.add_argument("--isolated", action="store_true", help="each run in a process of its own (its own peak memory)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     threads = set_threads(args.threads)
+    if args.child:
+        child_run(args)
+        return
     load_before = load_average()
     shapes = [(o, n) for o in args.objectives for n in args.seq_len]
     rates: dict[tuple[str, int], dict[str, list[float]]] = {shape: {c: [] for c in args.contenders} for shape in shapes}
@@ -209,7 +237,8 @@ def main() -> None:
                 shift = r % len(runs)  # the order rotates: a load that changes over a round favours none
                 for contender, seq_len in runs[shift:] + runs[:shift]:
                     work = Path(tmp) / f"{objective}-{contender}-{seq_len}"
-                    rate, peak = one_run(args, objective, CONTENDERS[contender], work, seq_len)
+                    run = isolated_run if args.isolated else one_run
+                    rate, peak = run(args, objective, CONTENDERS[contender], work, seq_len)
                     rates[(objective, seq_len)][contender].append(rate)
                     peaks[(objective, seq_len)][contender] = max(peak, peaks[(objective, seq_len)].get(contender, 0))
                     log(f"round {r + 1}: {objective} {contender} rows of {seq_len}: {rate:.0f} tokens/s, "

@@ -43,7 +43,8 @@ def summarize(
     generations: Sequence[Generation], records: Sequence[Record], reference: Sequence[Generation] | None = None
 ) -> dict[str, Any]:
     """TPF, tokens/s and tokens; accuracy when every record has an answer; against `reference` (the same
-    model's `ar`), how many outputs are its tokens exactly."""
+    model's `ar`), how many outputs are its tokens exactly; and each prompt's tokens, forwards (and grade), so
+    that two rows on the same prompts can be compared prompt by prompt (the noise of a dev split)."""
     tokens = sum(g.stats.tokens for g in generations)
     row: dict[str, Any] = {
         "n": len(generations),
@@ -51,9 +52,12 @@ def summarize(
         "tpf": tokens / max(sum(g.stats.nfe for g in generations), 1),
         "tps": tokens / max(sum(g.stats.seconds for g in generations), 1e-9),
     }
+    prompts = {"tokens": [g.stats.tokens for g in generations], "nfe": [g.stats.nfe for g in generations]}
     if all(r.answer is not None for r in records):
         graded = [grade_answer(g.text, r.answer or "").correct for g, r in zip(generations, records, strict=True)]
         row["accuracy"] = sum(graded) / len(graded)
+        prompts["correct"] = [int(c) for c in graded]
+    row["prompts"] = prompts
     if reference is not None:
         row["equal_ar"] = sum(g.token_ids == r.token_ids for g, r in zip(generations, reference, strict=True))
     return row

@@ -25,9 +25,9 @@ def wrap(model: Model, rank: int, alpha: float, targets: str, seed: int, start: 
     weights a function of `seed`, so that every process and every resumed run starts from the same ones;
     or, with `start` (an adapter directory), that adapter's layers and weights, trainable.
 
-    top_layers N > 0: only the top N decoder layers get LoRA layers. Nothing below the lowest of them
-    needs a gradient, so the backward pass stops there and keeps none of their activations: adapting the
-    top third of SmolLM2's 30 layers leaves about two thirds of a LoRA step's linear work."""
+    top_layers N > 0: only the top N decoder layers get LoRA layers (all, if it has no more). Nothing below
+    the lowest of them needs a gradient, so the backward pass stops there and keeps none of their
+    activations: adapting the top third of SmolLM2's 30 layers leaves about two thirds of its linear work."""
     if model.adapter is not None:
         raise FastForwardError(
             f"cannot train an adapter on a model loaded with --adapter {model.adapter}: give the adapter "
@@ -52,10 +52,9 @@ def wrap(model: Model, rank: int, alpha: float, targets: str, seed: int, start: 
 
 def top_modules(model: Model, targets: str, count: int) -> list[str]:
     """The full names of the linear modules that `targets` names ("all-linear": every one, as PEFT counts
-    them) inside the top `count` decoder layers."""
+    them) inside the top `count` decoder layers (every layer of a model with no more than `count`)."""
     stack = decoder_layers(model)
-    if not 1 <= count <= len(stack):
-        raise FastForwardError(f"--lora-layers {count}: {model.name} has {len(stack)} decoder layers")
+    count = min(count, len(stack))
     wanted = None if targets == adapters.DEFAULT_TARGETS else {t for t in targets.split(",") if t}
     inside = {id(m) for layer in stack[len(stack) - count :] for m in layer.modules()}
     names = [
