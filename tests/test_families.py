@@ -16,7 +16,7 @@ import transformers as T
 import fastforward as ff
 from fastforward.decoding.decoders import registry
 from fastforward.errors import FastForwardError
-from fastforward.model import Layout, core, load_model
+from fastforward.model import Layout, core, head, load_model
 from fastforward.model.tiny import DEFAULT_CORPUS, fit_tokenizer
 from fastforward.training.data import Batch
 from fastforward.training.objectives import SBD, JacobiForcing, MultiTF, SetDLM
@@ -168,6 +168,29 @@ def test_losses_read_the_models_own_logits_at_their_slots(family, prompts, maske
     if family[0] in ("gemma2", "cohere2"):  # what the output layer alone would give differs
         raw = model.hf.get_output_embeddings()(model.hidden_states(layout))
         assert not torch.allclose(raw[first], full[first], atol=1e-2)
+
+
+def test_losses_projected_a_chunk_at_a_time_equal_the_models_own_logits(family, prompts, monkeypatch):
+    """Where `outputs_at` projects hidden states itself (a plain output layer), the cross entropy and its
+    gradients are those of the family's own logits; a family that changes its logits after the layer (Gemma 2's
+    soft-capping, Cohere 2's scale) is handed its own logits instead."""
+    monkeypatch.setattr(head, "CHUNK_FLOATS", 3 * 300)  # several chunks
+    model = load_model(str(family[1]))
+    rows = torch.tensor([(p * 4)[:12] for p in prompts])
+    ones = torch.ones_like(rows, dtype=torch.bool)
+    layout = causal_layout(Batch(rows, ones, ones))
+    slots = (torch.tensor([0, 2, 1, 1, 0]), torch.tensor([3, 0, 5, 11, 7]))
+    targets = rows[slots[0], slots[1] + 1 - (slots[1] == 11).long() * 11]
+    (got,) = model.outputs_at(layout, slots)
+    assert (got.logits is None) == (family[0] not in ("gemma2", "cohere2"))
+    loss = head.cross_entropy(got, targets)
+    (logits,) = model.logits_at(layout, slots)
+    expected = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    weights = [p for p in model.hf.parameters() if p.requires_grad]
+    for a, b in zip(torch.autograd.grad(loss, weights), torch.autograd.grad(expected, weights), strict=True):
+        # softmax(z) against exp(log_softmax(z)) with these tiny models' logits in the hundreds: float32 rounding
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
 
 
 def test_every_objective_takes_a_training_step(family, prompts, tmp_path):
