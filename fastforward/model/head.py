@@ -42,7 +42,7 @@ class HeadRows:
 
 
 def cross_entropy(rows: HeadRows, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross entropy of `rows` against `targets` [N] (IGNORE: no term); float32."""
+    """Summed cross entropy of `rows` against `targets` [N] (IGNORE: no term), in float32 (float64 models: float64)."""
     if rows.logits is not None:
         return F.cross_entropy(rows.logits.float(), targets, ignore_index=IGNORE, reduction="sum")
     empty = rows.hidden[:0]
@@ -104,22 +104,23 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     def forward(ctx, hidden, student, weight, targets, teacher, wanted):  # noqa: D102 (torch's signature)
         wants_hidden, wants_student, wants_weight = wanted
         rows = max(1, CHUNK_FLOATS // weight.shape[0])
-        ce = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        kl = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        exact = torch.promote_types(weight.dtype, torch.float32)  # losses in float32, or a float64 model's dtype
+        ce = torch.zeros((), dtype=exact, device=hidden.device)
+        kl = torch.zeros((), dtype=exact, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if wants_hidden else None
         grad_student = torch.zeros_like(student) if wants_student else None
-        weight_grads = [torch.zeros_like(weight, dtype=torch.float32) for _ in range(2)] if wants_weight else None
+        weight_grads = [torch.zeros_like(weight, dtype=exact) for _ in range(2)] if wants_weight else None
         order = torch.argsort(teacher)  # students by their teacher row, so each chunk's are consecutive
         sorted_teacher = teacher[order]
         for start in range(0, len(hidden), rows):
             end = min(start + rows, len(hidden))
             part = hidden[start:end]
-            logits = F.linear(part, weight).float()
+            logits = F.linear(part, weight).to(exact)
             lo, hi = torch.searchsorted(sorted_teacher, torch.tensor([start, end], device=teacher.device)).tolist()
             if hi > lo:  # this chunk's students, against its logits before the cross entropy's gradient takes them
                 mine = order[lo:hi]
                 student_part = student[mine]
-                student_logits = F.linear(student_part, weight).float()
+                student_logits = F.linear(student_part, weight).to(exact)
                 loss, grad = _distillation_chunk(
                     student_logits, logits[sorted_teacher[lo:hi] - start], wants_student or wants_weight
                 )
@@ -166,4 +167,4 @@ def _backward_chunk(
     if grad_rows is not None:
         grad_rows[where] = torch.mm(grad.to(weight.dtype), weight).to(grad_rows.dtype)
     if weight_grads is not None:
-        weight_grads[loss] += torch.mm(grad.t().to(rows.dtype), rows).float()
+        weight_grads[loss] += torch.mm(grad.t().to(rows.dtype), rows).to(weight_grads[loss].dtype)
