@@ -258,6 +258,7 @@ def test_from_continues_a_shipped_model_and_two_versions_end_where_one_run_ends(
     assert plan["sft_steps"] == 0 and plan["from"]["adapter"] == str(first) and plan["from"]["rank"] == 2
     provenance = json.loads((second / "provenance.json").read_text())
     assert f"--from {first}" in provenance["command"] and provenance["start"]["command"].startswith("fastforward")
+    assert "--from" not in provenance["start"]["command"]  # the first version continued nothing
     curves = [json.loads((folder / "provenance.json").read_text())["dev"]["curve"] for folder in (first, second)]
     assert curves[1][0]["tokens"] == curves[0][-1]["tokens"] > 0 and curves[1][-1]["tokens"] > curves[0][-1]["tokens"]
     records = read_records(tmp_path / "w1" / "train.jsonl")

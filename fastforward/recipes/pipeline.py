@@ -520,7 +520,7 @@ def command_line(name: str, options: RecipeOptions, data: Data, work: Path, ship
         flag = options.flag(field_name)
         if isinstance(value, bool):
             words.append(flag if value else "--no-" + flag[2:])
-        else:
+        elif value != "":  # an unset path (no --from): nothing to spell out
             words += [flag, str(value)]
     words += ["--blocks", *map(str, options.blocks)]
     if ship_to is not None:
