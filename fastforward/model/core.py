@@ -261,7 +261,9 @@ class Model:
         changed = any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS)
         if changed or not isinstance(layer, torch.nn.Linear) or layer.bias is not None:
             return None
-        return layer.weight
+        # a weight sharded by FSDP is whole only inside its module's forward: those models keep their logits
+        weight = layer.weight
+        return weight if type(weight.data) is torch.Tensor and weight.dim() == 2 and weight.numel() else None
 
     def outputs_at(self, layout: Layout, *slots: tuple[torch.Tensor, torch.Tensor]) -> list[HeadRows]:
         """What a training loss reads at each set of N (row, slot) pairs of an uncached layout: the hidden

@@ -25,9 +25,8 @@ import torch
 import torch.nn.functional as F
 
 IGNORE = -100  # a row without a target (Hugging Face's convention)
-# Logits a chunk: 128 MB of float32, 682 rows of SmolLM2's vocabulary. Its products then run at the whole
-# matrix's speed: on 2 Zen 4 cores held to AVX2, a cross entropy with its gradients over 1,800 rows took 1.33 s
-# against 1.77 s for whole logits, and 2.5 s in chunks of 42 rows.
+# Logits a chunk: 128 MB of float32, 682 rows of SmolLM2's vocabulary; smaller chunks slow the products more than
+# they save in memory traffic (`benchmarks/head_loss.py`, figures in docs/notes/2026-12-07-training-speed.md).
 CHUNK_FLOATS = 1 << 25
 
 
