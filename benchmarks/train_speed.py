@@ -16,8 +16,8 @@ figures; the ratios within a round hold):
 - `float32+lora+top10`, `+top15`: that, with LoRA on the top 10 or 15 decoder layers only (`--lora-layers`):
   the backward pass stops at the lowest adapted layer.
 
-Each run's peak resident memory is sampled every 20 ms (the process's, so what earlier runs left allocated
-counts too); `--isolated` runs each in a process of its own and reports its VmHWM.
+`--isolated` runs each in a process of its own and reports its peak resident memory (VmHWM): in one process
+the peak would count what earlier runs left allocated.
 
 Several `--seq-len`s compare row lengths at equal tokens per step: `--batch-size` rows at the first
 length, as many tokens a step at the others (`--seq-len 512 256` runs 4 x 512 against 8 x 256). An
@@ -48,15 +48,12 @@ Target (issue 52): `jacobi_forcing` at least 2x the float32 trainer's tokens/s o
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from unittest import mock
 
@@ -134,33 +131,9 @@ def foreach_adamw(*args, fused=None, **kwargs) -> torch.optim.AdamW:
     return ADAMW(*args, **kwargs)
 
 
-class PeakMemory:
-    """The process's peak resident memory while inside the block, sampled every 20 ms (GB)."""
-
-    def __enter__(self) -> PeakMemory:
-        self.peak, self._stop = 0, threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        page = os.sysconf("SC_PAGE_SIZE")
-        while not self._stop.wait(0.02):
-            with open("/proc/self/statm") as statm:
-                self.peak = max(self.peak, int(statm.read().split()[1]) * page)
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def gb(self) -> float:
-        return self.peak / 1e9
-
-
-def one_run(args, objective: str, options: dict, work: Path, seq_len: int) -> tuple[float, float]:
-    """Median tokens/s over the steps after the first of one `train` run, rows of `seq_len`, and its peak
-    resident memory (GB)."""
+def one_run(args, objective: str, options: dict, work: Path, seq_len: int) -> tuple[float, float | None]:
+    """Median tokens/s over the steps after the first of one `train` run, rows of `seq_len` (and no peak memory:
+    `isolated_run` measures it)."""
     options = dict(options)
     if not options.pop("fused_adamw", True):
         with mock.patch.object(torch.optim, "AdamW", foreach_adamw):
@@ -179,10 +152,8 @@ def one_run(args, objective: str, options: dict, work: Path, seq_len: int) -> tu
         eval_every=0,
         **options,
     )
-    gc.collect()
-    with PeakMemory() as memory:
-        history = train(model, make_objective(objective), data, config, work, overwrite=True)
-    return statistics.median(r["tokens_per_s"] for r in history[1:]), memory.gb
+    history = train(model, make_objective(objective), data, config, work, overwrite=True)
+    return statistics.median(r["tokens_per_s"] for r in history[1:]), None
 
 
 def isolated_run(args, objective: str, options: dict, work: Path, seq_len: int) -> tuple[float, float]:
@@ -240,21 +211,26 @@ def main() -> None:
                     run = isolated_run if args.isolated else one_run
                     rate, peak = run(args, objective, CONTENDERS[contender], work, seq_len)
                     rates[(objective, seq_len)][contender].append(rate)
-                    peaks[(objective, seq_len)][contender] = max(peak, peaks[(objective, seq_len)].get(contender, 0))
-                    log(f"round {r + 1}: {objective} {contender} rows of {seq_len}: {rate:.0f} tokens/s, "
-                        f"peak {peak:.1f} GB (load {load_average()})")  # fmt: skip
+                    if peak is not None:
+                        peaks[(objective, seq_len)][contender] = max(
+                            peak, peaks[(objective, seq_len)].get(contender, 0)
+                        )
+                    memory = "" if peak is None else f", peak {peak:.1f} GB"
+                    log(f"round {r + 1}: {objective} {contender} rows of {seq_len}: {rate:.0f} tokens/s{memory} "
+                        f"(load {load_average()})")  # fmt: skip
     rows = []
     base_name = args.baseline if args.baseline in args.contenders else None
     head = f"| objective | row | {' | '.join(args.contenders)} |"
     log(
-        f"\ntokens/s (median), × {base_name or '—'} in brackets, peak GB\n{head}\n"
+        f"\ntokens/s (median), × {base_name or '—'} in brackets, peak GB with --isolated\n{head}\n"
         f"|---|---|{'---|' * len(args.contenders)}"
     )
     for (objective, seq_len), by in rates.items():
         medians = {c: statistics.median(v) for c, v in by.items()}
         base = medians.get(base_name) if base_name else None
         cells = [
-            f"{m:.0f}{f' ({m / base:.2f}×)' if base else ''}, {peaks[(objective, seq_len)][c]:.1f} GB"
+            f"{m:.0f}{f' ({m / base:.2f}×)' if base else ''}"
+            + (f", {peaks[(objective, seq_len)][c]:.1f} GB" if c in peaks[(objective, seq_len)] else "")
             for c, m in medians.items()
         ]
         log(f"| {objective} | {seq_len} | {' | '.join(cells)} |")
