@@ -1,3 +1,4 @@
+import hashlib
 import json
 import operator
 import re
@@ -94,6 +95,25 @@ def test_arithmetic_knobs():
     with pytest.raises(FastForwardError, match="min_ops"):
         ArithmeticTask(min_ops=3, max_ops=2)
     assert set(THEMES) >= {"shopping", "travel", "savings", "recipe"}
+
+
+def test_varied_phrasing_tells_the_same_arithmetic_many_ways():
+    """phrasing=varied: everyday stories and reworded ones, each solution still right; the default's problems
+    are those of before the knob (a preset's data stays reproducible)."""
+    knobs = {"min_ops": 2, "max_ops": 3, "max_number": 20, "max_factor": 5}
+    plain, varied = ArithmeticTask(**knobs), ArithmeticTask(**knobs, phrasing="varied")
+    examples = varied.examples("train", 400, seed=0)
+    for ex in examples:
+        assert _evaluate_steps(ex.completion) == int(ex.reference) and ex.prompt.endswith("?\n")
+    prompts = [ex.prompt for ex in examples]
+    assert sum("dollars" in p for p in prompts) > 10 and sum(" years old." in p for p in prompts) > 10  # reworded
+    assert sum(" in each " in p or " of " in p for p in prompts) > 50  # groups said several ways
+    assert not {p for p in prompts} & {ex.prompt for ex in plain.examples("train", 400, seed=0)}
+    kept = "".join(e.prompt + e.completion for e in plain.examples("train", 200, seed=0))  # as before the knob
+    assert hashlib.sha256(kept.encode()).hexdigest().startswith("aca83b124e81b6fe")
+    assert varied.describe()["phrasing"] == "varied" and "phrasing" not in plain.describe()
+    with pytest.raises(FastForwardError, match="phrasing"):
+        ArithmeticTask(phrasing="poetic")
 
 
 def test_arithmetic_grader():

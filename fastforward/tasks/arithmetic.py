@@ -51,6 +51,16 @@ from fastforward.tasks.arithmetic_stories import (
     WEEKDAYS,
     Story,
 )
+from fastforward.tasks.arithmetic_wording import (
+    CONTAINERS,
+    CROWDS,
+    DAYS,
+    GROUPS,
+    ITEMS,
+    MORE_NAMES,
+    WORDING_THEMES,
+    reword,
+)
 from fastforward.tasks.base import Example, Grade, Task, seeded_rng, stable_hash
 
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
@@ -61,9 +71,10 @@ _STEP = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
 
 def _words_to_mask() -> re.Pattern:
     """Every name, pronoun and item word the generator fills its templates with, longest first."""
-    words = {name for name, _ in NAMES} | {"she", "he", "her", "him", "his", "She", "He", "Her", "His"}
-    words |= {*FRIENDS, *THINGS, *CHORES, *COLLECTIBLES, *FOODS, *INGREDIENTS, *WEEKDAYS}
-    words |= {w for pair in GOODS for w in pair} | {w for pair in VEHICLES for w in pair}
+    words = {name for name, _ in NAMES + MORE_NAMES} | {"she", "he", "her", "him", "his", "She", "He", "Her", "His"}
+    words |= {*FRIENDS, *THINGS, *CHORES, *COLLECTIBLES, *FOODS, *INGREDIENTS, *WEEKDAYS, *DAYS}
+    words |= {w for pairs in (GOODS, VEHICLES, ITEMS, CONTAINERS, GROUPS) for pair in pairs for w in pair}
+    words |= {w for crowd in CROWDS for w in crowd}
     words |= {w for triple in PLANTS for w in triple}
     return re.compile(r"\b(" + "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)) + r")\b")
 
@@ -134,6 +145,11 @@ class ArithmeticTask(Task):
     themes: str | list[str] | None = option(None, "comma-separated story themes (default: all)", kind=str)
     test_fraction: float = option(0.2, "share of problems in the test split", PROPER_FRACTION)
     strict: bool = option(True, "grade only a '#### n' answer line (else the last number)")
+    phrasing: str = option(
+        "templates",
+        "templates (each fact said one way) or varied (everyday stories, facts said many ways)",
+        choices=("templates", "varied"),
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -162,6 +178,7 @@ class ArithmeticTask(Task):
             "themes": self.themes,
             "test_fraction": self.test_fraction,
             "strict": self.strict,
+            **({"phrasing": self.phrasing} if self.phrasing != "templates" else {}),
         }
 
     def split_of(self, prompt: str) -> str:
@@ -170,11 +187,13 @@ class ArithmeticTask(Task):
 
     def problem(self, rng: Random) -> tuple[str, str, int]:
         """One random problem: (prompt, worked solution, answer)."""
-        theme = rng.choice(self.themes)
+        varied = self.phrasing == "varied"
+        theme = rng.choice(list(WORDING_THEMES) if varied and rng.random() < 0.5 else self.themes)
         ops = rng.randint(max(self.min_ops, MIN_OPS.get(theme, 1)), self.max_ops)
         story = Story(rng, self.max_number, self.max_factor)
-        answer = THEMES[theme](story, ops)
-        prompt = " ".join([*story.sentences, story.question]) + "\n"
+        answer = {**THEMES, **WORDING_THEMES}[theme](story, ops)
+        text = reword(rng, story) if varied else " ".join([*story.sentences, story.question])
+        prompt = text + "\n"
         solution = "\n".join([*story.steps, f"#### {answer}"])
         return prompt, solution, answer
 
