@@ -282,6 +282,33 @@ def test_from_refuses_what_it_cannot_continue(tmp_path, capsys):
     assert "was trained with jacobi_forcing, not sbd" in capsys.readouterr().err
 
 
+def test_start_trains_the_method_from_a_shared_start_without_an_sft_stage(tmp_path, capsys):
+    """--start: the method's stage trains over an adapter made elsewhere (one SFT start shared by several
+    methods); no SFT stage runs, the curve's step 0 is that start, the shipped model holds both adapters."""
+    tiny_model(init_std=0.5).save(tmp_path / "m")
+    records = [parse_record(line, "x") for line in GSM8K_LINES]
+    data = write_lines(tmp_path / "s.jsonl", [{"prompt": r.prompt, "completion": r.completion} for r in records])
+    start = tmp_path / "start"
+    sft = ["train", "--objective", "ntp", "--model", str(tmp_path / "m"), "--data", data, "--out", str(start),
+           "--steps", "2", "--seq-len", "64", "--batch-size", "2", "--lora-rank", "2", "--threads", "1"]  # fmt: skip
+    assert main(sft) == 0
+    args = recipe_args(tmp_path, write_lines(tmp_path / "g.jsonl", GSM8K_LINES))
+    assert main(with_flags(args, start=str(tmp_path / "m"))) == 2  # a model, not an adapter over it
+    assert "not an adapter folder" in capsys.readouterr().err
+    assert main([*with_flags(args, start=str(start)), "--from", str(start)]) == 2
+    assert "leave out --start" in capsys.readouterr().err
+    preset = tmp_path / "preset"
+    assert main([*with_flags(args, start=str(start), curve="1", final_n="1"), "--ship-to", str(preset)]) == 0
+    capsys.readouterr()
+    work = tmp_path / "w"
+    plan, dev = (json.loads((work / f).read_text()) for f in ("plan.json", "dev.json"))
+    assert plan["sft_steps"] == 0 and not (work / "sft").exists() and plan["options"]["start"] == str(start)
+    assert dev["curve"][0]["step"] == 0 and f"--start {start}" in (preset / "provenance.json").read_text()
+    from fastforward.recipes.pipeline import reopen
+
+    assert reopen(work, log=lambda line: None).start_chain() == [start]  # what the shipped adapter flattens first
+
+
 def test_a_budget_in_time_sizes_each_stage_at_its_own_rate_measured_here(tmp_path):
     """--budget 0.05min: SFT gets its share of the seconds and the method the rest, each stage's steps from the
     rate of its own first steps here (its objective, its rows); the shipped command gives the tokens that came

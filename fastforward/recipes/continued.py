@@ -1,4 +1,5 @@
-"""`fastforward recipe ... --from MODEL`: a recipe run that continues a shipped model's training.
+"""`fastforward recipe ... --from MODEL`: a recipe run that continues a shipped model's training (and the
+check of `--start`'s adapter, the model a first version trains from).
 
 A long training becomes a chain of shipped versions, each one usable: every version is one adapter over the
 base (the shipped adapter, flattened from SFT and the method's stage, trained further as a whole with a fresh
@@ -48,6 +49,21 @@ def continuation(name: str, base: str, objective: str) -> dict[str, Any]:
         "rank": int(adapters.read_config(folder)["r"]),
         "tokens_before": tokens_behind(_shipped_record(folder)),
     }
+
+
+def start_adapter(name: str, base: str) -> Path:
+    """The adapter folder `--start` names (a preset or folder), refused unless it is an adapter over `base`."""
+    try:
+        folder = resolve_model_path(name)
+    except FastForwardError as exc:
+        raise FastForwardError(f"--start {name}: {exc}") from exc
+    if not adapters.is_adapter(folder):
+        raise FastForwardError(f"--start {name}: {folder} is not an adapter folder; give one over --model {base}")
+    adapters.check_adapter(folder)
+    named = adapters.base_of(folder)
+    if named is not None and _resolved(named) != _resolved(base):
+        raise FastForwardError(f"--start {name} is an adapter over {named}, not over --model {base}")
+    return folder
 
 
 def tokens_behind(record: dict[str, Any]) -> float:

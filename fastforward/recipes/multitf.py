@@ -15,10 +15,8 @@ time), the paper's comparison; at the end also `sbd-verified` (lossless, a defau
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from fastforward.errors import FastForwardError
-from fastforward.model import adapters
 from fastforward.options import AT_LEAST_ONE, FRACTION, POSITIVE, option
 from fastforward.recipes.pipeline import Decoders, Recipe, RecipeOptions, register
 from fastforward.training.objectives import make_objective
@@ -30,7 +28,6 @@ from fastforward.training.objectives.multitf import SCHEDULES
 class MultiTFOptions(RecipeOptions):
     evaluation_only = RecipeOptions.evaluation_only | {"block", "buffer", "accept"}
 
-    start: str = option("", "the SBD model's adapter over --model (an sbd recipe's --ship-to folder)")
     sft: bool = option(False, "MultiTF post-trains --start: no SFT stage")
     lr: float = option(1e-4, "peak learning rate (the demo's MultiTF: 1e-4)", POSITIVE)
     max_block: int = option(16, "largest block drawn in training (the smallest: 2)", AT_LEAST_ONE)
@@ -55,12 +52,6 @@ class MultiTFRecipe(Recipe):
     method = "a MultiTF LoRA adapter (SBD, then Multi-Block Diffusion post-training)"
     options_class = MultiTFOptions
     options: MultiTFOptions
-
-    def start_chain(self) -> list[Path]:
-        start = Path(self.options.start)
-        if not (start / adapters.ADAPTER_CONFIG).exists():
-            raise FastForwardError(f"--start {start}: not an adapter folder; give an sbd recipe's --ship-to folder")
-        return [start]
 
     def objective(self) -> Objective:
         o = self.options

@@ -49,7 +49,7 @@ from fastforward.model import Model, adapters, load_model
 from fastforward.model.flatten import flatten
 from fastforward.options import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, PROPER_FRACTION, Bound, check_options, option
 from fastforward.recipes import dev_eval
-from fastforward.recipes.continued import continuation
+from fastforward.recipes.continued import continuation, start_adapter
 from fastforward.recipes.records import (
     DataFile,
     Record,
@@ -100,6 +100,11 @@ class RecipeOptions:
         "continue a shipped model's training: a preset or folder this recipe's method made over --model; its "
         "adapter's weights, a fresh optimizer with a short warm-up, no SFT stage; the curve counts on from its tokens",
     )
+    start: str = option(
+        "",
+        "the model the method trains from, in place of an SFT stage: an adapter over --model (a shared SFT start, "
+        "or another recipe's --ship-to folder), a preset name or folder",
+    )
     budget: str = option(
         "1h",
         "training tokens (3M, 500k) or time (90min, 3h: each training stage's share, at the rate its own "
@@ -139,6 +144,8 @@ class RecipeOptions:
         """Refuse values outside their rules, however the options are made (the CLI or Python)."""
         check_options(self)
         parse_budget(self.budget)
+        if self.start and self.from_adapter:
+            raise FastForwardError("--from continues a shipped model, which holds its start already: leave out --start")
         if self.micro_batch and self.batch_size % self.micro_batch:
             raise FastForwardError(f"--micro-batch {self.micro_batch} must divide --batch-size {self.batch_size}")
 
@@ -228,7 +235,7 @@ class Recipe:
         write_records(self.work / "dev.jsonl", dev)
         budget = parse_budget(o.budget)
         start = continuation(o.from_adapter, o.model, self.objective().name) if o.from_adapter else None
-        sft = o.sft and completions and start is None  # a continued model holds its SFT already
+        sft = o.sft and completions and start is None and not o.start  # a continued model holds its start already
         plan = {
             "recipe": self.name,
             "options": wanted,
@@ -311,8 +318,10 @@ class Recipe:
         train(model, ntp, rows, self._config(steps), run)
 
     def start_chain(self) -> list[Path]:
-        """The adapters from the base to the model the method starts from: the SFT stage's, or none. A method
-        that post-trains another's model (MultiTF from SBD) names that model's adapter instead."""
+        """The adapters from the base to the model the method starts from: `--start`'s (a shared SFT start, or
+        the model of another method that this one post-trains, as MultiTF does SBD's), the SFT stage's, or none."""
+        if self.options.start:
+            return [start_adapter(self.options.start, self.options.model)]
         return [self.work / "sft"] if self.has_sft else []
 
     @property
