@@ -4,7 +4,10 @@ A start that reads people's phrasing: the `arithmetic` task's train split in its
 (`phrasing=varied`: everyday stories, facts said many ways, distractors, numbers in words) in the range
 the presets are measured in (2-3 operations, numbers to 20, factors to 5), mixed with GSM8K's short train
 problems (at most three solution lines, questions of at most 260 characters whose numbers are at most
-100, whole answers to 500), which people wrote. GSM8K is read from a path (openai/grade-school-math at
+100, whole answers to 500), which people wrote. The recipes that train from this start take the same
+problems (`--task arithmetic --problems 4000 --task-option ...`, this file's RANGE and phrasing=varied) and
+hold out their dev split (`--dev 100 --seed 0`): this data leaves those problems out, so every method's dev
+curve reads problems its start never saw. GSM8K is read from a path (openai/grade-school-math at
 3101c7d, `grade_school_math/data/train.jsonl`, sha256 17f347dc…3813465); its test split is not read.
 
     python benchmarks/arithmetic_start_data.py --gsm8k PATH/train.jsonl --out runs/start/data.jsonl
@@ -19,8 +22,7 @@ import random
 import re
 from pathlib import Path
 
-from fastforward.recipes.records import strip_calculator_marks
-from fastforward.tasks import get_task
+from fastforward.recipes.records import TaskData, split_dev, strip_calculator_marks
 
 RANGE = {"min_ops": 2, "max_ops": 3, "max_number": 20, "max_factor": 5}
 _NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
@@ -47,17 +49,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gsm8k", type=Path, required=True, help="GSM8K's train.jsonl")
     parser.add_argument("--problems", type=int, default=4000, help="varied arithmetic train problems")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dev", type=int, default=100, help="the recipes' --dev: those problems are left out")
+    parser.add_argument("--seed", type=int, default=0, help="the recipes' --seed (of their dev split)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    task = get_task("arithmetic", phrasing="varied", **RANGE)
-    records = task.training_records(args.problems, seed=args.seed)
+    options = tuple((k, str(v)) for k, v in {**RANGE, "phrasing": "varied"}.items())
+    data = TaskData("arithmetic", args.problems, options)  # the records a recipe's --task gives
+    train, _ = split_dev(data.records(), args.dev, args.seed)  # the recipes' dev split is never trained on
+    records = [{"prompt": r.prompt, "completion": r.completion} for r in train]
     gsm8k = short_gsm8k(args.gsm8k)
     mixed = records + gsm8k
     random.Random(args.seed).shuffle(mixed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in mixed))
-    print(f"{len(records)} varied arithmetic + {len(gsm8k)} short GSM8K problems -> {args.out}")
+    print(f"{len(records)} varied arithmetic (the dev split left out) + {len(gsm8k)} short GSM8K -> {args.out}")
 
 
 if __name__ == "__main__":
