@@ -77,6 +77,30 @@ def test_layer_takes_any_layout_and_dtype_of_its_input():
 
 @needs_native
 @pytest.mark.parametrize("bias", [False, True])
+def test_an_output_width_between_tiles_is_padded_and_keeps_each_columns_bits(bias):
+    """An output layer grown by a mask token (49,153 rows: not a whole number of 16-column tiles) takes the
+    native kernel too: zero rows pad it to the next tile and are cut off; each column keeps its bits, whatever
+    the rows, so `--exact` decoding stays batch- and block-invariant."""
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(64, 37, bias=bias)
+    padded = torch.nn.Linear(64, 48, bias=bias)
+    with torch.no_grad():
+        padded.weight.zero_()
+        padded.weight[:37] = linear.weight
+        if bias:
+            padded.bias.zero_()
+            padded.bias[:37] = linear.bias
+    layer, whole = w4a8.W4A8Linear(linear), w4a8.W4A8Linear(padded)
+    x = torch.randn(5, 64)
+    y = layer(x)
+    assert y.shape == (5, 37) and torch.equal(y, whole(x)[:, :37])
+    assert all(torch.equal(layer(x[r : r + 1]), y[r : r + 1]) for r in range(5))
+    assert quantization._kind(576, 49153, "int4") is w4a8.W4A8Linear  # not int8: SBD's output layer
+    assert quantization._kind(48, 49153, "int4") is quantization.Int8Linear  # inputs still in whole groups
+
+
+@needs_native
+@pytest.mark.parametrize("bias", [False, True])
 def test_a_low_rank_update_in_one_call_gives_the_bits_of_two_calls(bias):
     """W·x + B·(A·x) by one call (`fastforward::w4a8_lowrank`) against the unfused path: the layer of W's and
     A's rows, B's layer, a slice and an addition. The same bits at every row count, each row alone as in a

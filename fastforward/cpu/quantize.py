@@ -152,11 +152,14 @@ def _dequantized(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -
 
 
 def _kind(in_features: int, out_features: int, scheme: str) -> type[nn.Module]:
-    """int4 where its kernels take the shape (input widths in whole groups, output widths in
-    multiples of 16), by the native kernel where it runs; int8 otherwise, and for int8."""
-    if scheme != "int4" or not w4a8.fits(in_features, out_features):
+    """int4 where its kernels take the shape (input widths in whole groups; output widths in multiples of 16
+    for PyTorch's, any for the native one, which pads them), by the native kernel where it runs; int8
+    otherwise, and for int8."""
+    if scheme != "int4" or not w4a8.fits(in_features, w4a8.tiles(out_features)):
         return Int8Linear
-    return w4a8.W4A8Linear if w4a8.enabled() else Int4Linear
+    if w4a8.enabled():
+        return w4a8.W4A8Linear
+    return Int4Linear if w4a8.fits(in_features, out_features) else Int8Linear
 
 
 def _quantized(linear: nn.Linear, scheme: str, smoothing: torch.Tensor | None, dense: bool) -> nn.Module:
@@ -171,7 +174,7 @@ def _beside(linear: nn.Linear, update: LowRank, scheme: str, quantized: Callable
     both its products take the native int4 kernel, else a `LowRankLinear` of the scheme's layers."""
     rank = update.padded().down.shape[0]
     kinds = {_kind(linear.in_features, linear.out_features + rank, scheme), _kind(rank, linear.out_features, scheme)}
-    if kinds == {w4a8.W4A8Linear}:
+    if kinds == {w4a8.W4A8Linear} and w4a8.fits(rank, linear.out_features):  # its packing takes whole tiles
         return W4A8LowRankLinear(linear, update)
     return LowRankLinear(linear, update, quantized, quantized_up)
 

@@ -33,7 +33,13 @@ _KERNEL = torch.ops.fastforward.w4a8_linear.default  # the overload itself: no l
 
 
 def fits(in_features: int, out_features: int) -> bool:
+    """Whether the kernel takes these widths as they are (`W4A8Linear` pads other output widths)."""
     return in_features % GROUP == 0 and out_features % TILE == 0
+
+
+def tiles(out_features: int) -> int:
+    """Output width in whole tiles: what `W4A8Linear` packs (zero weights past `out_features`)."""
+    return -(-out_features // TILE) * TILE
 
 
 def enabled() -> bool:
@@ -97,19 +103,32 @@ def _by_tile(per_group: torch.Tensor) -> torch.Tensor:
 
 
 class W4A8Linear(nn.Module):
-    """y = x · Wᵀ with W in 4-bit groups and x quantized to int8 per block of 32, by the native kernel."""
+    """y = x · Wᵀ with W in 4-bit groups and x quantized to int8 per block of 32, by the native kernel.
+
+    An output width that is not a whole number of tiles (an output layer grown by a mask token: 49,153 rows) is
+    packed with zero rows up to the next tile and the extra columns are cut from the result (a view, no copy):
+    each column is its own dot product, so the others keep their bits."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        codes, scales, _ = pack(linear.weight)
+        weight = linear.weight.detach()
+        padding = tiles(linear.out_features) - linear.out_features
+        if padding:
+            weight = torch.cat([weight, weight.new_zeros(padding, linear.in_features)])
+        codes, scales, _ = pack(weight)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.padded = bool(padding)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # An eager one-token step of SmolLM2-135M calls this 211 times: the kernel takes any layout and
         # dtype and returns the input's dtype, so a layer without a bias makes one call and nothing else.
-        if self.bias is None:
+        if self.padded:
+            y = _KERNEL(x.float() if self.bias is not None else x, self.codes, self.scales)[..., : self.out_features]
+        elif self.bias is None:
             return _KERNEL(x, self.codes, self.scales)
-        return (_KERNEL(x.float(), self.codes, self.scales) + self.bias).to(x.dtype)
+        else:
+            y = _KERNEL(x.float(), self.codes, self.scales)
+        return y if self.bias is None else (y + self.bias).to(x.dtype)
