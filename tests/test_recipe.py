@@ -371,6 +371,28 @@ def test_the_recipe_refuses_what_it_cannot_do(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+def test_a_decoder_far_slower_than_ar_on_the_first_prompts_stops_there_and_says_so(monkeypatch):
+    """The dev split's time is bounded: a row below SLOW_SHARE of ar's tokens/s after SLOW_PROMPTS prompts
+    decodes no more of them, and its row reports where and why it stopped."""
+    from fastforward.decoding.rows import Generation, Stats
+
+    class Fake:  # a decoder whose prompts take `seconds` for 10 tokens
+        def __init__(self, seconds: float):
+            self.seconds, self.calls = seconds, 0
+
+        def generate(self, model, prompts, max_new_tokens):
+            self.calls += 1
+            return [Generation([1] * 10, "#### 7", Stats(nfe=10, tokens=10, seconds=self.seconds, prefill_seconds=0))]
+
+    fakes = {"ar": Fake(1.0), "slow": Fake(10.0), "fine": Fake(2.0)}
+    monkeypatch.setattr(dev_eval, "build_decoder", lambda name, **options: fakes[name])
+    records, prompts = [Record(f"p{i}", answer="7") for i in range(8)], [[1]] * 8
+    rows = dev_eval.table({name: (None, name, {}) for name in fakes}, records, prompts, 10)
+    assert (fakes["ar"].calls, fakes["fine"].calls, fakes["slow"].calls) == (8, 8, dev_eval.SLOW_PROMPTS)
+    assert rows["slow"]["n"] == 3 and rows["slow"]["stopped"].startswith("after 3 of 8 prompts: 0.10x ar's")
+    assert "stopped" not in rows["fine"] and rows["fine"]["n"] == 8 and rows["slow"]["accuracy"] == 1.0
+
+
 def test_defaults_go_to_a_lossless_decoder_only_when_it_pays():
     decoders = {"ar": ("ar", {}), "lookup": ("lookup", {}), "jacobi-8": ("jacobi", {"block_size": 8})}
     rows = {"ar": {"tps": 100.0, "tpf": 1.0, "n": 10}, "lookup": {"tps": 103.0, "tpf": 1.1, "n": 10, "equal_ar": 10}}

@@ -27,16 +27,36 @@ from fastforward.tasks.jsonl import grade_answer
 Contender = tuple[Model, str, dict[str, Any]]
 
 
+# A contender this much slower than `ar` (tokens/s) over the first SLOW_PROMPTS prompts decodes no more of them:
+# its row says so, from what it decoded (a lossless decoder at 0.1x `ar` would otherwise take most of an
+# evaluation's time and tell nothing its first prompts do not).
+SLOW_PROMPTS, SLOW_SHARE = 3, 0.25
+
+
 def decode_interleaved(
-    contenders: dict[str, Contender], prompts: Sequence[list[int]], max_new_tokens: int, desc: str = "dev"
+    contenders: dict[str, Contender],
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    desc: str = "dev",
+    reference: str | None = None,
 ) -> dict[str, list[Generation]]:
-    """Every contender on each prompt in turn (batch 1); each one's generations in prompt order."""
+    """Every contender on each prompt in turn (batch 1); each one's generations in prompt order. With a
+    `reference` label (`ar`), a contender below SLOW_SHARE of its tokens/s after SLOW_PROMPTS prompts stops there
+    (its list is shorter)."""
     decoders = {label: build_decoder(name, **options) for label, (_, name, options) in contenders.items()}
     out: dict[str, list[Generation]] = {label: [] for label in contenders}
-    for prompt in tqdm(prompts, desc=desc, unit="prompt"):
-        for label, (model, _, _) in contenders.items():
+    running = dict(contenders)
+    for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt")):
+        for label, (model, _, _) in running.items():
             out[label].append(decoders[label].generate(model, [prompt], max_new_tokens)[0])
+        if reference in out and i + 1 == SLOW_PROMPTS:
+            floor = SLOW_SHARE * _tps(out[reference])
+            running = {label: c for label, c in running.items() if label == reference or _tps(out[label]) >= floor}
     return out
+
+
+def _tps(generations: Sequence[Generation]) -> float:
+    return sum(g.stats.tokens for g in generations) / max(sum(g.stats.seconds for g in generations), 1e-9)
 
 
 def summarize(
@@ -69,7 +89,7 @@ def table(
     """Each contender's summary on the prompts, with the conditions it was measured under (load average before
     and after, threads, CPU, token budget); every contender but `ar` is compared with `ar`'s tokens."""
     before = os.getloadavg()
-    out = decode_interleaved(contenders, prompts, max_new_tokens)
+    out = decode_interleaved(contenders, prompts, max_new_tokens, reference="ar" if "ar" in contenders else None)
     conditions = {
         "load_before": [round(x, 2) for x in before],
         "load_after": [round(x, 2) for x in os.getloadavg()],
@@ -77,7 +97,15 @@ def table(
         "cpu": cpu_model(),
         "max_new_tokens": max_new_tokens,
     }
-    rows = {label: summarize(g, records, None if label == "ar" else out["ar"]) for label, g in out.items()}
+    rows = {}
+    for label, g in out.items():
+        reference = None if label == "ar" else out["ar"][: len(g)]
+        rows[label] = summarize(g, records[: len(g)], reference)
+        if len(g) < len(prompts):
+            share = rows[label]["tps"] / rows["ar"]["tps"] if "ar" in rows else 0.0
+            rows[label]["stopped"] = (
+                f"after {len(g)} of {len(prompts)} prompts: {share:.2f}x ar's tokens/s, below {SLOW_SHARE}x"
+            )
     return {label: {**row, "conditions": conditions} for label, row in rows.items()}
 
 
