@@ -336,7 +336,8 @@ def test_a_budget_in_time_sizes_each_stage_at_its_own_rate_measured_here(tmp_pat
 
 
 def test_a_task_train_split_is_data_too_and_its_command_names_it(tmp_path, capsys):
-    from fastforward.recipes.pipeline import RECIPES, command_line
+    from fastforward.recipes.options import command_line
+    from fastforward.recipes.pipeline import RECIPES
     from fastforward.recipes.records import TaskData
 
     tiny_model(init_std=0.5).save(tmp_path / "m")

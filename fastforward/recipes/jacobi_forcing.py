@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from fastforward.model import Model
 from fastforward.options import AT_LEAST_ONE, NON_NEGATIVE, option
-from fastforward.recipes.pipeline import Decoders, Recipe, RecipeOptions, register
+from fastforward.recipes.options import Decoders, RecipeOptions
+from fastforward.recipes.pipeline import Recipe, register
 from fastforward.training.data import Example
 from fastforward.training.objectives import JacobiForcing
 from fastforward.training.objectives.jacobi_forcing import SCHEDULES

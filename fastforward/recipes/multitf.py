@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from fastforward.errors import FastForwardError
 from fastforward.options import AT_LEAST_ONE, FRACTION, POSITIVE, option
-from fastforward.recipes.pipeline import Decoders, Recipe, RecipeOptions, register
+from fastforward.recipes.options import Decoders, RecipeOptions
+from fastforward.recipes.pipeline import Recipe, register
 from fastforward.training.objectives import make_objective
 from fastforward.training.objectives.base import Objective
 from fastforward.training.objectives.multitf import SCHEDULES

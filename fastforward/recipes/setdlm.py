@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastforward.options import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, option
-from fastforward.recipes.pipeline import Decoders, Recipe, RecipeOptions, register
+from fastforward.recipes.options import Decoders, RecipeOptions
+from fastforward.recipes.pipeline import Recipe, register
 from fastforward.training.objectives import make_objective
 from fastforward.training.objectives.base import Objective
 
