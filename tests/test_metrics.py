@@ -50,6 +50,6 @@ def test_token_agreement():
 
 def test_tpf_and_speedup():
     assert tpf(12, 4) == 3.0
-    assert tpf(0, 0) == 0.0
+    assert tpf(0, 0) == 0.0 and tpf(1, 0) == 1.0  # a one-token answer came from the prefill: one forward's
     assert speedup(60.0, 30.0) == 2.0
     assert speedup(60.0, 0.0) == 0.0

@@ -19,8 +19,10 @@ SHARPNESS = 3.0  # AUP's weight W(y) = min(exp(-SHARPNESS * (1 - y / y_max)), 1)
 
 
 def tpf(tokens: int, forwards: int) -> float:
-    """Tokens per forward: generated tokens ÷ decoding forwards (prefill not counted); 0 when none ran."""
-    return tokens / forwards if forwards else 0.0
+    """Tokens per forward: generated tokens ÷ decoding forwards (prefill not counted). Tokens that all came
+    from the prefill (a one-token answer: no decoding forward) count as one forward's, so they read 1.0, not 0;
+    nothing generated reads 0. The one definition: every report, API usage and metric takes it from here."""
+    return tokens / max(forwards, 1)
 
 
 def queries_per_token(queries: int, tokens: int) -> float:

@@ -41,12 +41,6 @@ class Stats(metrics.Rates):
     tokens_per_step: dict[int, int] = field(default_factory=dict)
     queries: int = 0
 
-    @property
-    def tpf(self) -> float:
-        """As `metrics.tpf`, but a row whose tokens all came from the prefill (no decoding forward)
-        counts them as one forward's, so a one-token answer reads 1.0 and not 0."""
-        return self.tokens / self.nfe if self.nfe else float(self.tokens)
-
     def as_dict(self) -> dict:
         return {
             "nfe": self.nfe,

@@ -194,7 +194,7 @@ class FastForwardLM(TemplateLM):
         ar_baseline)."""
         s = self.stats
         out = {"decoder": self.decoder_name, **s}
-        out["tpf"] = s["tokens"] / s["nfe"] if s["nfe"] else 0.0
+        out["tpf"] = metrics.tpf(s["tokens"], s["nfe"])
         out["queries_per_token"] = metrics.queries_per_token(s["queries"], s["tokens"])
         out["tps"] = s["tokens"] / s["seconds"] if s["seconds"] else 0.0
         if s["ar_seconds"]:

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from fastforward.api import build_decoder
 from fastforward.cpu.threads import cpu_model
+from fastforward.decoding import metrics
 from fastforward.decoding.decoders import Generation, registry
 from fastforward.decoding.model_defaults import DecodingDefaults
 from fastforward.model import Model
@@ -69,7 +70,7 @@ def summarize(
     row: dict[str, Any] = {
         "n": len(generations),
         "tokens": tokens,
-        "tpf": tokens / max(sum(g.stats.nfe for g in generations), 1),
+        "tpf": metrics.tpf(tokens, sum(g.stats.nfe for g in generations)),
         "tps": tokens / max(sum(g.stats.seconds for g in generations), 1e-9),
     }
     prompts = {"tokens": [g.stats.tokens for g in generations], "nfe": [g.stats.nfe for g in generations]}

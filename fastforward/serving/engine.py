@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fastforward.decoding import scheduler
+from fastforward.decoding import metrics, scheduler
 from fastforward.decoding.engine_core import EngineCore, Output, Request
 from fastforward.decoding.runtime import PREFILL_TOKENS, Generation
 from fastforward.model import Model
@@ -226,6 +226,6 @@ def _usage(job: Job, tokens: int, nfe: int, queries: int) -> dict[str, Any]:
         "completion_tokens": tokens,
         "total_tokens": job.prompt_tokens + tokens,
         "nfe": nfe,
-        "tpf": round(tokens / nfe, 4) if nfe else 0.0,
+        "tpf": round(metrics.tpf(tokens, nfe), 4),
         "queries": queries,  # tokens the decoding forwards ran, drafts included (`runtime.Stats`)
     }

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from fastforward.decoding.metrics import tpf
+
 
 class Metrics:
     """Requests, generated tokens, forwards, queries, tokens per forward, queue depth, batch size, latency."""
@@ -44,8 +46,8 @@ class Metrics:
         self.tokens.inc(tokens)
         self.forwards.inc(nfe)
         self.queries.inc(queries)
-        if nfe:
-            self.tpf.observe(tokens / nfe)
+        if tokens:
+            self.tpf.observe(tpf(tokens, nfe))
         self.latency.observe(seconds)
 
     def render(self) -> bytes:

@@ -11,6 +11,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from fastforward.decoding import metrics
 from fastforward.serving.engine import Engine, Event, Job
 from fastforward.serving.schema import error_body
 
@@ -124,5 +125,5 @@ def total(usages: list[dict[str, Any] | None], prompts: list[int]) -> dict[str, 
     out = usage(sum(prompts), sum(u["completion_tokens"] for u in usages))
     out["nfe"] = sum(u["nfe"] for u in usages)
     out["queries"] = sum(u["queries"] for u in usages)
-    out["tpf"] = round(out["completion_tokens"] / out["nfe"], 4) if out["nfe"] else 0.0
+    out["tpf"] = round(metrics.tpf(out["completion_tokens"], out["nfe"]), 4)
     return out
