@@ -25,12 +25,12 @@ import pytest
 
 from fastforward.cli import build_parser, main, resolve_precision
 from fastforward.cli.engine import action_parser
+from fastforward.cli.warm.flags import GenerateFlags
+from fastforward.cli.warm.folder import EngineFolder
+from fastforward.cli.warm.protocol import Request
+from fastforward.cli.warm.server import generate_flags
+from fastforward.cli.warm.spec import Serves
 from fastforward.model.tiny import tiny_model
-from fastforward.warm.flags import GenerateFlags
-from fastforward.warm.folder import EngineFolder
-from fastforward.warm.protocol import Request
-from fastforward.warm.server import generate_flags
-from fastforward.warm.spec import Serves
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISION = ("--quantize", "none")  # the CPU's other defaults (float32, --exact) as generate's
@@ -206,7 +206,7 @@ def test_the_client_computes_the_engines_key_without_torch(engine, home, model_d
     resolve_precision(flags)
     engines_key = Serves.of(flags, os.getcwd()).key
     code = (
-        "import os, sys\nfrom fastforward.warm.client import choose\n"
+        "import os, sys\nfrom fastforward.cli.warm.client import choose\n"
         f"chosen = choose(['generate', '--model', {model_dir!r}, '--quantize', 'none', 'hi'], os.getcwd())\n"
         "print(chosen.serves.key, chosen.folder.key, any(m.startswith('torch') for m in sys.modules))"
     )

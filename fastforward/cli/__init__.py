@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:] if argv is None else argv
         resume = None
         if named_command(argv) == "generate":  # a warm engine answers without importing torch here
-            from fastforward.warm.client import answer
+            from fastforward.cli.warm.client import answer
 
             command = "fastforward generate"  # the client's errors and Ctrl-C read as in process
             answered = answer(argv)

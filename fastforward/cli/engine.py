@@ -6,7 +6,7 @@ once every engine is ready to answer; `stop` stops them (SIGTERM: the rows in fl
 an engine for the same model and precision runs, `generate` is its client: the same output, without the
 seconds of importing torch and loading the model. Engines for other models or precisions run beside it.
 Their sockets, states and logs live under $FASTFORWARD_HOME/engines (owner-only). The engine, its
-client and its folders: `fastforward.warm`.
+client and its folders: `fastforward.cli.warm`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from fastforward.cli import (
     add_threads_flag,
     resolve_precision,
 )
-from fastforward.warm import control
+from fastforward.cli.warm import control
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -67,8 +67,8 @@ def _start(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _run_engine(args: argparse.Namespace, argv: list[str]) -> int:
+    from fastforward.cli.warm import server
     from fastforward.cpu.threads import use_threads
-    from fastforward.warm import server
 
     resolve_precision(args)
     use_threads(args.threads)

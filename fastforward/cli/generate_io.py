@@ -1,5 +1,5 @@
 """What `fastforward generate` reads and prints, shared by its in-process path and its engine client
-(`fastforward.warm.client`): free of torch, so that the client prints exactly what the in-process
+(`fastforward.cli.warm.client`): free of torch, so that the client prints exactly what the in-process
 path prints without importing a model library."""
 
 from __future__ import annotations

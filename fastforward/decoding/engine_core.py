@@ -39,17 +39,20 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import KW_ONLY, dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
 from fastforward.decoding import scheduler
-from fastforward.decoding.decoders.base import Decoder
 from fastforward.decoding.prefill import PREFILL_TOKENS
 from fastforward.decoding.rows import Generation, GenerationInterrupted, Prompt, Row, Stats, Status
 from fastforward.decoding.runtime import Session
 from fastforward.decoding.text_stream import TextStream
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
+
+if TYPE_CHECKING:  # the core drives decoders through their interface; decoders import the core (`Decoder.generate`)
+    from fastforward.decoding.decoders.base import Decoder
 
 _ids = itertools.count()
 

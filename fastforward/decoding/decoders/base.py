@@ -13,7 +13,7 @@ from dataclasses import fields
 
 import torch
 
-from fastforward.decoding import runtime
+from fastforward.decoding import engine_core, runtime
 from fastforward.decoding.runtime import Generation, Prompt, Row, Session
 from fastforward.decoding.sampling import Sampler
 from fastforward.model import Model
@@ -68,6 +68,4 @@ class Decoder(ABC):
         self, model: Model, prompts: Sequence[Sequence[int] | Prompt], max_new_tokens: int = 256
     ) -> list[Generation]:
         """Decode `prompts` in this process, all in one batch (`engine_core.generate`)."""
-        from fastforward.decoding.engine_core import generate  # the engine core drives decoders: it imports this module
-
-        return generate(model, self, prompts, max_new_tokens)
+        return engine_core.generate(model, self, prompts, max_new_tokens)

@@ -4,7 +4,7 @@ engine that serves its command line without importing a model library.
 An engine serves one model (and adapter) at one precision on one device: the fields that change the
 tokens it answers. `--compile` and `--cuda-graphs` change only how fast, so they are not part of it.
 Both sides compute the key from the same `Serves`: the engine from its own flags at start, the client
-from `generate`'s (`fastforward.warm.flags`).
+from `generate`'s (`fastforward.cli.warm.flags`).
 """
 
 from __future__ import annotations

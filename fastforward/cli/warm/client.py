@@ -1,5 +1,5 @@
 """`fastforward generate` as the client of a warm engine (`fastforward engine start`): it parses its
-command line as `generate` does (`fastforward.warm.flags`), computes the key of the engine that serves
+command line as `generate` does (`fastforward.cli.warm.flags`), computes the key of the engine that serves
 it (`Serves.key`), and sends that one engine a typed request; it prints the engine's reports exactly as
 `generate` prints in process, each prompt's once it is complete. It imports neither torch nor
 transformers (the seconds a one-shot `generate` spends before its first token).
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastforward.cli.generate_io import print_report, read_prompts, say_interrupted
+from fastforward.cli.warm.flags import GenerateFlags
+from fastforward.cli.warm.folder import EngineFolder, connect, folders
+from fastforward.cli.warm.protocol import Request, messages, send
+from fastforward.cli.warm.spec import Serves
 from fastforward.errors import FastForwardError
-from fastforward.warm.flags import GenerateFlags
-from fastforward.warm.folder import EngineFolder, connect, folders
-from fastforward.warm.protocol import Request, messages, send
-from fastforward.warm.spec import Serves
 
 HINT = (
     "fastforward generate: decoding in process; `fastforward engine start` (with this command's --model and "

@@ -12,9 +12,9 @@ import sys
 import time
 from collections.abc import Callable
 
+from fastforward.cli.warm.folder import EngineFolder, ask, folders
+from fastforward.cli.warm.spec import Serves, model_name
 from fastforward.errors import FastForwardError
-from fastforward.warm.folder import EngineFolder, ask, folders
-from fastforward.warm.spec import Serves, model_name
 
 WAIT_SECONDS = 60.0  # for an engine to take its folder at start, or to exit at stop
 POLL_SECONDS = 0.1

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from fastforward.warm.spec import Serves
+from fastforward.cli.warm.spec import Serves
 
 OPTION_TYPES = (bool, int, float, str)  # a decoder option's value (`fastforward.options.Knob`)
 

@@ -5,7 +5,7 @@ Each engine has a folder `$FASTFORWARD_HOME/engines/<key>` (owner-only), named b
 (`Serves.key`), so engines of different models or precisions coexist and a second engine of the same
 is refused. In it: `lock`, held (flock) by the engine process for its whole life, so a killed engine is
 known at once, whatever became of its pid; `state.json`, what it serves, whether it is "loading" or
-"ready", and `generate`'s flags (`fastforward.warm.flags`); `socket`, the unix socket it answers on once
+"ready", and `generate`'s flags (`fastforward.cli.warm.flags`); `socket`, the unix socket it answers on once
 ready (owner-only); `engine.log`. A folder whose lock nobody holds is stale: its socket and state are
 removed on sight (the log stays).
 """
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastforward.cli.warm.protocol import messages, send
+from fastforward.cli.warm.spec import Serves
 from fastforward.errors import FastForwardError
 from fastforward.home import fastforward_home
-from fastforward.warm.protocol import messages, send
-from fastforward.warm.spec import Serves
 
 SOCKET_PATH_BYTES = 107  # the longest unix socket path Linux takes (sun_path, less its NUL)
 CLAIM_TRIES = 40  # 50 ms apart: a status check holds the lock for microseconds

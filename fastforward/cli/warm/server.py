@@ -1,10 +1,10 @@
 """The warm engine process (`fastforward engine run`, what `fastforward engine start` starts): one
 model loaded, its steps compiled, answering `generate`'s clients on its folder's socket as `generate`
-would in their own process (messages: `fastforward.warm.protocol`).
+would in their own process (messages: `fastforward.cli.warm.protocol`).
 
 A request is typed (`Request`): it names what it asks the engine to serve, checked against what the
 engine serves, and `generate`'s decoding and output flags, parsed by the client from `generate`'s own
-flags (which the engine publishes in its state: `fastforward.warm.flags`). The engine chooses the
+flags (which the engine publishes in its state: `fastforward.cli.warm.flags`). The engine chooses the
 decoder as `generate` does (`--decoder`, else the model's decoding.json read at that request, else
 generate's default), encodes the prompts as `generate` encodes them and decodes them `--batch-size` at
 a time as jobs of the serving `Engine` (rows of its sessions, so they equal a decode alone); each
@@ -28,16 +28,16 @@ from fastforward.cli import generate as generate_command
 from fastforward.cli.decoding import chosen_decoder, default_decoder
 from fastforward.cli.generate import record, summary, warning
 from fastforward.cli.generate_io import NO_PROMPTS
+from fastforward.cli.warm.flags import GenerateFlags
+from fastforward.cli.warm.folder import EngineFolder
+from fastforward.cli.warm.protocol import Request
+from fastforward.cli.warm.spec import Serves
 from fastforward.decoding.decoders import registry
 from fastforward.decoding.model_defaults import model_decoding_defaults
 from fastforward.errors import FastForwardError
 from fastforward.model import Model
 from fastforward.serving.engine import Engine, Job
 from fastforward.serving.warm_up import load_ready
-from fastforward.warm.flags import GenerateFlags
-from fastforward.warm.folder import EngineFolder
-from fastforward.warm.protocol import Request
-from fastforward.warm.spec import Serves
 
 
 class _ClientLeft(Exception):
