@@ -40,8 +40,11 @@ class MultiTFOptions(RecipeOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.start:
-            raise FastForwardError("--start: name the SBD model MultiTF post-trains (an sbd recipe's --ship-to folder)")
+        if not self.start and not self.from_adapter:  # a first version names its SBD model, a later one its own
+            raise FastForwardError(
+                "--start: name the SBD model MultiTF post-trains (an sbd recipe's --ship-to folder), or --from a "
+                "MultiTF version to continue"
+            )
         if self.sft:
             raise FastForwardError("MultiTF post-trains --start as it is: leave out --sft")
 
