@@ -223,15 +223,16 @@ def test_cli_trains_an_adapter_and_generates_with_it(base, tmp_path, capsys):
 
 def on_int4_grid(base, out):
     """The base with every linear weight already on int4's grid (groups of 32, 16 levels), as SmolLM2's
-    weights are: they come from a Q4_1 GGUF."""
+    weights are: they come from a Q4_1 GGUF. The output layer (the embedding) too: int4 takes it whatever its
+    number of rows."""
     model = load_model(str(base))
     with torch.no_grad():
-        for module in model.hf.model.layers.modules():  # the projections (the output layer is the embedding)
+        for module in [*model.hf.model.layers.modules(), model.hf.lm_head]:
             if isinstance(module, torch.nn.Linear):
                 groups = module.weight.reshape(module.out_features, -1, 32)
                 low = groups.amin(-1, keepdim=True).half().float()
                 scale = ((groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15).half().float()
-                codes = torch.round((groups - low) / scale).clamp(0, 15)
+                codes = torch.round((groups - low) / scale.clamp_min(1e-12)).clamp(0, 15)  # a group of one value: 0
                 module.weight.copy_((codes * scale + low).reshape_as(module.weight))
     model.save(out)
     return out

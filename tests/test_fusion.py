@@ -60,10 +60,13 @@ def test_int4_on_pytorchs_kernel_stays_separate(monkeypatch):
     assert not any(isinstance(m, FusedMember) for m in model.hf.modules())
 
 
-def test_layers_whose_concatenation_takes_another_kernel_stay_separate():
-    # Separately, a 576-wide and a 40-wide projection are int4 and int8 (40 is no multiple of 16);
-    # their 616-wide concatenation would be int8 throughout: other bits, so no fusing.
+def test_layers_whose_concatenation_takes_another_kernel_stay_separate(monkeypatch):
+    # On PyTorch's int4 kernel a 576-wide and a 40-wide projection are int4 and int8 (40 is no multiple of
+    # 16); their 616-wide concatenation would be int8 throughout: other bits, so no fusing. The native kernel
+    # takes every width (padded to whole tiles), so there they fuse.
     layers = [torch.nn.Linear(64, 576), torch.nn.Linear(64, 40)]
+    assert _fusable(layers, "int4") == native.available()
+    monkeypatch.setenv("FASTFORWARD_INT4_KERNEL", "pytorch")
     assert not _fusable(layers, "int4")
     assert _fusable(layers, "int8")
 

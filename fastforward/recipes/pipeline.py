@@ -148,6 +148,8 @@ class Recipe:
         write_records(self.work / "dev.jsonl", dev)
         budget = parse_budget(o.budget)
         start = continuation(o.from_adapter, o.model, self.objective().name) if o.from_adapter else None
+        if o.start:  # refused before the work folder holds a plan
+            start_adapter(o.start, o.model)
         sft = o.sft and completions and start is None and not o.start  # a continued model holds its start already
         plan = {
             "recipe": self.name,
